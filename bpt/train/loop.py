@@ -1,0 +1,135 @@
+"""The training loop: data -> model -> jit-ed steps, with a progress bar and metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.training.train_state import TrainState
+from ml_collections import ConfigDict
+from tqdm.auto import tqdm
+
+from bpt.config import check_config, model_config
+from bpt.data.datasets import make_dataset
+from bpt.models.gpt import GPT
+from bpt.sample import generate
+from bpt.train.optimizer import learning_rate_schedule, make_optimizer
+from bpt.train.step import eval_step, make_train_step
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to <workdir>/metrics.jsonl."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+
+
+def _plain(value):
+    if isinstance(value, (np.generic, jax.Array)):
+        return np.asarray(value).item()
+    return value
+
+
+def create_state(config: ConfigDict, model: GPT, rng) -> TrainState:
+    """Initial parameters and optimizer state, built inside jit (no host round trip)."""
+    dummy = jnp.zeros((1, config.data.seq_len), jnp.int32)
+
+    @jax.jit
+    def init(rng):
+        params = nn.meta.unbox(model.init(rng, dummy)["params"])
+        return TrainState.create(apply_fn=model.apply, params=params, tx=make_optimizer(config.train))
+
+    return init(rng)
+
+
+def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:
+    sums = sum(np.asarray(step_fn(state, b)) for b in batches)
+    loss = sums[0] / max(sums[1], 1.0)
+    return {"eval_loss": float(loss), "eval_perplexity": float(np.exp(loss)), "eval_accuracy": float(sums[2] / max(sums[1], 1.0))}
+
+
+def train(config: ConfigDict, workdir: str | Path) -> dict:
+    """Trains config's model on config's data; returns the last logged metrics."""
+    check_config(config)
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    tc = config.train
+
+    dataset = make_dataset(config.data, config.seed)
+    model = GPT(model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len))
+    rng = jax.random.PRNGKey(config.seed)
+    state = create_state(config, model, jax.random.fold_in(rng, 0))
+    num_params = sum(x.size for x in jax.tree.leaves(state.params))
+    print(f"model: {num_params / 1e6:.2f}M parameters, attention_mode={model.config.attention_mode}, "
+          f"attention_impl={model.config.attention_impl}; data: {config.data.name}, seq_len={config.data.seq_len}")
+
+    train_step = jax.jit(make_train_step(tc.grad_accum_steps), donate_argnums=0)
+    eval_fn = jax.jit(eval_step)
+    eval_data = dataset.eval_batches(tc.eval_batches, tc.batch_size)
+    schedule = learning_rate_schedule(tc)
+    writer = MetricsWriter(workdir / "metrics.jsonl")
+    step_rng = jax.random.fold_in(rng, 1)
+    tokens_per_step = tc.batch_size * config.data.seq_len
+
+    pending, last = [], {}
+    timer_start, timer_step = None, 0
+    bar = tqdm(range(tc.steps), desc="train", unit="step", dynamic_ncols=True)
+    for step in bar:
+        batch = dataset.train_batch(step, tc.batch_size)
+        state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
+        pending.append(metrics)
+        if timer_start is None:  # the first step compiles; time from its end
+            jax.block_until_ready(metrics)
+            timer_start, timer_step = time.perf_counter(), step + 1
+        done = step + 1
+        if done % tc.log_every and done != tc.steps:
+            continue
+        fetched = jax.device_get(pending)
+        pending = []
+        loss = float(np.mean([m["loss"] for m in fetched]))
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {done}; lower train.learning_rate or check the data")
+        elapsed = time.perf_counter() - timer_start
+        record = {
+            "step": done,
+            "loss": loss,
+            "accuracy": float(np.mean([m["accuracy"] for m in fetched])),
+            "grad_norm": float(fetched[-1]["grad_norm"]),
+            "learning_rate": float(schedule(step)),
+            "tokens_per_sec": (done - timer_step) * tokens_per_step / elapsed if done > timer_step else None,
+        }
+        if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
+            record.update(evaluate(state, eval_data, eval_fn))
+        writer.write(record)
+        last = record
+        postfix = {"loss": f"{loss:.3f}"}
+        if record["tokens_per_sec"]:
+            postfix["tok/s"] = f"{record['tokens_per_sec']:.0f}"
+        if "eval_loss" in record:
+            postfix["eval"] = f"{record['eval_loss']:.3f}"
+        bar.set_postfix(postfix)
+    bar.close()
+
+    summary = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float))
+    print(f"step {last['step']}: {summary}")
+    tokenizer = getattr(dataset, "tokenizer", None)
+    if tc.sample_tokens and tokenizer is not None:
+        new = generate(
+            model, state.params, tokenizer.encode(tc.sample_prompt), num_tokens=tc.sample_tokens,
+            seq_len=config.data.seq_len, rng=jax.random.fold_in(rng, 2),
+            temperature=tc.sample_temperature, top_k=tc.sample_top_k,
+        )
+        text = tc.sample_prompt + tokenizer.decode(new)
+        (workdir / "sample.txt").write_text(text)
+        print(f"--- sample ---\n{text}\n--------------")
+    return last

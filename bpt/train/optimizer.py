@@ -1,0 +1,46 @@
+"""AdamW with linear warmup, cosine decay, gradient clipping and decay on matrices only."""
+
+from __future__ import annotations
+
+import jax
+import optax
+from ml_collections import ConfigDict
+
+
+def learning_rate_schedule(train: ConfigDict) -> optax.Schedule:
+    warmup = min(train.warmup_steps, train.steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=train.learning_rate,
+        warmup_steps=warmup,
+        decay_steps=max(train.steps, warmup + 1),
+        end_value=train.learning_rate * train.min_lr_ratio,
+    )
+
+
+def decay_mask(params):
+    """Weight decay on weight matrices, not on biases and LayerNorm parameters.
+
+    Layers stacked by nn.scan (under the module name "layers") carry a leading layer axis,
+    which does not count towards a parameter's rank.
+    """
+
+    def is_matrix(path, x):
+        stacked = any(getattr(k, "key", None) == "layers" for k in path)
+        return x.ndim - int(stacked) >= 2
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
+
+
+def make_optimizer(train: ConfigDict) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(train.grad_clip),
+        optax.adamw(
+            learning_rate_schedule(train),
+            b1=train.b1,
+            b2=train.b2,
+            eps=train.eps,
+            weight_decay=train.weight_decay,
+            mask=decay_mask,
+        ),
+    )

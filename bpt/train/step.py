@@ -1,0 +1,69 @@
+"""The jit-ed training and evaluation steps: pure functions of (state, batch, rng)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training.train_state import TrainState
+
+from bpt.ops.chunked import CrossEntropy
+
+
+def _loss(apply_fn: Callable, params, batch: dict, rng, deterministic: bool) -> CrossEntropy:
+    return apply_fn(
+        {"params": params},
+        batch["tokens"],
+        targets=batch["targets"],
+        loss_mask=batch.get("loss_mask"),
+        segment_ids=batch.get("segment_ids"),
+        deterministic=deterministic,
+        rngs=None if deterministic else {"dropout": rng},
+    )
+
+
+def make_train_step(grad_accum_steps: int) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
+    """A step that splits the batch into grad_accum_steps micro-batches and applies one update.
+
+    Gradients are summed token-weighted, so the update equals the one a single batch of the
+    whole size would give: grad(sum of token losses) / number of tokens.
+    """
+
+    def train_step(state: TrainState, batch: dict, rng) -> tuple[TrainState, dict]:
+        micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
+
+        def summed_loss(params, mb, mb_rng):
+            out = _loss(state.apply_fn, params, mb, mb_rng, deterministic=False)
+            return out.loss * jax.lax.stop_gradient(out.num_tokens), out
+
+        def accumulate(carry, inputs):
+            grads, totals = carry
+            index, mb = inputs
+            (_, out), g = jax.value_and_grad(summed_loss, has_aux=True)(state.params, mb, jax.random.fold_in(rng, index))
+            sums = jnp.stack([out.loss * out.num_tokens, out.num_tokens, out.accuracy * out.num_tokens])
+            return (jax.tree.map(jnp.add, grads, g), totals + sums), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        (grads, totals), _ = jax.lax.scan(
+            accumulate, (zeros, jnp.zeros(3)), (jnp.arange(grad_accum_steps), micro)
+        )
+        tokens = jnp.maximum(totals[1], 1.0)
+        grads = jax.tree.map(lambda g: g / tokens, grads)
+        new_state = state.apply_gradients(grads=grads)
+        metrics = {
+            "loss": totals[0] / tokens,
+            "accuracy": totals[2] / tokens,
+            "grad_norm": optax.tree.norm(grads),
+            "tokens": totals[1],
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def eval_step(state: TrainState, batch: dict) -> jax.Array:
+    """[nll_sum, token_count, correct_sum] of one batch, to be summed over batches."""
+    out = _loss(state.apply_fn, state.params, batch, None, deterministic=True)
+    return jnp.stack([out.loss * out.num_tokens, out.num_tokens, out.accuracy * out.num_tokens])

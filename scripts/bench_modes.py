@@ -1,0 +1,173 @@
+"""Do the three attention modes agree, and what does each cost? One GPU, one model size.
+
+For each (attention_mode, attention_impl) pair, in a fresh process so that the device's
+peak-memory counter belongs to that pair alone:
+  1. the full training step (forward, backward, AdamW) is compiled and timed (median of
+     --steps runs after two warm-up steps); peak device memory is read after the runs;
+  2. the loss and the parameter gradients on one fixed batch are compared with vanilla's
+     (same initial parameters: every mode has the same parameter tree).
+
+    python scripts/bench_modes.py --config configs/gpt_125m.py --seq_len 8192 --out results/
+
+Prints a markdown table last and writes results.json and table.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PAIRS = [
+    ("vanilla", "reference"),
+    ("memory_efficient", "blockwise"),
+    ("blockwise_parallel", "blockwise"),
+    ("memory_efficient", "cudnn"),
+    ("blockwise_parallel", "cudnn"),
+]
+
+
+def load_config(args):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_config", args.config)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.data.seq_len = args.seq_len
+    c.train.batch_size = args.batch_size
+    c.model.dtype = args.dtype
+    c.model.attention_mode, c.model.attention_impl = args.mode, args.impl
+    for name in ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
+        c.model[name] = args.chunk_size
+    return c
+
+
+def run_one(args) -> dict:
+    """One (mode, impl) pair; prints a JSON line."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.flatten_util import ravel_pytree
+
+    from bpt.config import check_config, model_config
+    from bpt.models.gpt import GPT
+    from bpt.train.loop import create_state
+    from bpt.train.step import make_train_step
+
+    c = load_config(args)
+    check_config(c)
+    vocab = 257
+    model = GPT(model_config(c.model, vocab_size=vocab, seq_len=c.data.seq_len))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (c.train.batch_size, c.data.seq_len), 0, vocab)
+    batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1), "loss_mask": jnp.ones(tokens.shape, jnp.float32)}
+    result = {"mode": args.mode, "impl": args.impl}
+
+    state = create_state(c, model, jax.random.PRNGKey(0))
+    step = jax.jit(make_train_step(1), donate_argnums=0)
+    compiled = step.lower(state, batch, jax.random.PRNGKey(2)).compile()
+    result["compiled_temp_gib"] = compiled.memory_analysis().temp_size_in_bytes / 2**30
+    times = []
+    for i in range(args.steps + 2):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch, jax.random.PRNGKey(2))
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    stats = jax.devices()[0].memory_stats() or {}
+    result["peak_gib"] = stats.get("peak_bytes_in_use", float("nan")) / 2**30
+    result["step_ms"] = 1e3 * statistics.median(times[2:])
+    result["tokens_per_sec"] = tokens.size / (result["step_ms"] / 1e3)
+    del state, compiled
+
+    params = create_state(c, model, jax.random.PRNGKey(0)).params
+    loss_and_grad = jax.jit(jax.value_and_grad(lambda p: model.apply({"params": p}, batch["tokens"], targets=batch["targets"]).loss))
+    loss, grads = loss_and_grad(params)
+    flat = np.asarray(ravel_pytree(grads)[0], np.float32)
+    result["loss"] = float(loss)
+    ref_path = Path(args.scratch) / "vanilla_grads.npy"
+    if args.mode == "vanilla":
+        np.save(ref_path, flat)
+        Path(args.scratch, "vanilla_loss.json").write_text(json.dumps(float(loss)))
+    elif ref_path.exists():
+        ref = np.load(ref_path)
+        ref_loss = json.loads(Path(args.scratch, "vanilla_loss.json").read_text())
+        result["loss_rel_diff"] = abs(float(loss) - ref_loss) / abs(ref_loss)
+        result["grad_rel_err"] = float(np.linalg.norm(flat - ref) / np.linalg.norm(ref))
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/gpt_125m.py")
+    parser.add_argument("--seq_len", type=int, default=8192)
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--chunk_size", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default="results/bench_modes")
+    parser.add_argument("--pairs", default="", help="comma-separated mode:impl pairs (default: all)")
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode:
+        run_one(args)
+        return
+
+    import jax
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else PAIRS
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    results = []
+    for mode, impl in pairs:
+        cmd = [sys.executable, __file__, "--mode", mode, "--impl", impl, "--scratch", str(out),
+               *(f"--{k}={getattr(args, k)}" for k in ("config", "seq_len", "batch_size", "chunk_size", "dtype", "steps"))]
+        print(f"== {mode} / {impl}", flush=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            results.append({"mode": mode, "impl": impl, "error": " | ".join(tail)[-300:]})
+        else:
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+        print(json.dumps(results[-1]), flush=True)
+    for name in ("vanilla_grads.npy", "vanilla_loss.json"):
+        (out / name).unlink(missing_ok=True)
+
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "command": "python " + " ".join(sys.argv),
+        **{k: getattr(args, k) for k in ("config", "seq_len", "batch_size", "chunk_size", "dtype", "steps")},
+    }
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    rows = [
+        "| mode | impl | step (ms) | tokens/s | peak memory (GiB) | compiled temp (GiB) | loss | loss rel. diff vs vanilla | grad rel. err vs vanilla |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['mode']} | {r['impl']} | failed: {r['error']} | | | | | | |")
+            continue
+        rows.append(
+            f"| {r['mode']} | {r['impl']} | {r['step_ms']:.1f} | {r['tokens_per_sec']:.0f} | {r['peak_gib']:.2f} | "
+            f"{r['compiled_temp_gib']:.2f} | {r['loss']:.5f} | {r.get('loss_rel_diff', 0):.1e} | {r.get('grad_rel_err', 0):.1e} |"
+        )
+    table = "\n".join(rows)
+    (out / "table.md").write_text(json.dumps(meta) + "\n\n" + table + "\n")
+    print(json.dumps(meta))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

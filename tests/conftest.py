@@ -1,0 +1,30 @@
+import jax
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def key():
+    """A fresh random key per test; the seed is printed so a failure can be replayed."""
+    seed = int(np.random.SeedSequence().entropy % (2**31))
+    print(f"random seed: {seed}")
+    return jax.random.PRNGKey(seed)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def tree_rel_err(a, b) -> float:
+    """The worst leaf's relative error. A leaf whose true value is (near) zero, such as the
+    gradient of a key bias, which softmax cancels exactly, is measured against 1e-3 of the
+    whole tree's norm instead of its own."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    total = np.sqrt(sum(np.sum(np.asarray(y, np.float64) ** 2) for y in lb))
+    worst = 0.0
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        worst = max(worst, float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-3 * total, 1e-30)))
+    return worst

@@ -1,0 +1,211 @@
+"""Blockwise attention against the materialized reference: outputs, gradients, memory, cost."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+
+from bpt.ops import attend_query_chunk, attention, blockwise_attention, reference_attention
+
+TOL = 1e-5  # fp32 relative error, outputs and gradients
+
+
+def make_qkv(key, batch, q_len, kv_len, heads, kv_heads, head_dim):
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (batch, q_len, heads, head_dim), jnp.float32)
+    k = jax.random.normal(kk, (batch, kv_len, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(kv, (batch, kv_len, kv_heads, head_dim), jnp.float32)
+    return q, k, v
+
+
+def random_segments(key, batch, length, num_segments=3):
+    """Sorted segment ids with random boundaries (packed documents)."""
+    cuts = jax.random.randint(key, (batch, num_segments - 1), 0, length)
+    return (jnp.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(jnp.int32)
+
+
+def outputs_and_grads(fn, q, k, v, cotangent):
+    @jax.jit
+    def run(q, k, v, cotangent):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(cotangent)
+
+    return run(q, k, v, cotangent)
+
+
+def assert_matches_reference(key, q, k, v, **kwargs):
+    chunks = {n: kwargs.pop(n) for n in ("q_chunk_size", "kv_chunk_size", "unroll") if n in kwargs}
+    ref = lambda q, k, v: reference_attention(q, k, v, **kwargs)
+    blk = lambda q, k, v: blockwise_attention(q, k, v, **kwargs, **chunks)
+    cot = jax.random.normal(key, q.shape, q.dtype)
+    out_r, grads_r = outputs_and_grads(ref, q, k, v, cot)
+    out_b, grads_b = outputs_and_grads(blk, q, k, v, cot)
+    assert rel_err(out_b, out_r) < TOL
+    for name, g_b, g_r in zip("qkv", grads_b, grads_r):
+        assert np.isfinite(np.asarray(g_b)).all(), f"d{name} has NaN/inf"
+        assert rel_err(g_b, g_r) < TOL, f"d{name}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 4, 64), (4, 2, 80), (4, 1, 128)], ids=["mha-d64", "gqa-d80", "mqa-d128"]
+)
+def test_matches_reference(key, causal, segments, heads, kv_heads, head_dim):
+    kx, ks, kc = jax.random.split(key, 3)
+    q, k, v = make_qkv(kx, 2, 64, 64, heads, kv_heads, head_dim)
+    seg = random_segments(ks, 2, 64) if segments else None
+    assert_matches_reference(kc, q, k, v, causal=causal, segment_ids=seg, q_chunk_size=16, kv_chunk_size=8)
+
+
+@pytest.mark.parametrize(
+    "q_chunk,kv_chunk", [(64, 64), (8, 8), (32, 8), (8, 32), (1000, 16)], ids=["one-chunk", "8x8", "32x8", "8x32", "clamped"]
+)
+@pytest.mark.parametrize("unroll", [False, True])
+def test_chunkings(key, q_chunk, kv_chunk, unroll):
+    kx, kc = jax.random.split(key)
+    q, k, v = make_qkv(kx, 1, 64, 64, 2, 2, 16)
+    assert_matches_reference(kc, q, k, v, causal=True, q_chunk_size=q_chunk, kv_chunk_size=kv_chunk, unroll=unroll)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_different_query_and_key_lengths(key, causal):
+    # Causal attention is aligned at the end: the last query sees every key. With more
+    # queries than keys the first queries see nothing and must give zeros.
+    kx, ks, kc = jax.random.split(key, 3)
+    for q_len, kv_len in [(32, 64), (64, 32)]:
+        q, k, v = make_qkv(kx, 2, q_len, kv_len, 4, 2, 16)
+        segs = (random_segments(ks, 2, q_len), random_segments(ks, 2, kv_len))
+        assert_matches_reference(kc, q, k, v, causal=causal, segment_ids=segs, q_chunk_size=8, kv_chunk_size=16)
+
+
+def test_rows_with_nothing_to_attend_give_zeros(key):
+    kx, kc = jax.random.split(key)
+    q, k, v = make_qkv(kx, 1, 32, 32, 2, 2, 16)
+    # Queries in segment 7 have no key of their segment.
+    q_seg = jnp.where(jnp.arange(32) < 10, 7, 1)[None]
+    kv_seg = jnp.ones((1, 32), jnp.int32)
+    for fn in (reference_attention, lambda *a, **kw: blockwise_attention(*a, **kw, q_chunk_size=8, kv_chunk_size=8)):
+        out = fn(q, k, v, causal=True, segment_ids=(q_seg, kv_seg))
+        assert np.isfinite(np.asarray(out)).all()
+        np.testing.assert_array_equal(np.asarray(out[:, :10]), 0.0)
+        assert np.abs(np.asarray(out[:, 10:])).max() > 0
+        grads = jax.grad(lambda q, k, v: fn(q, k, v, causal=True, segment_ids=(q_seg, kv_seg)).sum(), (0, 1, 2))(q, k, v)
+        assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    assert_matches_reference(kc, q, k, v, causal=True, segment_ids=(q_seg, kv_seg), q_chunk_size=8, kv_chunk_size=8)
+
+
+def test_query_chunk_logsumexp_and_its_gradient(key):
+    kx, kw = jax.random.split(key)
+    q, k, v = make_qkv(kx, 2, 16, 64, 4, 2, 16)
+    w = jax.random.normal(kw, (2, 4, 16))
+    start = 24  # the chunk holds queries 24..39 of a causal 64-token sequence
+
+    def direct_lse(q, k):
+        kr = jnp.repeat(k, 2, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, kr) / 4.0
+        mask = (start + jnp.arange(16))[:, None] >= jnp.arange(64)[None, :]
+        return jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)
+
+    def chunk_lse(q, k, start):
+        return attend_query_chunk(q, k, v, start, causal=True, kv_chunk_size=8)[1]
+
+    expected = direct_lse(q, k)
+    for s in (start, jnp.int32(start)):  # static and traced offsets
+        assert rel_err(chunk_lse(q, k, s), expected) < TOL
+        g = jax.grad(lambda q, k: (chunk_lse(q, k, s) * w).sum(), (0, 1))(q, k)
+        g_ref = jax.grad(lambda q, k: (direct_lse(q, k) * w).sum(), (0, 1))(q, k)
+        assert rel_err(g[0], g_ref[0]) < TOL and rel_err(g[1], g_ref[1]) < TOL
+
+
+def test_entry_point_dispatch(key):
+    kx, ks = jax.random.split(key)
+    q, k, v = make_qkv(kx, 2, 64, 64, 4, 2, 32)
+    seg = random_segments(ks, 2, 64)
+    expected = reference_attention(q, k, v, causal=True, segment_ids=seg)
+    for impl in ("reference", "blockwise", "auto"):
+        out = attention(q, k, v, impl=impl, causal=True, segment_ids=seg, q_chunk_size=16, kv_chunk_size=16)
+        assert rel_err(out, expected) < TOL, impl
+
+
+def test_causal_skipping_shows_in_cost_analysis():
+    # XLA's cost analysis counts a while loop's body once, so the loops are unrolled here;
+    # with 8 x 8 chunks a causal pass visits 36 of the 64 blocks.
+    q = jnp.zeros((1, 1024, 2, 32))
+
+    def flops(causal):
+        fn = jax.jit(lambda q: blockwise_attention(q, q, q, causal=causal, q_chunk_size=128, kv_chunk_size=128, unroll=True))
+        cost = fn.lower(q).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    ratio = flops(True) / flops(False)
+    assert 0.5 <= ratio < 0.6, ratio
+
+
+def fwd_bwd_temp_bytes(fn, seq_len, heads=4, head_dim=64):
+    x = jax.ShapeDtypeStruct((1, seq_len, heads, head_dim), jnp.float32)
+    grad = jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))
+    return jax.jit(grad).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_backward_memory_is_linear_in_sequence_length():
+    blk = lambda q, k, v: blockwise_attention(q, k, v, causal=True, q_chunk_size=256, kv_chunk_size=256)
+    ref = lambda q, k, v: reference_attention(q, k, v, causal=True)
+    blk_growth = fwd_bwd_temp_bytes(blk, 4096) / fwd_bwd_temp_bytes(blk, 1024)
+    ref_growth = fwd_bwd_temp_bytes(ref, 4096) / fwd_bwd_temp_bytes(ref, 1024)
+    assert blk_growth < 4.5, blk_growth  # about 4x (less: fixed per-chunk buffers)
+    assert ref_growth > 12, ref_growth  # about 16x
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(q_chunk_size=24), "not divisible by q_chunk_size=24"),
+        (dict(kv_chunk_size=0), "kv_chunk_size must be a positive integer"),
+        (dict(q_chunk_size=-8), "q_chunk_size must be a positive integer"),
+    ],
+)
+def test_bad_chunk_sizes(kwargs, message):
+    q = jnp.zeros((1, 64, 2, 16))
+    with pytest.raises(ValueError, match=message):
+        blockwise_attention(q, q, q, **kwargs)
+
+
+def test_bad_inputs():
+    q = jnp.zeros((1, 64, 3, 16))
+    kv = jnp.zeros((1, 64, 2, 16))
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        blockwise_attention(q, kv, kv)
+    with pytest.raises(ValueError, match="unknown attention impl 'flash'"):
+        attention(q, q, q, impl="flash")
+    with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\]"):
+        reference_attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="segment_ids must be"):
+        blockwise_attention(q, q, q, segment_ids=jnp.zeros((1, 32), jnp.int32))
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error raised without a GPU")
+def test_cudnn_without_gpu_is_a_clear_error():
+    q = jnp.zeros((1, 64, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="impl='cudnn' cannot run here: it needs an NVIDIA GPU"):
+        attention(q, q, q, impl="cudnn")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_cudnn_matches_reference_in_bf16(key, kv_heads):
+    kx, kc = jax.random.split(key)
+    q, k, v = (x.astype(jnp.bfloat16) for x in make_qkv(kx, 2, 1024, 1024, 8, kv_heads, 128))
+    cot = jax.random.normal(kc, q.shape, jnp.bfloat16)
+    fn = lambda impl: outputs_and_grads(lambda q, k, v: attention(q, k, v, impl=impl, causal=True), q, k, v, cot)
+    # The ground truth in fp32 arithmetic on the same bf16 inputs.
+    out_r, grads_r = outputs_and_grads(
+        lambda q, k, v: reference_attention(q, k, v, causal=True), *(x.astype(jnp.float32) for x in (q, k, v)), cot.astype(jnp.float32)
+    )
+    for impl in ("cudnn", "blockwise"):
+        out, grads = fn(impl)
+        assert rel_err(out, out_r) < 1e-2, impl
+        for g, g_r in zip(grads, grads_r):
+            assert rel_err(g, g_r) < 1e-2, impl

@@ -1,0 +1,170 @@
+"""The GPT: the three attention modes compute one function; causality; layer scan; memory."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err, tree_rel_err
+
+from bpt.config import base_config, model_config
+from bpt.models.gpt import GPT, GPTConfig
+from bpt.train.loop import create_state
+from bpt.train.step import make_train_step
+
+TOL = 1e-5
+MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
+BASE = GPTConfig(
+    vocab_size=97, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+    q_chunk_size=16, kv_chunk_size=8, loss_chunk_size=16, max_seq_len=64,
+)
+
+
+def init_params(cfg, key, seq_len=64):
+    return nn.meta.unbox(GPT(cfg).init(key, jnp.zeros((1, seq_len), jnp.int32))["params"])
+
+
+def unstack_layers(params, num_layers):
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layer_{i}"] = jax.tree.map(lambda a: a[i], params["layers"])
+    return out
+
+
+def forward(cfg, params, tokens, targets, segment_ids=None):
+    """Logits, loss and parameter gradients of one configuration."""
+    model = GPT(cfg)
+
+    @jax.jit
+    def run(params):
+        logits = model.apply({"params": params}, tokens, segment_ids=segment_ids)
+        loss_fn = lambda p: model.apply({"params": p}, tokens, targets=targets, segment_ids=segment_ids).loss
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return logits, loss, grads
+
+    return run(params)
+
+
+@pytest.fixture
+def batch(key):
+    kt, kp = jax.random.split(key)
+    tokens = jax.random.randint(kt, (2, 64), 0, BASE.vocab_size)
+    return tokens, jnp.roll(tokens, -1, axis=1), init_params(BASE, kp)
+
+
+@pytest.mark.parametrize("position_embedding", ["rotary", "learned"])
+def test_modes_agree(batch, position_embedding):
+    tokens, targets, _ = batch
+    base = dataclasses.replace(BASE, position_embedding=position_embedding, tie_embeddings=position_embedding == "rotary")
+    params = init_params(base, jax.random.PRNGKey(0))
+    results = {m: forward(dataclasses.replace(base, attention_mode=m), params, tokens, targets) for m in MODES}
+    logits0, loss0, grads0 = results["vanilla"]
+    for mode in MODES[1:]:
+        logits, loss, grads = results[mode]
+        assert rel_err(logits, logits0) < TOL, mode
+        assert rel_err(loss, loss0) < TOL, mode
+        assert tree_rel_err(grads, grads0) < TOL, mode
+
+
+def test_modes_agree_with_segment_ids_and_other_impls(batch, key):
+    tokens, targets, params = batch
+    segs = jnp.cumsum(jax.random.uniform(key, (2, 64)) < 0.05, axis=1).astype(jnp.int32)
+    expected = forward(dataclasses.replace(BASE, attention_mode="vanilla"), params, tokens, targets, segs)
+    for mode, impl in [("memory_efficient", "blockwise"), ("blockwise_parallel", "blockwise"),
+                       ("blockwise_parallel", "reference"), ("memory_efficient", "auto")]:
+        cfg = dataclasses.replace(BASE, attention_mode=mode, attention_impl=impl)
+        logits, loss, grads = forward(cfg, params, tokens, targets, segs)
+        assert rel_err(logits, expected[0]) < TOL, (mode, impl)
+        assert tree_rel_err(grads, expected[2]) < TOL, (mode, impl)
+
+
+def test_scanned_and_unscanned_layers_agree(batch):
+    tokens, targets, params = batch
+    cfg = dataclasses.replace(BASE, attention_mode="blockwise_parallel")
+    logits_s, loss_s, grads_s = forward(cfg, params, tokens, targets)
+    logits_u, loss_u, grads_u = forward(
+        dataclasses.replace(cfg, scan_layers=False), unstack_layers(params, 2), tokens, targets
+    )
+    assert rel_err(logits_u, logits_s) < TOL and rel_err(loss_u, loss_s) < TOL
+    assert tree_rel_err(grads_u, unstack_layers(grads_s, 2)) < TOL
+
+
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable", "none"])
+def test_remat_policies_do_not_change_gradients(batch, policy):
+    tokens, targets, params = batch
+    expected = forward(BASE, params, tokens, targets)[2]
+    cfg = dataclasses.replace(BASE, remat_layer=policy, remat_attention=policy, remat_ffn=policy)
+    assert tree_rel_err(forward(cfg, params, tokens, targets)[2], expected) < TOL
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_future_tokens_never_change_earlier_logits(batch, key, mode):
+    tokens, _, params = batch
+    model = GPT(dataclasses.replace(BASE, attention_mode=mode))
+    cut = 37
+    changed = tokens.at[:, cut:].set(jax.random.randint(key, (2, 64 - cut), 0, BASE.vocab_size))
+    a = model.apply({"params": params}, tokens)
+    b = model.apply({"params": params}, changed)
+    np.testing.assert_allclose(a[:, :cut], b[:, :cut], rtol=0, atol=1e-6)
+    assert np.abs(np.asarray(a[:, cut:] - b[:, cut:])).max() > 1e-3
+
+
+def test_dropout_is_active_only_when_training(batch):
+    tokens, targets, params = batch
+    model = GPT(dataclasses.replace(BASE, dropout=0.2))
+    eval_loss = model.apply({"params": params}, tokens, targets=targets).loss
+    train = lambda seed: model.apply(
+        {"params": params}, tokens, targets=targets, deterministic=False, rngs={"dropout": jax.random.PRNGKey(seed)}
+    ).loss
+    assert float(train(0)) == float(train(0))
+    assert float(train(0)) != float(train(1)) and float(train(0)) != float(eval_loss)
+
+
+def test_parameters_carry_logical_axis_names():
+    boxed = GPT(BASE).init(jax.random.PRNGKey(0), jnp.zeros((1, 64), jnp.int32))["params"]
+    specs = nn.get_partition_spec(boxed)
+    assert tuple(specs["embedding"]) == ("vocab", "embed")
+    assert tuple(specs["layers"]["wq"]) == ("layers", "embed", "heads", "head_dim")
+    assert tuple(specs["layers"]["wk"]) == ("layers", "embed", "kv_heads", "head_dim")
+    assert tuple(specs["layers"]["w1"]) == ("layers", "embed", "mlp")
+    assert all(len(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    params = nn.meta.unbox(boxed)
+    assert sum(x.size for x in jax.tree.leaves(params)) == BASE.num_params()
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("attention_mode", "flash", "unknown model.attention_mode 'flash'"),
+        ("attention_impl", "pallas2", "unknown attention model.attention_impl 'pallas2'"),
+        ("remat_ffn", "save_all", "unknown model.remat_ffn 'save_all'"),
+        ("num_kv_heads", 3, r"num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
+        ("q_chunk_size", 0, "model.q_chunk_size must be a positive integer"),
+        ("dtype", "float8", "unknown model.dtype"),
+    ],
+)
+def test_bad_model_settings(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(BASE, **{field: value})
+
+
+def train_step_temp_bytes(mode: str, seq_len: int) -> int:
+    c = base_config("tiny")
+    c.data.seq_len = seq_len
+    c.model.attention_mode = mode
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 128
+    model = GPT(model_config(c.model, vocab_size=256, seq_len=seq_len))
+    state = jax.eval_shape(lambda: create_state(c, model, jax.random.PRNGKey(0)))
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    batch = {"tokens": tokens, "targets": tokens, "loss_mask": jax.ShapeDtypeStruct((1, seq_len), jnp.float32)}
+    step = jax.jit(make_train_step(1))
+    compiled = step.lower(state, batch, jax.random.PRNGKey(0)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("seq_len", [1024, 4096])
+def test_training_step_memory_ordering(seq_len):
+    vanilla, efficient, bpt = (train_step_temp_bytes(m, seq_len) for m in MODES)
+    assert bpt < efficient < vanilla, (bpt, efficient, vanilla)

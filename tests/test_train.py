@@ -1,0 +1,143 @@
+"""Configs, the optimizer, the train step, the loop and the bpt-train command."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tree_rel_err
+
+from bpt.config import base_config, check_config, model_config
+from bpt.data.datasets import CopyTask
+from bpt.models.gpt import GPT
+from bpt.sample import generate
+from bpt.train.loop import create_state, train
+from bpt.train.optimizer import decay_mask
+from bpt.train.step import make_train_step
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def copy_config(steps=40):
+    c = base_config("tiny")
+    c.data.name = "copy"
+    c.data.seq_len = 64
+    c.data.copy_symbols = 8
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 16
+    c.train.steps = steps
+    c.train.batch_size = 8
+    c.train.learning_rate = 3e-3
+    c.train.warmup_steps = 5
+    c.train.log_every = 5
+    c.train.eval_every = 0
+    c.train.eval_batches = 2
+    return c
+
+
+def test_tiny_config_trains_on_the_copy_task_and_the_loss_falls(tmp_path):
+    c = copy_config(steps=60)
+    last = train(c, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(5, 61, 5))
+    first, final = records[0]["loss"], records[-1]["loss"]
+    assert final < first - 0.5, (first, final)
+    assert last["eval_loss"] < first
+    assert all(np.isfinite(r["loss"]) for r in records)
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    c = copy_config()
+    model = GPT(model_config(c.model, vocab_size=9, seq_len=64))
+    rng = jax.random.PRNGKey(0)
+    batch = {k: jnp.asarray(v) for k, v in CopyTask(64, 8, 0).train_batch(0, 8).items()}
+    batch["loss_mask"] = batch["loss_mask"].at[:4, 40:].set(0.0)  # unequal token counts per micro-batch
+    states = {}
+    for accum in (1, 2, 4):
+        state = create_state(c, model, rng)
+        states[accum], metrics = jax.jit(make_train_step(accum))(state, batch, rng)
+        if accum == 1:
+            loss1 = metrics["loss"]
+        assert abs(float(metrics["loss"]) - float(loss1)) < 1e-5
+    for accum in (2, 4):
+        assert tree_rel_err(states[accum].params, states[1].params) < 1e-5
+
+
+def test_weight_decay_only_on_matrices():
+    c = copy_config()
+    model = GPT(model_config(c.model, vocab_size=9, seq_len=64))
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 64), jnp.int32))["params"])
+    mask = decay_mask(params)
+    assert mask["embedding"] and mask["layers"]["wq"] and mask["layers"]["w1"]
+    assert not mask["layers"]["b1"] and not mask["layers"]["ln1_scale"] and not mask["ln_f_bias"]
+
+
+def test_greedy_sampling_follows_the_full_forward_pass():
+    c = copy_config()
+    model = GPT(model_config(c.model, vocab_size=9, seq_len=16))
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.zeros((1, 16), jnp.int32))["params"])
+    prompt = np.array([1, 2, 3], np.int32)
+    new = generate(model, params, prompt, num_tokens=20, seq_len=16, rng=jax.random.PRNGKey(0), temperature=0.0)
+    forward = jax.jit(lambda window: model.apply({"params": params}, window))
+    seq = list(prompt)
+    for token in new:  # each greedy token is the argmax of a forward pass over the last 16 tokens
+        window = np.array(seq[-16:], np.int32)[None]
+        assert token == int(jnp.argmax(forward(window)[0, -1]))
+        seq.append(int(token))
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("data.seq_len", 100, "data.seq_len=100 is not divisible by model.q_chunk_size=16"),
+        ("data.name", "owt", "unknown data.name 'owt'"),
+        ("train.batch_size", 6, "train.batch_size=6 is not divisible by train.grad_accum_steps=4"),
+        ("model.kv_chunk_size", 0, "model.kv_chunk_size must be a positive integer"),
+        ("train.steps", 0, "train.steps must be a positive integer"),
+    ],
+)
+def test_bad_config_is_a_clear_error(field, value, message):
+    c = copy_config()
+    c.train.grad_accum_steps = 4
+    section, name = field.split(".")
+    c[section][name] = value
+    with pytest.raises(ValueError, match=message):
+        check_config(c)
+
+
+def test_every_config_file_loads_and_builds_a_model():
+    import importlib.util
+
+    for path in sorted((REPO / "configs").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        c = module.get_config()
+        check_config(c)
+        cfg = model_config(c.model, vocab_size=257, seq_len=c.data.seq_len)
+        assert cfg.num_params() > 0, path.name
+    assert model_config(base_config("3b").model, vocab_size=257, seq_len=8).dim_per_head == 80
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "bpt.cli.train", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def test_command_line_runs_and_rejects_unknown_keys(tmp_path):
+    config = str(REPO / "configs" / "tiny.py")
+    bad = run_cli("--config", config, "--config.model.attention_mod=vanilla", cwd=tmp_path)
+    assert bad.returncode != 0 and "attention_mod" in bad.stderr
+    ok = run_cli(
+        "--config", config, "--workdir", str(tmp_path / "run"), "--config.data.name=copy",
+        "--config.train.steps=4", "--config.train.log_every=2", "--config.model.attention_mode=memory_efficient",
+        cwd=tmp_path,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [2, 4]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model"]["attention_mode"] == "memory_efficient"
