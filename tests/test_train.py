@@ -141,3 +141,18 @@ def test_command_line_runs_and_rejects_unknown_keys(tmp_path):
     assert [json.loads(x)["step"] for x in lines] == [2, 4]
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model"]["attention_mode"] == "memory_efficient"
+
+
+def test_ctrl_c_stops_cleanly_with_a_final_log_line(tmp_path, monkeypatch):
+    original = CopyTask.train_batch
+
+    def interrupt_at_step_7(self, step, batch_size):
+        if step == 7:
+            raise KeyboardInterrupt
+        return original(self, step, batch_size)
+
+    monkeypatch.setattr(CopyTask, "train_batch", interrupt_at_step_7)
+    last = train(copy_config(steps=20), tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 7]
+    assert last["step"] == 7 and "eval_loss" in last

@@ -57,6 +57,41 @@ def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:
     return {"eval_loss": float(loss), "eval_perplexity": float(np.exp(loss)), "eval_accuracy": float(sums[2] / max(sums[1], 1.0))}
 
 
+class Reporter:
+    """Turns the metrics of the steps since the last log into one metrics.jsonl line."""
+
+    def __init__(self, config: ConfigDict, workdir: Path, eval_data: list[dict], bar):
+        self.config, self.eval_data, self.bar = config, eval_data, bar
+        self.writer = MetricsWriter(workdir / "metrics.jsonl")
+        self.schedule = learning_rate_schedule(config.train)
+        self.eval_fn = jax.jit(eval_step)
+
+    def log(self, pending: list[dict], step: int, state: TrainState, *, tokens_per_sec, evaluate_now: bool) -> dict:
+        fetched = jax.device_get(pending)
+        loss = float(np.mean([m["loss"] for m in fetched]))
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step}; lower train.learning_rate or check the data")
+        record = {
+            "step": step,
+            "loss": loss,
+            "accuracy": float(np.mean([m["accuracy"] for m in fetched])),
+            "grad_norm": float(fetched[-1]["grad_norm"]),
+            "learning_rate": float(self.schedule(step - 1)),
+            "tokens_per_sec": tokens_per_sec,
+        }
+        eval_every = self.config.train.eval_every
+        if evaluate_now or (eval_every and step % eval_every == 0):
+            record.update(evaluate(state, self.eval_data, self.eval_fn))
+        self.writer.write(record)
+        postfix = {"loss": f"{loss:.3f}"}
+        if tokens_per_sec:
+            postfix["tok/s"] = f"{tokens_per_sec:.0f}"
+        if "eval_loss" in record:
+            postfix["eval"] = f"{record['eval_loss']:.3f}"
+        self.bar.set_postfix(postfix)
+        return record
+
+
 def train(config: ConfigDict, workdir: str | Path) -> dict:
     """Trains config's model on config's data; returns the last logged metrics."""
     check_config(config)
@@ -74,51 +109,36 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
           f"attention_impl={model.config.attention_impl}; data: {config.data.name}, seq_len={config.data.seq_len}")
 
     train_step = jax.jit(make_train_step(tc.grad_accum_steps), donate_argnums=0)
-    eval_fn = jax.jit(eval_step)
-    eval_data = dataset.eval_batches(tc.eval_batches, tc.batch_size)
-    schedule = learning_rate_schedule(tc)
-    writer = MetricsWriter(workdir / "metrics.jsonl")
     step_rng = jax.random.fold_in(rng, 1)
     tokens_per_step = tc.batch_size * config.data.seq_len
-
-    pending, last = [], {}
-    timer_start, timer_step = None, 0
     bar = tqdm(range(tc.steps), desc="train", unit="step", dynamic_ncols=True)
-    for step in bar:
-        batch = dataset.train_batch(step, tc.batch_size)
-        state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
-        pending.append(metrics)
-        if timer_start is None:  # the first step compiles; time from its end
-            jax.block_until_ready(metrics)
-            timer_start, timer_step = time.perf_counter(), step + 1
-        done = step + 1
-        if done % tc.log_every and done != tc.steps:
-            continue
-        fetched = jax.device_get(pending)
-        pending = []
-        loss = float(np.mean([m["loss"] for m in fetched]))
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss} at step {done}; lower train.learning_rate or check the data")
-        elapsed = time.perf_counter() - timer_start
-        record = {
-            "step": done,
-            "loss": loss,
-            "accuracy": float(np.mean([m["accuracy"] for m in fetched])),
-            "grad_norm": float(fetched[-1]["grad_norm"]),
-            "learning_rate": float(schedule(step)),
-            "tokens_per_sec": (done - timer_step) * tokens_per_step / elapsed if done > timer_step else None,
-        }
-        if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
-            record.update(evaluate(state, eval_data, eval_fn))
-        writer.write(record)
-        last = record
-        postfix = {"loss": f"{loss:.3f}"}
-        if record["tokens_per_sec"]:
-            postfix["tok/s"] = f"{record['tokens_per_sec']:.0f}"
-        if "eval_loss" in record:
-            postfix["eval"] = f"{record['eval_loss']:.3f}"
-        bar.set_postfix(postfix)
-    bar.close()
+    reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar)
+
+    pending, last, done = [], {}, 0
+    timer_start = timer_step = None
+    try:
+        for step in bar:
+            batch = dataset.train_batch(step, tc.batch_size)
+            state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
+            pending.append(metrics)
+            done = step + 1
+            if timer_start is None:  # the first step compiles; time from its end
+                jax.block_until_ready(metrics)
+                timer_start, timer_step = time.perf_counter(), done
+            if done % tc.log_every == 0 or done == tc.steps:
+                speed = (done - timer_step) * tokens_per_step / (time.perf_counter() - timer_start)
+                last = reporter.log(pending, done, state, tokens_per_sec=speed or None, evaluate_now=done == tc.steps)
+                pending = []
+    except KeyboardInterrupt:
+        print(f"\ninterrupted after step {done}")
+        if any(x.is_deleted() for x in jax.tree.leaves(state.params)):
+            return last  # stopped inside a step whose input state was already handed over
+        if pending:
+            last = reporter.log(pending, done, state, tokens_per_sec=None, evaluate_now=True)
+    finally:
+        bar.close()
+    if not last:
+        return last
 
     summary = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float))
     print(f"step {last['step']}: {summary}")
