@@ -74,7 +74,7 @@ def run_one(args) -> dict:
     compiled = step.lower(state, batch, jax.random.PRNGKey(2)).compile()
     result["compiled_temp_gib"] = compiled.memory_analysis().temp_size_in_bytes / 2**30
     times = []
-    for i in range(args.steps + 2):
+    for _ in range(args.steps + 2):
         start = time.perf_counter()
         state, metrics = compiled(state, batch, jax.random.PRNGKey(2))
         jax.block_until_ready(metrics)
@@ -133,7 +133,7 @@ def main():
                *(f"--{k}={getattr(args, k)}" for k in ("config", "seq_len", "batch_size", "chunk_size", "dtype", "steps"))]
         print(f"== {mode} / {impl}", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             results.append({"mode": mode, "impl": impl, "error": " | ".join(tail)[-300:]})

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -27,7 +26,6 @@ import jax.numpy as jnp
 from bpt.ops.attention import attention, check_impl, select_impl
 from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
 from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy, from_chunks, scan_chunks
-from bpt.ops.reference import reference_attention
 from bpt.ops.remat import POLICIES, check_policy, remat
 
 Array = jax.Array
@@ -366,7 +364,3 @@ class GPT(nn.Module):
             return logits
         return cross_entropy(logits, targets, loss_mask)
 
-
-def logical_axis_names(params: Any) -> Any:
-    """The logical axis names of every parameter (a pytree like params of tuples)."""
-    return nn.get_partition_spec(params)

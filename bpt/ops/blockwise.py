@@ -1,7 +1,7 @@
 """Blockwise attention (Liu & Abbeel, 2023): exact softmax attention in memory linear in seq.
 
 The queries are cut into chunks and scanned; each query chunk loops over key/value chunks
-with an online softmax (running max m, denominator l and unnormalized numerator acc), so no
+with an online softmax (running max m, row sum of exponentials and unnormalized numerator acc), so no
 [q_len, kv_len] score matrix ever exists. One query chunk's attention is a custom_vjp whose
 backward is FlashAttention-2's: it recomputes each score block from the saved logsumexp
 instead of storing probabilities, so forward and backward memory are both linear in seq.
@@ -75,7 +75,7 @@ def _chunk_forward(spec, q, k, v, q_seg, kv_seg, q_start):
     q_pos = spec.q_offset + q_start + jnp.arange(cq)
 
     def body(j, carry):
-        m, l, acc = carry
+        m, row_sum, acc = carry
         scores, _ = _score_block(spec, qg, k, kv_seg, q_pos, q_seg, j)
         v_j = jax.lax.dynamic_slice_in_dim(v, j * ck, ck, axis=1).astype(q.dtype)
         m_new = jnp.maximum(m, scores.max(axis=-1))
@@ -84,11 +84,11 @@ def _chunk_forward(spec, q, k, v, q_seg, kv_seg, q_start):
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(scores - shift[..., None])
         correction = jnp.exp(m - shift)
-        l = l * correction + p.sum(axis=-1)
+        row_sum = row_sum * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum(
             "bhgqk,bkhd->bhgqd", p.astype(q.dtype), v_j, preferred_element_type=jnp.float32
         )
-        return m_new, l, acc
+        return m_new, row_sum, acc
 
     stats_shape = (b, num_kv_heads, h // num_kv_heads, cq)
     init = (
@@ -97,12 +97,12 @@ def _chunk_forward(spec, q, k, v, q_seg, kv_seg, q_start):
         jnp.zeros(stats_shape + (d,), jnp.float32),
     )
     lo, hi = _kv_chunk_bounds(spec, q_start, cq, k.shape[1])
-    m, l, acc = _fori(spec, lo, hi, body, init)
-    seen = l > 0
-    out = acc / jnp.where(seen, l, 1.0)[..., None]
+    m, row_sum, acc = _fori(spec, lo, hi, body, init)
+    seen = row_sum > 0
+    out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
     out = jnp.einsum("bhgqd->bqhgd", out).reshape(b, cq, h, d).astype(q.dtype)
     # Rows with no visible key get lse = +inf, so the backward's exp(s - lse) is exactly 0.
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, row_sum, 1.0)), jnp.inf)
     return out, lse.reshape(b, h, cq)
 
 

@@ -7,7 +7,8 @@ so only one chunk's intermediates (an FFN's [chunk, 4 * d_model] hidden layer, a
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import einops
 import jax
