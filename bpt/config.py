@@ -85,10 +85,15 @@ def base_config(size: str = "small") -> ConfigDict:
     c.train.eval_every = 200  # 0: evaluate only at the end
     c.train.eval_batches = 8
     c.train.checkpoint_every = 1000
+    c.train.keep_checkpoints = 3  # the newest K checkpoints are kept
+    c.train.async_checkpoints = True
     c.train.sample_tokens = 200  # tokens generated at the end of training (0: none)
     c.train.sample_prompt = "ROMEO:"
     c.train.sample_temperature = 0.8
     c.train.sample_top_k = 40
+
+    c.init = ConfigDict()
+    c.init.params_from = ""  # a run's workdir or checkpoint: start from its parameters (fine-tuning)
     return c
 
 
@@ -144,8 +149,17 @@ def check_config(c: ConfigDict) -> None:
     if not 0.0 < c.data.val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {c.data.val_fraction}")
     positive(c.data, "data", "seq_len", "copy_symbols")
-    positive(c.train, "train", "steps", "batch_size", "grad_accum_steps", "log_every",
-             "eval_batches", "checkpoint_every")
+    positive(
+        c.train,
+        "train",
+        "steps",
+        "batch_size",
+        "grad_accum_steps",
+        "log_every",
+        "eval_batches",
+        "checkpoint_every",
+        "keep_checkpoints",
+    )
     positive(c.model, "model", "q_chunk_size", "kv_chunk_size", "loss_chunk_size")
     if c.train.batch_size % c.train.grad_accum_steps:
         raise ValueError(

@@ -24,8 +24,17 @@ def sample_logits(logits: jax.Array, rng, *, temperature: float, top_k: int) -> 
     return jax.random.categorical(rng, logits, axis=-1)
 
 
-def generate(model, params, prompt: np.ndarray, *, num_tokens: int, seq_len: int, rng,
-             temperature: float = 0.8, top_k: int = 40) -> np.ndarray:
+def generate(
+    model,
+    params,
+    prompt: np.ndarray,
+    *,
+    num_tokens: int,
+    seq_len: int,
+    rng,
+    temperature: float = 0.8,
+    top_k: int = 40,
+) -> np.ndarray:
     """Extends a 1-D prompt of token ids by num_tokens sampled tokens; returns the new ones."""
     prompt = np.asarray(prompt, np.int32)[-seq_len:]
     if len(prompt) == 0:

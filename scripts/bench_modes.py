@@ -66,7 +66,11 @@ def run_one(args) -> dict:
     vocab = 257
     model = GPT(model_config(c.model, vocab_size=vocab, seq_len=c.data.seq_len))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (c.train.batch_size, c.data.seq_len), 0, vocab)
-    batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1), "loss_mask": jnp.ones(tokens.shape, jnp.float32)}
+    batch = {
+        "tokens": tokens,
+        "targets": jnp.roll(tokens, -1, axis=1),
+        "loss_mask": jnp.ones(tokens.shape, jnp.float32),
+    }
     result = {"mode": args.mode, "impl": args.impl}
 
     state = create_state(c, model, jax.random.PRNGKey(0))
@@ -86,7 +90,11 @@ def run_one(args) -> dict:
     del state, compiled
 
     params = create_state(c, model, jax.random.PRNGKey(0)).params
-    loss_and_grad = jax.jit(jax.value_and_grad(lambda p: model.apply({"params": p}, batch["tokens"], targets=batch["targets"]).loss))
+    loss_and_grad = jax.jit(
+        jax.value_and_grad(
+            lambda p: model.apply({"params": p}, batch["tokens"], targets=batch["targets"]).loss
+        )
+    )
     loss, grads = loss_and_grad(params)
     flat = np.asarray(ravel_pytree(grads)[0], np.float32)
     result["loss"] = float(loss)
@@ -104,7 +112,9 @@ def run_one(args) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default="configs/gpt_125m.py")
     parser.add_argument("--seq_len", type=int, default=8192)
     parser.add_argument("--batch_size", type=int, default=1)
@@ -129,8 +139,20 @@ def main():
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     results = []
     for mode, impl in pairs:
-        cmd = [sys.executable, __file__, "--mode", mode, "--impl", impl, "--scratch", str(out),
-               *(f"--{k}={getattr(args, k)}" for k in ("config", "seq_len", "batch_size", "chunk_size", "dtype", "steps"))]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--mode",
+            mode,
+            "--impl",
+            impl,
+            "--scratch",
+            str(out),
+            *(
+                f"--{k}={getattr(args, k)}"
+                for k in ("config", "seq_len", "batch_size", "chunk_size", "dtype", "steps")
+            ),
+        ]
         print(f"== {mode} / {impl}", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -138,7 +160,7 @@ def main():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             results.append({"mode": mode, "impl": impl, "error": " | ".join(tail)[-300:]})
         else:
-            results.append(json.loads(lines[-1][len("RESULT "):]))
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
         print(json.dumps(results[-1]), flush=True)
     for name in ("vanilla_grads.npy", "vanilla_loss.json"):
         (out / name).unlink(missing_ok=True)

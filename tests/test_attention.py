@@ -60,13 +60,17 @@ def test_matches_reference(key, causal, segments, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize(
-    "q_chunk,kv_chunk", [(64, 64), (8, 8), (32, 8), (8, 32), (1000, 16)], ids=["one-chunk", "8x8", "32x8", "8x32", "clamped"]
+    "q_chunk,kv_chunk",
+    [(64, 64), (8, 8), (32, 8), (8, 32), (1000, 16)],
+    ids=["one-chunk", "8x8", "32x8", "8x32", "clamped"],
 )
 @pytest.mark.parametrize("unroll", [False, True])
 def test_chunkings(key, q_chunk, kv_chunk, unroll):
     kx, kc = jax.random.split(key)
     q, k, v = make_qkv(kx, 1, 64, 64, 2, 2, 16)
-    assert_matches_reference(kc, q, k, v, causal=True, q_chunk_size=q_chunk, kv_chunk_size=kv_chunk, unroll=unroll)
+    assert_matches_reference(
+        kc, q, k, v, causal=True, q_chunk_size=q_chunk, kv_chunk_size=kv_chunk, unroll=unroll
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -77,7 +81,9 @@ def test_different_query_and_key_lengths(key, causal):
     for q_len, kv_len in [(32, 64), (64, 32)]:
         q, k, v = make_qkv(kx, 2, q_len, kv_len, 4, 2, 16)
         segs = (random_segments(ks, 2, q_len), random_segments(ks, 2, kv_len))
-        assert_matches_reference(kc, q, k, v, causal=causal, segment_ids=segs, q_chunk_size=8, kv_chunk_size=16)
+        assert_matches_reference(
+            kc, q, k, v, causal=causal, segment_ids=segs, q_chunk_size=8, kv_chunk_size=16
+        )
 
 
 def test_rows_with_nothing_to_attend_give_zeros(key):
@@ -86,14 +92,21 @@ def test_rows_with_nothing_to_attend_give_zeros(key):
     # Queries in segment 7 have no key of their segment.
     q_seg = jnp.where(jnp.arange(32) < 10, 7, 1)[None]
     kv_seg = jnp.ones((1, 32), jnp.int32)
-    for fn in (reference_attention, lambda *a, **kw: blockwise_attention(*a, **kw, q_chunk_size=8, kv_chunk_size=8)):
+    for fn in (
+        reference_attention,
+        lambda *a, **kw: blockwise_attention(*a, **kw, q_chunk_size=8, kv_chunk_size=8),
+    ):
         out = fn(q, k, v, causal=True, segment_ids=(q_seg, kv_seg))
         assert np.isfinite(np.asarray(out)).all()
         np.testing.assert_array_equal(np.asarray(out[:, :10]), 0.0)
         assert np.abs(np.asarray(out[:, 10:])).max() > 0
-        grads = jax.grad(lambda q, k, v: fn(q, k, v, causal=True, segment_ids=(q_seg, kv_seg)).sum(), (0, 1, 2))(q, k, v)
+        grads = jax.grad(
+            lambda q, k, v: fn(q, k, v, causal=True, segment_ids=(q_seg, kv_seg)).sum(), (0, 1, 2)
+        )(q, k, v)
         assert all(np.isfinite(np.asarray(g)).all() for g in grads)
-    assert_matches_reference(kc, q, k, v, causal=True, segment_ids=(q_seg, kv_seg), q_chunk_size=8, kv_chunk_size=8)
+    assert_matches_reference(
+        kc, q, k, v, causal=True, segment_ids=(q_seg, kv_seg), q_chunk_size=8, kv_chunk_size=8
+    )
 
 
 def test_query_chunk_logsumexp_and_its_gradient(key):
@@ -135,7 +148,11 @@ def test_causal_skipping_shows_in_cost_analysis():
     q = jnp.zeros((1, 1024, 2, 32))
 
     def flops(causal):
-        fn = jax.jit(lambda q: blockwise_attention(q, q, q, causal=causal, q_chunk_size=128, kv_chunk_size=128, unroll=True))
+        fn = jax.jit(
+            lambda q: blockwise_attention(
+                q, q, q, causal=causal, q_chunk_size=128, kv_chunk_size=128, unroll=True
+            )
+        )
         cost = fn.lower(q).compile().cost_analysis()
         return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
@@ -199,10 +216,14 @@ def test_cudnn_matches_reference_in_bf16(key, kv_heads):
     kx, kc = jax.random.split(key)
     q, k, v = (x.astype(jnp.bfloat16) for x in make_qkv(kx, 2, 1024, 1024, 8, kv_heads, 128))
     cot = jax.random.normal(kc, q.shape, jnp.bfloat16)
-    fn = lambda impl: outputs_and_grads(lambda q, k, v: attention(q, k, v, impl=impl, causal=True), q, k, v, cot)
+    fn = lambda impl: outputs_and_grads(
+        lambda q, k, v: attention(q, k, v, impl=impl, causal=True), q, k, v, cot
+    )
     # The ground truth in fp32 arithmetic on the same bf16 inputs.
     out_r, grads_r = outputs_and_grads(
-        lambda q, k, v: reference_attention(q, k, v, causal=True), *(x.astype(jnp.float32) for x in (q, k, v)), cot.astype(jnp.float32)
+        lambda q, k, v: reference_attention(q, k, v, causal=True),
+        *(x.astype(jnp.float32) for x in (q, k, v)),
+        cot.astype(jnp.float32),
     )
     for impl in ("cudnn", "blockwise"):
         out, grads = fn(impl)

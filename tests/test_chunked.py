@@ -63,7 +63,10 @@ def test_blockwise_ffn_equals_full(key):
     for policy in ("nothing_saveable", "dots_saveable", "none"):
         out = blockwise_ffn(lambda c: ffn(c, w1, w2), x, chunk_size=16, policy=policy)
         assert rel_err(out, ffn(x, w1, w2)) < TOL
-        g = jax.grad(lambda x, w1: blockwise_ffn(lambda c: ffn(c, w1, w2), x, chunk_size=16, policy=policy).sum(), (0, 1))(x, w1)
+        g = jax.grad(
+            lambda x, w1: blockwise_ffn(lambda c: ffn(c, w1, w2), x, chunk_size=16, policy=policy).sum(),
+            (0, 1),
+        )(x, w1)
         g_ref = jax.grad(lambda x, w1: ffn(x, w1, w2).sum(), (0, 1))(x, w1)
         assert rel_err(g[0], g_ref[0]) < TOL and rel_err(g[1], g_ref[1]) < TOL
 

@@ -41,7 +41,10 @@ def text_config(path, seq_len=16):
 
 
 def test_text_dataset_batches_are_deterministic_next_token_pairs(tmp_path):
-    corpus = write_corpus(tmp_path / "corpus", ["To be, or not to be, that is the question. " * 20, "Words, words, words. " * 30])
+    corpus = write_corpus(
+        tmp_path / "corpus",
+        ["To be, or not to be, that is the question. " * 20, "Words, words, words. " * 30],
+    )
     ds = make_dataset(text_config(corpus).data, seed=3)
     a, b = ds.train_batch(5, 4), ds.train_batch(5, 4)
     for name in ("tokens", "targets", "loss_mask"):

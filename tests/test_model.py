@@ -17,8 +17,15 @@ from bpt.train.step import make_train_step
 TOL = 1e-5
 MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
 BASE = GPTConfig(
-    vocab_size=97, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
-    q_chunk_size=16, kv_chunk_size=8, loss_chunk_size=16, max_seq_len=64,
+    vocab_size=97,
+    num_layers=2,
+    d_model=64,
+    num_heads=4,
+    num_kv_heads=2,
+    q_chunk_size=16,
+    kv_chunk_size=8,
+    loss_chunk_size=16,
+    max_seq_len=64,
 )
 
 
@@ -57,9 +64,13 @@ def batch(key):
 @pytest.mark.parametrize("position_embedding", ["rotary", "learned"])
 def test_modes_agree(batch, position_embedding):
     tokens, targets, _ = batch
-    base = dataclasses.replace(BASE, position_embedding=position_embedding, tie_embeddings=position_embedding == "rotary")
+    base = dataclasses.replace(
+        BASE, position_embedding=position_embedding, tie_embeddings=position_embedding == "rotary"
+    )
     params = init_params(base, jax.random.PRNGKey(0))
-    results = {m: forward(dataclasses.replace(base, attention_mode=m), params, tokens, targets) for m in MODES}
+    results = {
+        m: forward(dataclasses.replace(base, attention_mode=m), params, tokens, targets) for m in MODES
+    }
     logits0, loss0, grads0 = results["vanilla"]
     for mode in MODES[1:]:
         logits, loss, grads = results[mode]
@@ -72,8 +83,12 @@ def test_modes_agree_with_segment_ids_and_other_impls(batch, key):
     tokens, targets, params = batch
     segs = jnp.cumsum(jax.random.uniform(key, (2, 64)) < 0.05, axis=1).astype(jnp.int32)
     expected = forward(dataclasses.replace(BASE, attention_mode="vanilla"), params, tokens, targets, segs)
-    for mode, impl in [("memory_efficient", "blockwise"), ("blockwise_parallel", "blockwise"),
-                       ("blockwise_parallel", "reference"), ("memory_efficient", "auto")]:
+    for mode, impl in [
+        ("memory_efficient", "blockwise"),
+        ("blockwise_parallel", "blockwise"),
+        ("blockwise_parallel", "reference"),
+        ("memory_efficient", "auto"),
+    ]:
         cfg = dataclasses.replace(BASE, attention_mode=mode, attention_impl=impl)
         logits, loss, grads = forward(cfg, params, tokens, targets, segs)
         assert rel_err(logits, expected[0]) < TOL, (mode, impl)
@@ -91,7 +106,10 @@ def test_scanned_and_unscanned_layers_agree(batch):
     assert tree_rel_err(grads_u, unstack_layers(grads_s, 2)) < TOL
 
 
-@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable", "none"])
+@pytest.mark.parametrize(
+    "policy",
+    ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable", "none"],
+)
 def test_remat_policies_do_not_change_gradients(batch, policy):
     tokens, targets, params = batch
     expected = forward(BASE, params, tokens, targets)[2]
@@ -115,9 +133,15 @@ def test_dropout_is_active_only_when_training(batch):
     tokens, targets, params = batch
     model = GPT(dataclasses.replace(BASE, dropout=0.2))
     eval_loss = model.apply({"params": params}, tokens, targets=targets).loss
-    train = lambda seed: model.apply(
-        {"params": params}, tokens, targets=targets, deterministic=False, rngs={"dropout": jax.random.PRNGKey(seed)}
-    ).loss
+    train = lambda seed: (
+        model.apply(
+            {"params": params},
+            tokens,
+            targets=targets,
+            deterministic=False,
+            rngs={"dropout": jax.random.PRNGKey(seed)},
+        ).loss
+    )
     assert float(train(0)) == float(train(0))
     assert float(train(0)) != float(train(1)) and float(train(0)) != float(eval_loss)
 
@@ -129,7 +153,9 @@ def test_parameters_carry_logical_axis_names():
     assert tuple(specs["layers"]["wq"]) == ("layers", "embed", "heads", "head_dim")
     assert tuple(specs["layers"]["wk"]) == ("layers", "embed", "kv_heads", "head_dim")
     assert tuple(specs["layers"]["w1"]) == ("layers", "embed", "mlp")
-    assert all(len(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    assert all(
+        len(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    )
     params = nn.meta.unbox(boxed)
     assert sum(x.size for x in jax.tree.leaves(params)) == BASE.num_params()
 
@@ -158,7 +184,11 @@ def train_step_temp_bytes(mode: str, seq_len: int) -> int:
     model = GPT(model_config(c.model, vocab_size=256, seq_len=seq_len))
     state = jax.eval_shape(lambda: create_state(c, model, jax.random.PRNGKey(0)))
     tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-    batch = {"tokens": tokens, "targets": tokens, "loss_mask": jax.ShapeDtypeStruct((1, seq_len), jnp.float32)}
+    batch = {
+        "tokens": tokens,
+        "targets": tokens,
+        "loss_mask": jax.ShapeDtypeStruct((1, seq_len), jnp.float32),
+    }
     step = jax.jit(make_train_step(1))
     compiled = step.lower(state, batch, jax.random.PRNGKey(0)).compile()
     return compiled.memory_analysis().temp_size_in_bytes

@@ -81,7 +81,9 @@ def test_greedy_sampling_follows_the_full_forward_pass():
     model = GPT(model_config(c.model, vocab_size=9, seq_len=16))
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.zeros((1, 16), jnp.int32))["params"])
     prompt = np.array([1, 2, 3], np.int32)
-    new = generate(model, params, prompt, num_tokens=20, seq_len=16, rng=jax.random.PRNGKey(0), temperature=0.0)
+    new = generate(
+        model, params, prompt, num_tokens=20, seq_len=16, rng=jax.random.PRNGKey(0), temperature=0.0
+    )
     forward = jax.jit(lambda window: model.apply({"params": params}, window))
     seq = list(prompt)
     for token in new:  # each greedy token is the argmax of a forward pass over the last 16 tokens
@@ -124,7 +126,9 @@ def test_every_config_file_loads_and_builds_a_model():
 
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "bpt.cli.train", *args], cwd=cwd, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "bpt.cli.train", *args], cwd=cwd, capture_output=True, text=True
+    )
 
 
 def test_command_line_runs_and_rejects_unknown_keys(tmp_path):
@@ -132,8 +136,14 @@ def test_command_line_runs_and_rejects_unknown_keys(tmp_path):
     bad = run_cli("--config", config, "--config.model.attention_mod=vanilla", cwd=tmp_path)
     assert bad.returncode != 0 and "attention_mod" in bad.stderr
     ok = run_cli(
-        "--config", config, "--workdir", str(tmp_path / "run"), "--config.data.name=copy",
-        "--config.train.steps=4", "--config.train.log_every=2", "--config.model.attention_mode=memory_efficient",
+        "--config",
+        config,
+        "--workdir",
+        str(tmp_path / "run"),
+        "--config.data.name=copy",
+        "--config.train.steps=4",
+        "--config.train.log_every=2",
+        "--config.model.attention_mode=memory_efficient",
         cwd=tmp_path,
     )
     assert ok.returncode == 0, ok.stderr[-2000:]

@@ -98,7 +98,11 @@ class CopyTask:
         seq = np.concatenate([string, sep, string], axis=1)  # seq_len + 1 tokens
         mask = np.zeros((batch_size, self.seq_len), np.float32)
         mask[:, half:] = 1.0
-        return {"tokens": seq[:, :-1].astype(np.int32), "targets": seq[:, 1:].astype(np.int32), "loss_mask": mask}
+        return {
+            "tokens": seq[:, :-1].astype(np.int32),
+            "targets": seq[:, 1:].astype(np.int32),
+            "loss_mask": mask,
+        }
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
         return self._batch(np.random.default_rng([self.seed, step]), batch_size)
@@ -108,7 +112,9 @@ class CopyTask:
         return [self._batch(rng, batch_size) for _ in range(num_batches)]
 
 
-def split_documents(docs: list[np.ndarray], val_fraction: float, eot_id: int) -> tuple[np.ndarray, np.ndarray]:
+def split_documents(
+    docs: list[np.ndarray], val_fraction: float, eot_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Holds out the last val_fraction of every document; joins each split with eot tokens."""
     train, val = [], []
     for tokens in docs:

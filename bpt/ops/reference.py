@@ -109,7 +109,5 @@ def reference_attention(
     weights = jnp.exp(scores - row_max)
     denom = weights.sum(axis=-1, keepdims=True)
     weights = weights / jnp.where(denom == 0, 1.0, denom)
-    out = jnp.einsum(
-        "bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(q.shape).astype(q.dtype)

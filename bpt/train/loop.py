@@ -18,6 +18,7 @@ from bpt.config import check_config, model_config
 from bpt.data.datasets import make_dataset
 from bpt.models.gpt import GPT
 from bpt.sample import generate
+from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.optimizer import learning_rate_schedule, make_optimizer
 from bpt.train.step import eval_step, make_train_step
 
@@ -54,7 +55,11 @@ def create_state(config: ConfigDict, model: GPT, rng) -> TrainState:
 def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:
     sums = sum(np.asarray(step_fn(state, b)) for b in batches)
     loss = sums[0] / max(sums[1], 1.0)
-    return {"eval_loss": float(loss), "eval_perplexity": float(np.exp(loss)), "eval_accuracy": float(sums[2] / max(sums[1], 1.0))}
+    return {
+        "eval_loss": float(loss),
+        "eval_perplexity": float(np.exp(loss)),
+        "eval_accuracy": float(sums[2] / max(sums[1], 1.0)),
+    }
 
 
 class Reporter:
@@ -66,11 +71,15 @@ class Reporter:
         self.schedule = learning_rate_schedule(config.train)
         self.eval_fn = jax.jit(eval_step)
 
-    def log(self, pending: list[dict], step: int, state: TrainState, *, tokens_per_sec, evaluate_now: bool) -> dict:
+    def log(
+        self, pending: list[dict], step: int, state: TrainState, *, tokens_per_sec, evaluate_now: bool
+    ) -> dict:
         fetched = jax.device_get(pending)
         loss = float(np.mean([m["loss"] for m in fetched]))
         if not np.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss} at step {step}; lower train.learning_rate or check the data")
+            raise FloatingPointError(
+                f"loss became {loss} at step {step}; lower train.learning_rate or check the data"
+            )
         record = {
             "step": step,
             "loss": loss,
@@ -92,51 +101,110 @@ class Reporter:
         return record
 
 
-def train(config: ConfigDict, workdir: str | Path) -> dict:
-    """Trains config's model on config's data; returns the last logged metrics."""
+def setup(config: ConfigDict) -> tuple[object, GPT, TrainState]:
+    """The run's dataset, model and initial train state, after checking the config."""
     check_config(config)
+    dataset = make_dataset(config.data, config.seed)
+    model = GPT(model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len))
+    state = create_state(config, model, jax.random.fold_in(jax.random.PRNGKey(config.seed), 0))
+    return dataset, model, state
+
+
+def evaluate_checkpoint(workdir: str | Path, *, eval_batches: int = 0, batch_size: int = 0) -> dict:
+    """Validation loss, perplexity and accuracy of a run's latest checkpoint."""
+    workdir = Path(workdir)
+    config_path = workdir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: --workdir must be a bpt-train run")
+    config = ConfigDict(json.loads(config_path.read_text()))
+    dataset, _, state = setup(config)
+    with Checkpoints(workdir / "checkpoints", async_save=False) as checkpoints:
+        restored = checkpoints.restore_latest(state)
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}")
+    state = restored[0]
+    batches = dataset.eval_batches(
+        eval_batches or config.train.eval_batches, batch_size or config.train.batch_size
+    )
+    return {"step": int(state.step), **evaluate(state, batches, jax.jit(eval_step))}
+
+
+def train(config: ConfigDict, workdir: str | Path) -> dict:
+    """Trains config's model on config's data; returns the last logged metrics.
+
+    A workdir that holds checkpoints is resumed from the latest good one: the run then logs
+    exactly what an uninterrupted run would have logged after that step.
+    """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     tc = config.train
-
-    dataset = make_dataset(config.data, config.seed)
-    model = GPT(model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len))
+    dataset, model, state = setup(config)
     rng = jax.random.PRNGKey(config.seed)
-    state = create_state(config, model, jax.random.fold_in(rng, 0))
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
-    print(f"model: {num_params / 1e6:.2f}M parameters, attention_mode={model.config.attention_mode}, "
-          f"attention_impl={model.config.attention_impl}; data: {config.data.name}, seq_len={config.data.seq_len}")
+    print(
+        f"model: {num_params / 1e6:.2f}M parameters, attention_mode={model.config.attention_mode}, "
+        f"attention_impl={model.config.attention_impl}; data: {config.data.name}, seq_len={config.data.seq_len}"
+    )
 
-    train_step = jax.jit(make_train_step(tc.grad_accum_steps), donate_argnums=0)
-    step_rng = jax.random.fold_in(rng, 1)
-    tokens_per_step = tc.batch_size * config.data.seq_len
-    bar = tqdm(range(tc.steps), desc="train", unit="step", dynamic_ncols=True)
-    reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar)
+    with Checkpoints(
+        workdir / "checkpoints", keep=tc.keep_checkpoints, async_save=tc.async_checkpoints
+    ) as checkpoints:
+        restored = checkpoints.restore_latest(state)
+        if restored is not None:
+            state, _ = restored
+            print(f"resuming from the checkpoint at step {int(state.step)}")
+        elif config.init.params_from:
+            state = state.replace(params=load_params(config.init.params_from, state.params))
+            print(f"parameters loaded from {config.init.params_from}")
+        start = int(state.step)
+        meta = {"config": json.loads(config.to_json_best_effort()), "seed": config.seed}
 
-    pending, last, done = [], {}, 0
-    timer_start = timer_step = None
-    try:
-        for step in bar:
-            batch = dataset.train_batch(step, tc.batch_size)
-            state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
-            pending.append(metrics)
-            done = step + 1
-            if timer_start is None:  # the first step compiles; time from its end
-                jax.block_until_ready(metrics)
-                timer_start, timer_step = time.perf_counter(), done
-            if done % tc.log_every == 0 or done == tc.steps:
-                speed = (done - timer_step) * tokens_per_step / (time.perf_counter() - timer_start)
-                last = reporter.log(pending, done, state, tokens_per_sec=speed or None, evaluate_now=done == tc.steps)
-                pending = []
-    except KeyboardInterrupt:
-        print(f"\ninterrupted after step {done}")
-        if any(x.is_deleted() for x in jax.tree.leaves(state.params)):
-            return last  # stopped inside a step whose input state was already handed over
-        if pending:
-            last = reporter.log(pending, done, state, tokens_per_sec=None, evaluate_now=True)
-    finally:
-        bar.close()
+        train_step = jax.jit(make_train_step(tc.grad_accum_steps), donate_argnums=0)
+        step_rng = jax.random.fold_in(rng, 1)
+        tokens_per_step = tc.batch_size * config.data.seq_len
+        bar = tqdm(
+            range(start, tc.steps),
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            initial=start,
+            total=tc.steps,
+        )
+        reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar)
+
+        pending, last, done, saved = [], {}, start, start
+        timer_start = timer_step = None
+        try:
+            for step in bar:
+                batch = dataset.train_batch(step, tc.batch_size)
+                state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
+                pending.append(metrics)
+                done = step + 1
+                if timer_start is None:  # the first step compiles; time from its end
+                    jax.block_until_ready(metrics)
+                    timer_start, timer_step = time.perf_counter(), done
+                save_now = done % tc.checkpoint_every == 0 or done == tc.steps
+                if save_now or done % tc.log_every == 0:
+                    # Logging checks the loss for NaN, so it always precedes a save.
+                    speed = (done - timer_step) * tokens_per_step / (time.perf_counter() - timer_start)
+                    last = reporter.log(
+                        pending, done, state, tokens_per_sec=speed or None, evaluate_now=done == tc.steps
+                    )
+                    pending = []
+                if save_now:
+                    checkpoints.save(state, {**meta, "data_step": done})
+                    saved = done
+        except KeyboardInterrupt:
+            print(f"\ninterrupted after step {done}")
+            if any(x.is_deleted() for x in jax.tree.leaves(state.params)):
+                return last  # stopped inside a step whose input state was already handed over
+            if pending:
+                last = reporter.log(pending, done, state, tokens_per_sec=None, evaluate_now=True)
+            if done > saved:
+                checkpoints.save(state, {**meta, "data_step": done})
+        finally:
+            bar.close()
     if not last:
         return last
 
@@ -145,9 +213,14 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     tokenizer = getattr(dataset, "tokenizer", None)
     if tc.sample_tokens and tokenizer is not None:
         new = generate(
-            model, state.params, tokenizer.encode(tc.sample_prompt), num_tokens=tc.sample_tokens,
-            seq_len=config.data.seq_len, rng=jax.random.fold_in(rng, 2),
-            temperature=tc.sample_temperature, top_k=tc.sample_top_k,
+            model,
+            state.params,
+            tokenizer.encode(tc.sample_prompt),
+            num_tokens=tc.sample_tokens,
+            seq_len=config.data.seq_len,
+            rng=jax.random.fold_in(rng, 2),
+            temperature=tc.sample_temperature,
+            top_k=tc.sample_top_k,
         )
         text = tc.sample_prompt + tokenizer.decode(new)
         (workdir / "sample.txt").write_text(text)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,9 @@ def make_train_step(grad_accum_steps: int) -> Callable[[TrainState, dict, Any], 
         def accumulate(carry, inputs):
             grads, totals = carry
             index, mb = inputs
-            (_, out), g = jax.value_and_grad(summed_loss, has_aux=True)(state.params, mb, jax.random.fold_in(rng, index))
+            (_, out), g = jax.value_and_grad(summed_loss, has_aux=True)(
+                state.params, mb, jax.random.fold_in(rng, index)
+            )
             sums = jnp.stack([out.loss * out.num_tokens, out.num_tokens, out.accuracy * out.num_tokens])
             return (jax.tree.map(jnp.add, grads, g), totals + sums), None
 

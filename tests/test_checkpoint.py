@@ -1,0 +1,151 @@
+"""Checkpoints: exact resume, interrupted and damaged saves, params-only init, NaN refusal."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_train import copy_config
+
+from bpt.config import model_config
+from bpt.data.datasets import CopyTask
+from bpt.models.gpt import GPT
+from bpt.train.checkpoint import Checkpoints, ModelMismatch, load_params
+from bpt.train.loop import create_state, evaluate_checkpoint, train
+
+
+def run_config(steps=12):
+    c = copy_config(steps=steps)
+    c.train.log_every = 1
+    c.train.checkpoint_every = 4
+    c.train.async_checkpoints = False
+    return c
+
+
+def losses(workdir) -> dict[int, float]:
+    """The last logged loss of every step (a resumed run logs its steps again)."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def interrupt_at(monkeypatch, stop_step):
+    original = CopyTask.train_batch
+
+    def train_batch(self, step, batch_size):
+        if step == stop_step:
+            raise KeyboardInterrupt
+        return original(self, step, batch_size)
+
+    monkeypatch.setattr(CopyTask, "train_batch", train_batch)
+    return original
+
+
+def test_resumed_run_logs_exactly_the_same_losses(tmp_path, monkeypatch):
+    train(run_config(), tmp_path / "straight")
+    expected = losses(tmp_path / "straight")
+
+    resumed = tmp_path / "resumed"
+    original = interrupt_at(monkeypatch, 6)
+    train(run_config(), resumed)  # stops after step 6 and saves it
+    monkeypatch.setattr(CopyTask, "train_batch", original)
+    assert sorted(int(p.name) for p in (resumed / "checkpoints").iterdir()) == [4, 6]
+
+    # As if the process had been killed before the save at step 6: resume from step 4.
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    train(run_config(), resumed)
+    got = losses(resumed)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(5, 13):
+        assert got[step] == expected[step], step  # bitwise
+
+
+def test_an_interrupted_save_leaves_the_last_good_checkpoint(tmp_path):
+    train(run_config(steps=8), tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    # What a crash in the middle of writing step 12 leaves: a temporary folder, half written.
+    partial = ckpt / "12.orbax-checkpoint-tmp-1700000000"
+    shutil.copytree(ckpt / "8", partial)
+    shutil.rmtree(partial / "opt_state")
+    for f in (partial / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+
+    c = run_config(steps=8)
+    model = GPT(model_config(c.model, vocab_size=9, seq_len=c.data.seq_len))
+    fresh = create_state(c, model, jax.random.PRNGKey(0))
+    with Checkpoints(ckpt, keep=3, async_save=False) as checkpoints:
+        assert checkpoints.steps() == [4, 8]
+        state, meta = checkpoints.restore_latest(fresh)
+    assert int(state.step) == 8 and meta["data_step"] == 8
+    assert not partial.exists()  # leftovers of the interrupted save are cleaned up
+
+
+def test_a_damaged_checkpoint_is_skipped_with_a_warning(tmp_path):
+    train(run_config(steps=8), tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    for f in (ckpt / "8" / "opt_state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.unlink()
+    c = run_config(steps=8)
+    model = GPT(model_config(c.model, vocab_size=9, seq_len=c.data.seq_len))
+    with Checkpoints(ckpt, keep=3, async_save=False) as checkpoints:
+        with pytest.warns(UserWarning, match="checkpoint at step 8 cannot be loaded"):
+            state, _ = checkpoints.restore_latest(create_state(c, model, jax.random.PRNGKey(0)))
+        assert int(state.step) == 4
+        assert (ckpt / "8.damaged").is_dir() and checkpoints.steps() == [4]
+
+
+def test_params_only_init_into_another_dtype(tmp_path):
+    c = run_config(steps=4)
+    train(c, tmp_path / "base")
+    c.model.param_dtype = "bfloat16"
+    model = GPT(model_config(c.model, vocab_size=9, seq_len=c.data.seq_len))
+    like = create_state(c, model, jax.random.PRNGKey(7)).params
+    params = load_params(tmp_path / "base", like)
+    c32 = run_config(steps=4)
+    with Checkpoints(tmp_path / "base" / "checkpoints", async_save=False) as saved:
+        state32, _ = saved.restore_latest(
+            create_state(c32, GPT(model_config(c32.model, vocab_size=9, seq_len=64)), jax.random.PRNGKey(7))
+        )
+    for p, p32 in zip(jax.tree.leaves(params), jax.tree.leaves(state32.params), strict=True):
+        assert p.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(p32.astype(jnp.bfloat16)))
+
+    # Fine-tuning: a new run starts from those parameters, at step 0.
+    c.init.params_from = str(tmp_path / "base")
+    c.train.steps = 2
+    train(c, tmp_path / "finetune")
+    assert sorted(losses(tmp_path / "finetune")) == [1, 2]
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    train(run_config(steps=4), tmp_path)
+    c = run_config(steps=8)
+    c.model.d_model = 64
+    with pytest.raises(ModelMismatch, match="other parameter shapes"):
+        train(c, tmp_path)
+    with pytest.raises(ModelMismatch, match="do not fit the configured model"):
+        model = GPT(model_config(c.model, vocab_size=9, seq_len=64))
+        load_params(tmp_path, create_state(c, model, jax.random.PRNGKey(0)).params)
+
+
+def test_no_checkpoint_with_nan_is_written(tmp_path):
+    c = run_config(steps=4)
+    model = GPT(model_config(c.model, vocab_size=9, seq_len=c.data.seq_len))
+    state = create_state(c, model, jax.random.PRNGKey(0))
+    state = state.replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state.params))
+    with Checkpoints(tmp_path, async_save=False) as checkpoints:
+        with pytest.raises(FloatingPointError, match="NaN or inf"):
+            checkpoints.save(state, {})
+        assert checkpoints.steps() == []
+
+
+def test_evaluating_a_checkpoint_reproduces_the_runs_final_eval(tmp_path):
+    last = train(run_config(steps=8), tmp_path)
+    result = evaluate_checkpoint(tmp_path)
+    assert result["step"] == 8
+    assert result["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
+    with pytest.raises(FileNotFoundError, match="must be a bpt-train run"):
+        evaluate_checkpoint(tmp_path / "elsewhere")
