@@ -82,6 +82,7 @@ def base_config(size: str = "small") -> ConfigDict:
     c.train.eps = 1e-8
     c.train.grad_clip = 1.0
     c.train.log_every = 10
+    c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0: bf16 peak of the device kind
     c.train.eval_every = 200  # 0: evaluate only at the end
     c.train.eval_batches = 8
     c.train.checkpoint_every = 1000

@@ -19,25 +19,9 @@ from bpt.data.datasets import make_dataset
 from bpt.models.gpt import GPT
 from bpt.sample import generate
 from bpt.train.checkpoint import Checkpoints, load_params
+from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.optimizer import learning_rate_schedule, make_optimizer
 from bpt.train.step import eval_step, make_train_step
-
-
-class MetricsWriter:
-    """Appends one JSON object per logged step to <workdir>/metrics.jsonl."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
-
-
-def _plain(value):
-    if isinstance(value, (np.generic, jax.Array)):
-        return np.asarray(value).item()
-    return value
 
 
 def create_state(config: ConfigDict, model: GPT, rng) -> TrainState:
@@ -65,16 +49,28 @@ def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:
 class Reporter:
     """Turns the metrics of the steps since the last log into one metrics.jsonl line."""
 
-    def __init__(self, config: ConfigDict, workdir: Path, eval_data: list[dict], bar):
+    def __init__(self, config: ConfigDict, workdir: Path, eval_data: list[dict], bar, model: GPT):
         self.config, self.eval_data, self.bar = config, eval_data, bar
-        self.writer = MetricsWriter(workdir / "metrics.jsonl")
+        self.writer = MetricsWriter(workdir)
         self.schedule = learning_rate_schedule(config.train)
         self.eval_fn = jax.jit(eval_step)
+        self.flops_per_token = train_flops_per_token(model.config, config.data.seq_len)
+        self.device = jax.devices()[0]
+        peak = peak_flops_per_device(self.device, config.train.peak_flops)
+        self.peak_flops = peak * jax.device_count() if peak else None
+        self.tokens_per_step = config.train.batch_size * config.data.seq_len
+        self.timer = None  # (time, step) when timing began
 
-    def log(
-        self, pending: list[dict], step: int, state: TrainState, *, tokens_per_sec, evaluate_now: bool
-    ) -> dict:
-        fetched = jax.device_get(pending)
+    def start_timer(self, step: int) -> None:
+        """Call once the first (compiling) step has finished: throughput is timed from here."""
+        self.timer = (time.perf_counter(), step)
+
+    def log(self, pending: list[dict], step: int, state: TrainState, *, evaluate_now: bool) -> dict:
+        fetched = jax.device_get(pending)  # waits for the steps: only now is the time right
+        tokens_per_sec = None
+        if self.timer is not None and step > self.timer[1]:
+            elapsed = time.perf_counter() - self.timer[0]
+            tokens_per_sec = (step - self.timer[1]) * self.tokens_per_step / elapsed
         loss = float(np.mean([m["loss"] for m in fetched]))
         if not np.isfinite(loss):
             raise FloatingPointError(
@@ -87,7 +83,13 @@ class Reporter:
             "grad_norm": float(fetched[-1]["grad_norm"]),
             "learning_rate": float(self.schedule(step - 1)),
             "tokens_per_sec": tokens_per_sec,
+            "flops_per_token": self.flops_per_token,
         }
+        if tokens_per_sec and self.peak_flops:
+            record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
+        peak_memory = peak_memory_bytes(self.device)
+        if peak_memory is not None:
+            record["peak_memory_gib"] = peak_memory / 2**30
         eval_every = self.config.train.eval_every
         if evaluate_now or (eval_every and step % eval_every == 0):
             record.update(evaluate(state, self.eval_data, self.eval_fn))
@@ -95,10 +97,15 @@ class Reporter:
         postfix = {"loss": f"{loss:.3f}"}
         if tokens_per_sec:
             postfix["tok/s"] = f"{tokens_per_sec:.0f}"
+        if "mfu" in record:
+            postfix["mfu"] = f"{record['mfu']:.1%}"
         if "eval_loss" in record:
             postfix["eval"] = f"{record['eval_loss']:.3f}"
         self.bar.set_postfix(postfix)
         return record
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def setup(config: ConfigDict) -> tuple[object, GPT, TrainState]:
@@ -162,7 +169,6 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
 
         train_step = jax.jit(make_train_step(tc.grad_accum_steps), donate_argnums=0)
         step_rng = jax.random.fold_in(rng, 1)
-        tokens_per_step = tc.batch_size * config.data.seq_len
         bar = tqdm(
             range(start, tc.steps),
             desc="train",
@@ -171,40 +177,38 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
             initial=start,
             total=tc.steps,
         )
-        reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar)
+        reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar, model)
 
         pending, last, done, saved = [], {}, start, start
-        timer_start = timer_step = None
         try:
             for step in bar:
                 batch = dataset.train_batch(step, tc.batch_size)
                 state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
                 pending.append(metrics)
                 done = step + 1
-                if timer_start is None:  # the first step compiles; time from its end
+                if reporter.timer is None:  # the first step compiles; time from its end
                     jax.block_until_ready(metrics)
-                    timer_start, timer_step = time.perf_counter(), done
+                    reporter.start_timer(done)
                 save_now = done % tc.checkpoint_every == 0 or done == tc.steps
                 if save_now or done % tc.log_every == 0:
                     # Logging checks the loss for NaN, so it always precedes a save.
-                    speed = (done - timer_step) * tokens_per_step / (time.perf_counter() - timer_start)
-                    last = reporter.log(
-                        pending, done, state, tokens_per_sec=speed or None, evaluate_now=done == tc.steps
-                    )
+                    last = reporter.log(pending, done, state, evaluate_now=done == tc.steps)
                     pending = []
-                if save_now:
-                    checkpoints.save(state, {**meta, "data_step": done})
-                    saved = done
+                    if save_now:
+                        checkpoints.save(state, {**meta, "data_step": done})
+                        saved = done
+                    reporter.start_timer(done)  # evaluation and saving are not training time
         except KeyboardInterrupt:
             print(f"\ninterrupted after step {done}")
             if any(x.is_deleted() for x in jax.tree.leaves(state.params)):
                 return last  # stopped inside a step whose input state was already handed over
             if pending:
-                last = reporter.log(pending, done, state, tokens_per_sec=None, evaluate_now=True)
+                last = reporter.log(pending, done, state, evaluate_now=True)
             if done > saved:
                 checkpoints.save(state, {**meta, "data_step": done})
         finally:
             bar.close()
+            reporter.close()
     if not last:
         return last
 

@@ -1,0 +1,70 @@
+"""What a step costs: model FLOPs per token, MFU, peak device memory; and where metrics go.
+
+Model FLOPs count the matrix multiplications a forward and backward pass need (three times
+the forward's), never what rematerialization recomputes: 6 * N_matmul per token for the
+dense layers and the LM head, plus 6 * layers * heads * head_dim * seq for causal
+attention (12 * ... without the causal mask, halved because a query sees half the keys on
+average).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from bpt.models.gpt import GPTConfig
+
+# Dense bf16 tensor-core peak per device, FLOP/s.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def train_flops_per_token(cfg: GPTConfig, seq_len: int, *, causal: bool = True) -> float:
+    d, h, kv, hd, f = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.mlp_dim
+    matmul_params = cfg.num_layers * (2 * d * h * hd + 2 * d * kv * hd + 2 * d * f) + d * cfg.vocab_size
+    attention = 12 * cfg.num_layers * h * hd * seq_len * (0.5 if causal else 1.0)
+    return 6.0 * matmul_params + attention
+
+
+def peak_flops_per_device(device: jax.Device, override: float = 0.0) -> float | None:
+    """The device's bf16 peak (override wins); None where it is not known (a CPU, say)."""
+    if override:
+        return override
+    kind = device.device_kind.upper()
+    return next((peak for name, peak in PEAK_BF16_FLOPS.items() if name in kind), None)
+
+
+def peak_memory_bytes(device: jax.Device) -> int | None:
+    """Peak bytes in use on the device since the process started, where the backend says."""
+    stats = device.memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+class MetricsWriter:
+    """One JSON object per logged step in <workdir>/metrics.jsonl, and TensorBoard scalars."""
+
+    def __init__(self, workdir: Path):
+        from tensorboardX import SummaryWriter
+
+        self.path = workdir / "metrics.jsonl"
+        self.tensorboard = SummaryWriter(str(workdir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        record = {k: _plain(v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(key, value, record["step"])
+        self.tensorboard.flush()
+
+    def close(self) -> None:
+        self.tensorboard.close()
+
+
+def _plain(value):
+    if isinstance(value, (np.generic, jax.Array)):
+        return np.asarray(value).item()
+    return value
