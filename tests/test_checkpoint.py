@@ -1,7 +1,9 @@
 """Checkpoints: exact resume, interrupted and damaged saves, params-only init, NaN refusal."""
 
 import json
+import os
 import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +33,12 @@ def losses(workdir) -> dict[int, float]:
 
 
 def interrupt_at(monkeypatch, stop_step):
+    """Presses Ctrl-C while step stop_step runs: the run stops after it."""
     original = CopyTask.train_batch
 
     def train_batch(self, step, batch_size):
-        if step == stop_step:
-            raise KeyboardInterrupt
+        if step == stop_step - 1:
+            os.kill(os.getpid(), signal.SIGINT)
         return original(self, step, batch_size)
 
     monkeypatch.setattr(CopyTask, "train_batch", train_batch)

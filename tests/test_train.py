@@ -1,6 +1,8 @@
 """Configs, the optimizer, the train step, the loop and the bpt-train command."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -153,16 +155,17 @@ def test_command_line_runs_and_rejects_unknown_keys(tmp_path):
     assert saved["model"]["attention_mode"] == "memory_efficient"
 
 
-def test_ctrl_c_stops_cleanly_with_a_final_log_line(tmp_path, monkeypatch):
+def test_ctrl_c_stops_after_the_step_with_a_log_line_and_a_checkpoint(tmp_path, monkeypatch):
     original = CopyTask.train_batch
 
-    def interrupt_at_step_7(self, step, batch_size):
-        if step == 7:
-            raise KeyboardInterrupt
+    def press_ctrl_c_during_step_7(self, step, batch_size):
+        if step == 6:  # the batch of the 7th step
+            os.kill(os.getpid(), signal.SIGINT)
         return original(self, step, batch_size)
 
-    monkeypatch.setattr(CopyTask, "train_batch", interrupt_at_step_7)
+    monkeypatch.setattr(CopyTask, "train_batch", press_ctrl_c_during_step_7)
     last = train(copy_config(steps=20), tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5, 7]
     assert last["step"] == 7 and "eval_loss" in last
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["7"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -108,6 +110,34 @@ class Reporter:
         self.writer.close()
 
 
+class StopRequest:
+    """Turns the first Ctrl-C (SIGINT) into a request to stop after the current step.
+
+    The loop then logs, evaluates and saves a checkpoint before returning; stopping inside a
+    step instead would lose that step's state, whose buffers are already handed to the
+    device. A second Ctrl-C interrupts at once.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nstopping after this step (Ctrl-C again to abort now)", flush=True)
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def setup(config: ConfigDict) -> tuple[object, GPT, TrainState]:
     """The run's dataset, model and initial train state, after checking the config."""
     check_config(config)
@@ -179,36 +209,33 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         )
         reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar, model)
 
-        pending, last, done, saved = [], {}, start, start
-        try:
-            for step in bar:
-                batch = dataset.train_batch(step, tc.batch_size)
-                state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
-                pending.append(metrics)
-                done = step + 1
-                if reporter.timer is None:  # the first step compiles; time from its end
-                    jax.block_until_ready(metrics)
-                    reporter.start_timer(done)
-                save_now = done % tc.checkpoint_every == 0 or done == tc.steps
-                if save_now or done % tc.log_every == 0:
-                    # Logging checks the loss for NaN, so it always precedes a save.
-                    last = reporter.log(pending, done, state, evaluate_now=done == tc.steps)
-                    pending = []
-                    if save_now:
-                        checkpoints.save(state, {**meta, "data_step": done})
-                        saved = done
-                    reporter.start_timer(done)  # evaluation and saving are not training time
-        except KeyboardInterrupt:
-            print(f"\ninterrupted after step {done}")
-            if any(x.is_deleted() for x in jax.tree.leaves(state.params)):
-                return last  # stopped inside a step whose input state was already handed over
-            if pending:
-                last = reporter.log(pending, done, state, evaluate_now=True)
-            if done > saved:
-                checkpoints.save(state, {**meta, "data_step": done})
-        finally:
-            bar.close()
-            reporter.close()
+        pending, last, done = [], {}, start
+        with StopRequest() as stop:
+            try:
+                for step in bar:
+                    batch = dataset.train_batch(step, tc.batch_size)
+                    state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
+                    pending.append(metrics)
+                    done = step + 1
+                    if reporter.timer is None:  # the first step compiles; time from its end
+                        jax.block_until_ready(metrics)
+                        reporter.start_timer(done)
+                    stopping = stop.requested  # read once: a signal may arrive at any moment
+                    final = done == tc.steps or stopping
+                    save_now = final or done % tc.checkpoint_every == 0
+                    if save_now or done % tc.log_every == 0:
+                        # Logging checks the loss for NaN, so it always precedes a save.
+                        last = reporter.log(pending, done, state, evaluate_now=final)
+                        pending = []
+                        if save_now:
+                            checkpoints.save(state, {**meta, "data_step": done})
+                        reporter.start_timer(done)  # evaluation and saving are not training time
+                    if stopping:
+                        print(f"\nstopped after step {done}; its checkpoint is saved")
+                        break
+            finally:
+                bar.close()
+                reporter.close()
     if not last:
         return last
 
