@@ -91,7 +91,8 @@ def base_config(size: str = "small") -> ConfigDict:
     c.train.sample_tokens = 200  # tokens generated at the end of training (0: none)
     c.train.sample_prompt = "ROMEO:"
     c.train.sample_temperature = 0.8
-    c.train.sample_top_k = 40
+    c.train.sample_top_k = 40  # 0: no top-k cut
+    c.train.sample_top_p = 1.0  # < 1: nucleus sampling
 
     c.init = ConfigDict()
     c.init.params_from = ""  # a run's workdir or checkpoint: start from its parameters (fine-tuning)

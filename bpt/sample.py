@@ -1,7 +1,8 @@
-"""Autoregressive sampling with temperature and top-k.
+"""Autoregressive sampling with a key/value cache: temperature, top-k and top-p (nucleus).
 
-Each new token re-runs the model over a fixed window of the last seq_len tokens (no KV
-cache yet), so it is meant for short samples from small models.
+The prompt is one prefill through the model's own attention implementation (blockwise or
+cuDNN, so long prompts stay in linear memory); each new token is then one decode step that
+attends to the cache. The whole decode loop is one jit-ed lax.scan.
 """
 
 from __future__ import annotations
@@ -13,15 +14,45 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def sample_logits(logits: jax.Array, rng, *, temperature: float, top_k: int) -> jax.Array:
-    """Draws one token per row of logits [batch, vocab]; temperature 0 takes the argmax."""
+def sample_logits(
+    logits: jax.Array, rng, *, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> jax.Array:
+    """Draws one token per row of logits [batch, vocab]; temperature 0 takes the argmax.
+
+    top_k > 0 keeps the k most likely tokens; top_p < 1 keeps the smallest set of most likely
+    tokens whose probability reaches top_p.
+    """
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1)
-    logits = logits / temperature
+    logits = logits.astype(jnp.float32) / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        # The smallest logit still needed to reach top_p (the first token is always kept).
+        cutoff_index = jnp.sum(cumulative < top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.random.categorical(rng, logits, axis=-1)
+
+
+def init_cache(model, batch_size: int, max_len: int):
+    """An empty key/value cache for batch_size sequences of up to max_len tokens."""
+    tokens = jnp.zeros((batch_size, max_len), jnp.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, decode=True)["cache"])
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _set_index(cache, index: int):
+    """Points the cache's write position (the top-level "index") at `index`."""
+    return {**cache, "index": jnp.asarray(index, jnp.int32)}
+
+
+def prefill_length(prompt_len: int, chunk_size: int) -> int:
+    """The prompt is padded at the end to a whole number of chunks when it spans several."""
+    return prompt_len if prompt_len <= chunk_size else -(-prompt_len // chunk_size) * chunk_size
 
 
 def generate(
@@ -30,30 +61,63 @@ def generate(
     prompt: np.ndarray,
     *,
     num_tokens: int,
-    seq_len: int,
+    max_len: int,
     rng,
     temperature: float = 0.8,
-    top_k: int = 40,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> np.ndarray:
-    """Extends a 1-D prompt of token ids by num_tokens sampled tokens; returns the new ones."""
-    prompt = np.asarray(prompt, np.int32)[-seq_len:]
+    """Extends a 1-D prompt of token ids by num_tokens sampled tokens; returns the new ones.
+
+    max_len: the cache length, normally the context the model was trained at. A prompt too
+    long to leave room for num_tokens keeps only its last tokens.
+    """
+    if not 0 < num_tokens < max_len:
+        raise ValueError(f"num_tokens must be in [1, max_len={max_len}); got {num_tokens}")
+    prompt = np.asarray(prompt, np.int32)[-(max_len - num_tokens) :]
     if len(prompt) == 0:
         raise ValueError("the prompt must hold at least one token")
-    window = np.zeros((1, seq_len), np.int32)
-    window[0, : len(prompt)] = prompt
+    padded_len = prefill_length(len(prompt), model.config.q_chunk_size)
+    if padded_len > max_len:
+        raise ValueError(
+            f"a prompt of {len(prompt)} tokens, padded to whole chunks of model.q_chunk_size="
+            f"{model.config.q_chunk_size}, does not fit a cache of max_len={max_len}"
+        )
+    padded = np.zeros((1, padded_len), np.int32)
+    padded[0, : len(prompt)] = prompt
+    return np.asarray(
+        _generate(
+            model,
+            params,
+            jnp.asarray(padded),
+            len(prompt),
+            num_tokens,
+            max_len,
+            rng,
+            temperature,
+            top_k,
+            top_p,
+        )
+    )[0]
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(window, length, rng):
-        # Causal attention: tokens after `length` (padding) never affect position length - 1.
-        logits = model.apply({"params": params}, window)[0, length - 1]
-        token = sample_logits(logits[None], rng, temperature=temperature, top_k=top_k)[0]
-        full = length == seq_len
-        window = jnp.where(full, jnp.roll(window, -1, axis=1), window)
-        position = jnp.where(full, seq_len - 1, length)
-        return window.at[0, position].set(token), jnp.minimum(length + 1, seq_len), token
 
-    window, length, out = jnp.asarray(window), jnp.int32(len(prompt)), []
-    for i in range(num_tokens):
-        window, length, token = step(window, length, jax.random.fold_in(rng, i))
-        out.append(token)
-    return np.asarray(jax.device_get(out), np.int32)
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 7, 8, 9))
+def _generate(model, params, padded, prompt_len, num_tokens, max_len, rng, temperature, top_k, top_p):
+    cache = init_cache(model, padded.shape[0], max_len)
+    logits, variables = model.apply(
+        {"params": params, "cache": cache}, padded, decode=True, mutable=["cache"]
+    )
+    # Slots past the prompt hold the padding's keys; decode steps overwrite them in order.
+    cache = _set_index(variables["cache"], prompt_len)
+
+    def step(carry, step_rng):
+        cache, last_logits = carry
+        token = sample_logits(last_logits, step_rng, temperature=temperature, top_k=top_k, top_p=top_p)
+        logits, variables = model.apply(
+            {"params": params, "cache": cache}, token[:, None], decode=True, mutable=["cache"]
+        )
+        return (variables["cache"], logits[:, -1]), token
+
+    rngs = jax.random.split(rng, num_tokens)
+    _, tokens = jax.lax.scan(step, (cache, logits[:, prompt_len - 1]), rngs)
+    return tokens.T

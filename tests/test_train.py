@@ -17,7 +17,6 @@ from conftest import tree_rel_err
 from bpt.config import base_config, check_config, model_config
 from bpt.data.datasets import CopyTask
 from bpt.models.gpt import GPT
-from bpt.sample import generate
 from bpt.train.loop import create_state, train
 from bpt.train.optimizer import decay_mask
 from bpt.train.step import make_train_step
@@ -76,22 +75,6 @@ def test_weight_decay_only_on_matrices():
     mask = decay_mask(params)
     assert mask["embedding"] and mask["layers"]["wq"] and mask["layers"]["w1"]
     assert not mask["layers"]["b1"] and not mask["layers"]["ln1_scale"] and not mask["ln_f_bias"]
-
-
-def test_greedy_sampling_follows_the_full_forward_pass():
-    c = copy_config()
-    model = GPT(model_config(c.model, vocab_size=9, seq_len=16))
-    params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.zeros((1, 16), jnp.int32))["params"])
-    prompt = np.array([1, 2, 3], np.int32)
-    new = generate(
-        model, params, prompt, num_tokens=20, seq_len=16, rng=jax.random.PRNGKey(0), temperature=0.0
-    )
-    forward = jax.jit(lambda window: model.apply({"params": params}, window))
-    seq = list(prompt)
-    for token in new:  # each greedy token is the argmax of a forward pass over the last 16 tokens
-        window = np.array(seq[-16:], np.int32)[None]
-        assert token == int(jnp.argmax(forward(window)[0, -1]))
-        seq.append(int(token))
 
 
 @pytest.mark.parametrize(

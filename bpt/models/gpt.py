@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from bpt.ops.attention import attention, check_impl, select_impl
 from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
 from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy, from_chunks, scan_chunks
+from bpt.ops.decode import decode_attention
 from bpt.ops.remat import POLICIES, check_policy, remat
 
 Array = jax.Array
@@ -190,6 +191,7 @@ class Block(nn.Module):
 
     config: GPTConfig
     deterministic: bool = True
+    decode: bool = False  # use and update the key/value cache (collection "cache")
 
     def _param(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init) -> Array:
         cfg = self.config
@@ -223,7 +225,13 @@ class Block(nn.Module):
         }
 
     @nn.compact
-    def __call__(self, x: Array, segment_ids: Array | None, rotary: tuple[Array, Array] | None):
+    def __call__(
+        self,
+        x: Array,
+        segment_ids: Array | None,
+        rotary: tuple[Array, Array] | None,
+        cache_index: Array | None = None,
+    ):
         cfg = self.config
         p = self._params()
         rng = None if self.deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
@@ -250,6 +258,9 @@ class Block(nn.Module):
                 kv_chunk_size=cfg.kv_chunk_size,
             )
 
+        if self.decode:
+            a = self._cached_attention(q, k, v, impl, cache_index)
+            return ffn_residual(x + project_out(p, a), None), None
         if cfg.attention_mode == "blockwise_parallel" and impl == "blockwise":
             return self._fused_blockwise(p, x, q, k, v, segment_ids, rng, ffn_residual), None
 
@@ -279,6 +290,32 @@ class Block(nn.Module):
             post_attention, (x, a), chunk_size=cfg.q_chunk_size, policy="none", name="q_chunk_size"
         )
         return from_chunks(out), None
+
+    def _cached_attention(self, q, k, v, impl: str, cache_index: Array) -> Array:
+        """Attention while decoding. The cache holds every position's keys and values.
+
+        A call with several tokens is a prefill: the cache starts over with them, and they
+        attend to each other through the model's attention implementation. A call with one
+        token attends to the cache up to its own position.
+        """
+        cfg = self.config
+        cached_k = self.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
+        cached_v = self.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
+        length = q.shape[1]
+        start = 0 if length > 1 else cache_index
+        cached_k.value = jax.lax.dynamic_update_slice_in_dim(cached_k.value, k, start, axis=1)
+        cached_v.value = jax.lax.dynamic_update_slice_in_dim(cached_v.value, v, start, axis=1)
+        if length > 1:
+            return attention(
+                q,
+                k,
+                v,
+                impl=impl,
+                causal=True,
+                q_chunk_size=cfg.q_chunk_size,
+                kv_chunk_size=cfg.kv_chunk_size,
+            )
+        return decode_attention(q, cached_k.value, cached_v.value, start + jnp.arange(length))
 
     def _fused_blockwise(self, p, x, q, k, v, segment_ids, rng, ffn_residual):
         """The BPT loop: per query block, attention over all key/value blocks, then the FFN."""
@@ -323,13 +360,24 @@ class GPT(nn.Module):
         segment_ids: Array | None = None,
         positions: Array | None = None,
         deterministic: bool = True,
+        decode: bool = False,
     ) -> Array | CrossEntropy:
         """tokens [batch, seq] int -> logits [batch, seq, vocab] float32, or, given targets
-        [batch, seq], the CrossEntropy of the next-token predictions (loss_mask weights them)."""
+        [batch, seq], the CrossEntropy of the next-token predictions (loss_mask weights them).
+
+        decode=True reads and updates the key/value cache (collection "cache", see
+        bpt.sample): several tokens are a prefill from position 0, one token continues.
+        """
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         seq_len = tokens.shape[1]
-        if positions is None:
+        cache_index = None
+        if decode:
+            index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+            cache_index = jnp.zeros((), jnp.int32) if seq_len > 1 else index.value
+            index.value = cache_index + seq_len
+            positions = cache_index + jnp.arange(seq_len)
+        elif positions is None:
             positions = jnp.arange(seq_len)
         normal = nn.initializers.normal(0.02)
         embedding = self.param(
@@ -359,21 +407,23 @@ class GPT(nn.Module):
             x = dropout(x, cfg.dropout, self.make_rng("dropout"))
 
         block = Block
-        if cfg.remat_layer != "none":
+        if cfg.remat_layer != "none" and not decode:
             block = nn.remat(Block, policy=POLICIES[cfg.remat_layer], prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
             layers = nn.scan(
                 block,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, "cache": 0},
                 split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, deterministic, name="layers")
-            x, _ = layers(x, segment_ids, rotary)
+            )(cfg, deterministic, decode, name="layers")
+            x, _ = layers(x, segment_ids, rotary, cache_index)
         else:
             for i in range(cfg.num_layers):
-                x, _ = block(cfg, deterministic, name=f"layer_{i}")(x, segment_ids, rotary)
+                x, _ = block(cfg, deterministic, decode, name=f"layer_{i}")(
+                    x, segment_ids, rotary, cache_index
+                )
 
         scale = self.param(
             "ln_f_scale",

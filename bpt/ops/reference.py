@@ -93,13 +93,22 @@ def reference_attention(
       [batch, q_len, heads, head_dim] in q's dtype. A query with no visible key gives zeros.
     """
     check_qkv(q, k, v)
-    q_len, kv_len, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
+    q_len, kv_len = q.shape[1], k.shape[1]
     q_seg, kv_seg = split_segment_ids(segment_ids, q_len, kv_len)
+    q_pos = jnp.arange(q_len) + (kv_len - q_len)
+    mask = attention_mask(q_pos, jnp.arange(kv_len), q_seg, kv_seg, causal)
+    return masked_attention(q, k, v, mask)
+
+
+def masked_attention(q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+    """Materialized softmax attention under a boolean mask (see attention_mask).
+
+    Scores and softmax in float32. A query whose keys are all masked gives zeros.
+    """
+    num_kv_heads, head_dim = k.shape[2], q.shape[3]
     scores = jnp.einsum(
         "bqhgd,bkhd->bhgqk", group_heads(q, num_kv_heads), k, preferred_element_type=jnp.float32
     ) / math.sqrt(head_dim)
-    q_pos = jnp.arange(q_len) + (kv_len - q_len)
-    mask = attention_mask(q_pos, jnp.arange(kv_len), q_seg, kv_seg, causal)
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)
     # Softmax is invariant to the shift, so the max needs no gradient; rows with nothing

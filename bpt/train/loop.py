@@ -149,21 +149,26 @@ def setup(config: ConfigDict) -> tuple[object, GPT, TrainState]:
 
 def evaluate_checkpoint(workdir: str | Path, *, eval_batches: int = 0, batch_size: int = 0) -> dict:
     """Validation loss, perplexity and accuracy of a run's latest checkpoint."""
+    config, dataset, _, state = restore_run(workdir)
+    batches = dataset.eval_batches(
+        eval_batches or config.train.eval_batches, batch_size or config.train.batch_size
+    )
+    return {"step": int(state.step), **evaluate(state, batches, jax.jit(eval_step))}
+
+
+def restore_run(workdir: str | Path):
+    """(config, dataset, model, state) of a run's latest checkpoint."""
     workdir = Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: --workdir must be a bpt-train run")
     config = ConfigDict(json.loads(config_path.read_text()))
-    dataset, _, state = setup(config)
+    dataset, model, state = setup(config)
     with Checkpoints(workdir / "checkpoints", async_save=False) as checkpoints:
         restored = checkpoints.restore_latest(state)
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}")
-    state = restored[0]
-    batches = dataset.eval_batches(
-        eval_batches or config.train.eval_batches, batch_size or config.train.batch_size
-    )
-    return {"step": int(state.step), **evaluate(state, batches, jax.jit(eval_step))}
+    return config, dataset, model, restored[0]
 
 
 def train(config: ConfigDict, workdir: str | Path) -> dict:
@@ -247,11 +252,12 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
             model,
             state.params,
             tokenizer.encode(tc.sample_prompt),
-            num_tokens=tc.sample_tokens,
-            seq_len=config.data.seq_len,
+            num_tokens=min(tc.sample_tokens, config.data.seq_len - 1),
+            max_len=config.data.seq_len,
             rng=jax.random.fold_in(rng, 2),
             temperature=tc.sample_temperature,
             top_k=tc.sample_top_k,
+            top_p=tc.sample_top_p,
         )
         text = tc.sample_prompt + tokenizer.decode(new)
         (workdir / "sample.txt").write_text(text)

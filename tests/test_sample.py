@@ -1,0 +1,121 @@
+"""Decoding with the key/value cache computes what the full forward pass computes."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+from test_model import BASE
+
+from bpt.models.gpt import GPT
+from bpt.ops import reference_attention
+from bpt.ops.decode import decode_attention
+from bpt.sample import _set_index, generate, init_cache, prefill_length, sample_logits
+
+
+def test_decode_attention_equals_the_matching_rows_of_causal_attention(key):
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (2, 24, 4, 16))
+    k = jax.random.normal(kk, (2, 24, 2, 16))
+    v = jax.random.normal(kv, (2, 24, 2, 16))
+    full = reference_attention(q, k, v, causal=True)
+    # A cache of 32 slots, filled up to position 23; slots 24.. hold garbage.
+    k_cache = jnp.concatenate([k, 1e3 * jnp.ones((2, 8, 2, 16))], axis=1)
+    v_cache = jnp.concatenate([v, 1e3 * jnp.ones((2, 8, 2, 16))], axis=1)
+    for pos in (0, 5, 23):
+        out = decode_attention(q[:, pos : pos + 1], k_cache, v_cache, jnp.array([pos]))
+        assert rel_err(out, full[:, pos : pos + 1]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "mode,position_embedding,prompt_len",
+    [
+        ("blockwise_parallel", "rotary", 21),  # the prefill is padded to 32
+        ("blockwise_parallel", "learned", 16),
+        ("vanilla", "rotary", 9),
+        ("memory_efficient", "rotary", 40),
+    ],
+)
+def test_cached_decoding_gives_the_full_forward_logits(key, mode, position_embedding, prompt_len):
+    cfg = dataclasses.replace(BASE, attention_mode=mode, position_embedding=position_embedding)
+    model = GPT(cfg)
+    tokens = jax.random.randint(key, (2, 48), 0, cfg.vocab_size)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"])
+    full = model.apply({"params": params}, tokens)
+
+    padded_len = prefill_length(prompt_len, cfg.q_chunk_size)
+    prompt = jnp.zeros((2, padded_len), jnp.int32).at[:, :prompt_len].set(tokens[:, :prompt_len])
+    cache = init_cache(model, 2, 64)
+    logits, variables = model.apply(
+        {"params": params, "cache": cache}, prompt, decode=True, mutable=["cache"]
+    )
+    assert rel_err(logits[:, :prompt_len], full[:, :prompt_len]) < 1e-5
+    cache = _set_index(variables["cache"], prompt_len)
+
+    @jax.jit
+    def step(cache, token):
+        logits, variables = model.apply(
+            {"params": params, "cache": cache}, token, decode=True, mutable=["cache"]
+        )
+        return variables["cache"], logits
+
+    for t in range(prompt_len, 48):
+        cache, logits = step(cache, tokens[:, t : t + 1])
+        assert rel_err(logits[:, 0], full[:, t]) < 1e-5, t
+
+
+def test_greedy_generation_follows_the_full_forward_pass():
+    model = GPT(BASE)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.zeros((1, 64), jnp.int32))["params"])
+    prompt = np.array([5, 7, 11, 13, 2, 3, 5, 8, 13, 21, 34, 55, 89, 1, 2, 4, 8, 16, 32], np.int32)
+    new = generate(
+        model, params, prompt, num_tokens=30, max_len=64, rng=jax.random.PRNGKey(0), temperature=0.0
+    )
+    seq = np.concatenate([prompt, new])
+    logits = model.apply({"params": params}, jnp.asarray(np.pad(seq, (0, 64 - len(seq))))[None])[0]
+    expected = np.argmax(np.asarray(logits[len(prompt) - 1 : len(seq) - 1]), axis=-1)
+    np.testing.assert_array_equal(new, expected)
+
+
+def test_top_k_and_top_p_keep_only_the_likely_tokens():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    draws = lambda **kw: {
+        int(sample_logits(logits, jax.random.PRNGKey(i), temperature=1.0, **kw)[0]) for i in range(200)
+    }
+    assert draws(top_k=2) == {0, 1}
+    assert draws(top_p=0.75) == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    assert draws(top_p=0.9) == {0, 1, 2}
+    assert draws() == {0, 1, 2, 3}
+    assert int(sample_logits(logits, jax.random.PRNGKey(0), temperature=0.0)[0]) == 0
+
+
+def test_generation_arguments_are_checked():
+    model = GPT(BASE)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.zeros((1, 64), jnp.int32))["params"])
+    with pytest.raises(ValueError, match="num_tokens must be in"):
+        generate(model, params, np.array([1]), num_tokens=64, max_len=64, rng=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, params, np.array([], np.int32), num_tokens=4, max_len=64, rng=jax.random.PRNGKey(0))
+
+
+def test_sample_command_continues_a_prompt(tmp_path):
+    import subprocess
+    import sys
+
+    from test_data import text_config, write_corpus
+
+    from bpt.train.loop import train
+
+    corpus = write_corpus(tmp_path / "corpus", ["Friends, Romans, countrymen, lend me your ears. " * 40])
+    c = text_config(corpus, seq_len=64)
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 16
+    c.train.steps, c.train.log_every, c.train.sample_tokens = 3, 3, 0
+    train(c, tmp_path / "run")
+    cmd = [sys.executable, "-m", "bpt.cli.sample", "--workdir", str(tmp_path / "run"), "--prompt", "Friends,",
+           "--num_tokens", "20", "--temperature", "0"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("Friends,") and len(result.stdout) > len("Friends,")
