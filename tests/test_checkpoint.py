@@ -23,6 +23,7 @@ def run_config(steps=12):
     c.train.log_every = 1
     c.train.checkpoint_every = 4
     c.train.async_checkpoints = False
+    c.data.prefetch = 0  # interrupt_at signals from inside the batch of a step
     return c
 
 
@@ -62,6 +63,32 @@ def test_resumed_run_logs_exactly_the_same_losses(tmp_path, monkeypatch):
     assert sorted(got) == list(range(1, 13))
     for step in range(5, 13):
         assert got[step] == expected[step], step  # bitwise
+
+
+def test_resume_on_packed_jsonl_documents_with_prefetch_is_exact(tmp_path):
+    """The datasets path, segment ids and the prefetch thread, killed after the save at step 4."""
+    rng = np.random.default_rng(0)
+    words = ["thou", "art", "more", "lovely", "and", "temperate", "rough", "winds", "do", "shake"]
+    docs = [" ".join(rng.choice(words, size=rng.integers(5, 40))) for _ in range(60)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    c = run_config(steps=8)
+    c.data.update(
+        name="hf",
+        path=str(tmp_path / "docs.jsonl"),
+        seq_len=64,
+        segment_ids=True,
+        val_fraction=0.1,
+        prefetch=2,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    train(c, tmp_path / "straight")
+    expected = losses(tmp_path / "straight")
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "4", tmp_path / "resumed" / "checkpoints" / "4")
+    train(c, tmp_path / "resumed")
+    got = losses(tmp_path / "resumed")
+    assert sorted(got) == [5, 6, 7, 8]
+    assert all(got[s] == expected[s] for s in got), (got, expected)  # bitwise
 
 
 def test_an_interrupted_save_leaves_the_last_good_checkpoint(tmp_path):

@@ -110,7 +110,7 @@ def test_sample_command_continues_a_prompt(tmp_path):
     from bpt.train.loop import train
 
     corpus = write_corpus(tmp_path / "corpus", ["Friends, Romans, countrymen, lend me your ears. " * 40])
-    c = text_config(corpus, seq_len=64)
+    c = text_config(corpus, tmp_path, seq_len=64)
     c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 16
     c.train.steps, c.train.log_every, c.train.sample_tokens = 3, 3, 0
     train(c, tmp_path / "run")

