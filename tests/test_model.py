@@ -88,6 +88,7 @@ def test_modes_agree_with_segment_ids_and_other_impls(batch, key):
         ("blockwise_parallel", "blockwise"),
         ("blockwise_parallel", "reference"),
         ("memory_efficient", "auto"),
+        ("blockwise_parallel", "pallas"),  # the kernel, then the FFN and loss block by block
     ]:
         cfg = dataclasses.replace(BASE, attention_mode=mode, attention_impl=impl)
         logits, loss, grads = forward(cfg, params, tokens, targets, segs)

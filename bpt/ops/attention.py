@@ -5,8 +5,9 @@
 | reference   | O(seq^2)    | anywhere                 | yes               |
 | blockwise   | O(seq)      | anywhere                 | yes               |
 | cudnn       | O(seq)      | NVIDIA GPU, bf16/fp16    | no                |
-| auto        | picks one: cudnn where it supports the inputs, else blockwise (or
-|             | reference when the whole sequence fits in one chunk)           |
+| pallas      | O(seq)      | NVIDIA GPU (Triton); elsewhere interpret mode (tests) | yes |
+| auto        | on a GPU: cudnn where it supports the inputs, else pallas for bf16/fp16;
+|             | otherwise blockwise (reference when the sequence fits in one chunk) |
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from bpt.ops.blockwise import blockwise_attention
+from bpt.ops.kernels.flash import flash_attention
 from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
 
 Array = jax.Array
-IMPLS = ("reference", "blockwise", "cudnn", "auto")
+IMPLS = ("reference", "blockwise", "cudnn", "pallas", "auto")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -49,6 +51,12 @@ def select_impl(
     """The implementation impl='auto' runs for these inputs on this platform."""
     if cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids) is None:
         return "cudnn"
+    if (
+        jax.default_backend() == "gpu"
+        and q.dtype in _CUDNN_DTYPES
+        and not (causal and q.shape[1] != k.shape[1])
+    ):
+        return "pallas"  # segment ids, or a head_dim cuDNN does not take (fp32: not measured yet)
     if q.shape[1] <= q_chunk_size and k.shape[1] <= kv_chunk_size:
         return "reference"  # one block: the blockwise loop would compute the same thing
     return "blockwise"
@@ -68,7 +76,8 @@ def attention(
     """Softmax attention on [batch, seq, heads, head_dim] inputs by the chosen implementation.
 
     Every implementation computes the same function (see bpt.ops.reference_attention); the
-    chunk sizes are used by the blockwise implementation and ignored by the others.
+    chunk sizes are used by the blockwise implementation and ignored by the others (the
+    Pallas kernel picks its own blocks).
     """
     check_impl(impl)
     check_qkv(q, k, v)
@@ -93,6 +102,8 @@ def attention(
             q_chunk_size=q_chunk_size,
             kv_chunk_size=kv_chunk_size,
         )
+    if impl == "pallas":
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     reason = cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids)
     if reason is not None:
         raise ValueError(f"attention impl='cudnn' cannot run here: {reason}; use impl='blockwise' or 'auto'")

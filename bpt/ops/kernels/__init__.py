@@ -1,0 +1,5 @@
+"""Pallas kernels: FlashAttention-2 forward and backward (flash.py)."""
+
+from bpt.ops.kernels.flash import flash_attention, flash_attention_with_lse
+
+__all__ = ["flash_attention", "flash_attention_with_lse"]

@@ -1,0 +1,442 @@
+"""FlashAttention-2 as Pallas kernels: forward, and a backward in two passes (dK/dV, then dQ).
+
+Layout [batch, seq, heads, head_dim] like the rest of bpt.ops; the kernels read q, k and v
+in place (no transposes). The softmax statistics are kept in base 2 (exp2 of scores
+pre-scaled by log2(e)/sqrt(head_dim)); the logsumexp the forward returns is in natural
+units, [batch, heads, seq], +inf on rows that see no key (so exp(s - lse) is exactly 0).
+
+- Forward: grid (batch, heads, query blocks). Each program loops over key/value blocks with
+  an unscaled float32 accumulator and running max/sum and rescales once at the end. Causal:
+  blocks above the diagonal are never visited; blocks below it run without a mask; only the
+  blocks the diagonal crosses are masked.
+- Backward: D = rowsum(dO * O) in XLA; a dK/dV kernel parallel over key/value blocks that
+  loops over the query blocks (and over the query heads of a GQA group, so K/V are never
+  repeated and no atomics are needed); then a dQ kernel parallel over query blocks, as the
+  forward. Both recompute the probabilities from the logsumexp.
+- Sequence lengths that are not a multiple of the block are padded and the padded keys
+  masked; head_dim is padded to a power of two (80 -> 128), as the lowering needs.
+
+On GPUs the kernels lower through Triton; elsewhere they run in Pallas interpret mode (slow,
+for tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Static settings of one kernel call (hashable: it is a custom_vjp nondiff argument)."""
+
+    causal: bool
+    scale: float
+    seq_q: int  # true (unpadded) lengths
+    seq_k: int
+    block_q: int
+    block_k: int
+    block_q_bwd: int
+    block_k_bwd: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+
+def _dot(a: Array, b: Array, *, ta: bool = False, tb: bool = False) -> Array:
+    """a @ b with optional transposes, accumulated in float32 (float32 inputs: no TF32)."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _iota(n: int, offset) -> Array:
+    return offset + lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _mask(cfg: FlashConfig, q_pos, k_pos, q_seg, k_seg, *, diagonal: bool, tail: bool):
+    """The [bq, bk] visibility mask of one block, or None when every pair is visible."""
+    mask = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if diagonal:
+        mask = both(mask, q_pos[:, None] >= k_pos[None, :])
+    if tail:
+        mask = both(mask, k_pos[None, :] < cfg.seq_k)
+    if q_seg is not None:
+        mask = both(mask, q_seg[:, None] == k_seg[None, :])
+    return mask
+
+
+def _kv_ranges(cfg: FlashConfig, q_block: int | Array, block_q: int, block_k: int, num_k: int):
+    """[(lo, hi, diagonal, tail)]: the key block ranges a query block visits, and how to mask them."""
+    q_first = q_block * block_q
+    if cfg.causal:
+        full = jnp.minimum((q_first + 1) // block_k, num_k)  # entirely at or below the diagonal
+        end = jnp.minimum(pl.cdiv(q_first + block_q, block_k), num_k)
+        return [(0, full, False, False), (full, end, True, False)]
+    # Non-causal: whole blocks of real keys unmasked, then the block the real keys end in
+    # (masked); blocks of padding only are never visited.
+    whole, real = cfg.seq_k // block_k, pl.cdiv(cfg.seq_k, block_k)
+    return [(0, whole, False, False)] + ([(whole, real, False, True)] if real > whole else [])
+
+
+def _q_ranges(cfg: FlashConfig, k_block, block_q: int, block_k: int, num_q: int):
+    """[(lo, hi, diagonal)]: the query blocks that see key block k_block, and which need the causal mask."""
+    if not cfg.causal:
+        return [(0, num_q, False)]
+    k_first, k_last = k_block * block_k, k_block * block_k + block_k - 1
+    start = k_first // block_q  # the first query block with a query at or after k_first
+    full = jnp.minimum(pl.cdiv(k_last, block_q), num_q)  # from here every query sees every key
+    return [(start, full, True), (full, num_q, False)]
+
+
+# --- forward -------------------------------------------------------------------------------
+
+
+def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
+    if has_seg:
+        qs_ref, ks_ref, o_ref, lse_ref = refs
+    else:
+        o_ref, lse_ref = refs
+    block_q, block_k = cfg.block_q, cfg.block_k
+    i = pl.program_id(2)
+    num_k = k_ref.shape[0] // block_k
+    q = q_ref[...]
+    q_pos = _iota(block_q, i * block_q)
+    q_seg = qs_ref[...] if has_seg else None
+    scale = cfg.scale * LOG2E
+
+    def visit(diagonal, tail):
+        def body(j, carry):
+            m, row_sum, acc = carry
+            span = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+            k, v = k_ref[span, :], v_ref[span, :]
+            s = _dot(q, k, tb=True) * scale
+            k_seg = ks_ref[span] if has_seg else None
+            mask = _mask(cfg, q_pos, _iota(block_k, j * block_k), q_seg, k_seg, diagonal=diagonal, tail=tail)
+            if mask is not None:
+                s = jnp.where(mask, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
+            p = jnp.exp2(s - shift[:, None])
+            alpha = jnp.exp2(m - shift)
+            row_sum = row_sum * alpha + jnp.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+            return m_new, row_sum, acc
+
+        return body
+
+    carry = (
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+        jnp.zeros(q.shape, jnp.float32),
+    )
+    for lo, hi, diagonal, tail in _kv_ranges(cfg, i, block_q, block_k, num_k):
+        carry = lax.fori_loop(lo, hi, visit(diagonal, tail), carry)
+    m, row_sum, acc = carry
+    seen = row_sum > 0.0
+    safe = jnp.where(seen, row_sum, 1.0)
+    o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe)) * LN2, jnp.inf)
+
+
+def _compiler_params(cfg: FlashConfig):
+    if cfg.interpret:
+        return None
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    group = h // hk
+    has_seg = q_seg is not None
+    in_specs = [
+        pl.BlockSpec((None, cfg.block_q, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
+        pl.BlockSpec((None, sk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)),
+        pl.BlockSpec((None, sk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)),
+    ]
+    args = [q, k, v]
+    if has_seg:
+        in_specs += [
+            pl.BlockSpec((None, cfg.block_q), lambda b_, h_, i: (b_, i)),
+            pl.BlockSpec((None, sk), lambda b_, h_, i: (b_, 0)),
+        ]
+        args += [q_seg, kv_seg]
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg, has_seg),
+        grid=(b, h, sq // cfg.block_q),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, cfg.block_q, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
+            pl.BlockSpec((None, None, cfg.block_q), lambda b_, h_, i: (b_, h_, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
+        ],
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+        name="bpt_flash_fwd",
+    )(*args)
+    return out, lse
+
+
+# --- backward ------------------------------------------------------------------------------
+
+
+def _dkdv_kernel(
+    cfg: FlashConfig, has_seg: bool, group: int, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs
+):
+    if has_seg:
+        qs_ref, ks_ref, dk_ref, dv_ref = refs
+    else:
+        dk_ref, dv_ref = refs
+    block_q, block_k = cfg.block_q_bwd, cfg.block_k_bwd
+    j = pl.program_id(2)
+    num_q = q_ref.shape[0] // block_q
+    k, v = k_ref[...], v_ref[...]
+    k_pos = _iota(block_k, j * block_k)
+    k_seg = ks_ref[...] if has_seg else None
+    tail = cfg.seq_k % block_k != 0
+    scale = cfg.scale * LOG2E
+
+    def visit(g, diagonal):
+        def body(i, carry):
+            dk, dv = carry
+            span = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+            q, do = q_ref[span, g, :], do_ref[span, g, :]
+            lse, delta = lse_ref[g, span], dl_ref[g, span]
+            p = jnp.exp2(_dot(q, k, tb=True) * scale - (lse * LOG2E)[:, None])
+            q_seg = qs_ref[span] if has_seg else None
+            mask = _mask(cfg, _iota(block_q, i * block_q), k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail)
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
+            dv = dv + _dot(p.astype(do.dtype), do, ta=True)
+            ds = p * (_dot(do, v, tb=True) - delta[:, None])
+            dk = dk + _dot(ds.astype(q.dtype), q, ta=True)
+            return dk, dv
+
+        return body
+
+    carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for g in range(group):
+        for lo, hi, diagonal in _q_ranges(cfg, j, block_q, block_k, num_q):
+            carry = lax.fori_loop(lo, hi, visit(g, diagonal), carry)
+    dk, dv = carry
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs):
+    if has_seg:
+        qs_ref, ks_ref, dq_ref = refs
+    else:
+        (dq_ref,) = refs
+    block_q, block_k = cfg.block_q_bwd, cfg.block_k_bwd
+    i = pl.program_id(2)
+    num_k = k_ref.shape[0] // block_k
+    q, do = q_ref[...], do_ref[...]
+    lse2, delta = lse_ref[...] * LOG2E, dl_ref[...]
+    q_pos = _iota(block_q, i * block_q)
+    q_seg = qs_ref[...] if has_seg else None
+    scale = cfg.scale * LOG2E
+
+    def visit(diagonal, tail):
+        def body(j, dq):
+            span = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+            k, v = k_ref[span, :], v_ref[span, :]
+            p = jnp.exp2(_dot(q, k, tb=True) * scale - lse2[:, None])
+            k_seg = ks_ref[span] if has_seg else None
+            mask = _mask(cfg, q_pos, _iota(block_k, j * block_k), q_seg, k_seg, diagonal=diagonal, tail=tail)
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
+            ds = p * (_dot(do, v, tb=True) - delta[:, None])
+            return dq + _dot(ds.astype(k.dtype), k)
+
+        return body
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    for lo, hi, diagonal, tail in _kv_ranges(cfg, i, block_q, block_k, num_k):
+        dq = lax.fori_loop(lo, hi, visit(diagonal, tail), dq)
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    group = h // hk
+    has_seg = q_seg is not None
+    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    # d(lse)/ds = p, so the logsumexp's cotangent joins D: ds = p * (dp - (D - d_lse)).
+    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - d_lse.astype(jnp.float32)
+    seg_args = [q_seg, kv_seg] if has_seg else []
+
+    # dK, dV: one program per (batch, kv head, key block); it walks the group's query heads.
+    dkdv_specs = [
+        pl.BlockSpec((None, sq, group, d), lambda b_, g_, j: (b_, 0, g_, 0)),  # q
+        pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0)),  # k
+        pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0)),  # v
+        pl.BlockSpec((None, sq, group, d), lambda b_, g_, j: (b_, 0, g_, 0)),  # d_out
+        pl.BlockSpec((None, group, sq), lambda b_, g_, j: (b_, g_, 0)),  # lse
+        pl.BlockSpec((None, group, sq), lambda b_, g_, j: (b_, g_, 0)),  # delta
+    ]
+    if has_seg:
+        dkdv_specs += [
+            pl.BlockSpec((None, sq), lambda b_, g_, j: (b_, 0)),
+            pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j)),
+        ]
+    kv_out_spec = pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, cfg, has_seg, group),
+        grid=(b, hk, sk // bk),
+        in_specs=dkdv_specs,
+        out_specs=[kv_out_spec, kv_out_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+        name="bpt_flash_bwd_dkdv",
+    )(q, k, v, d_out, lse, delta, *seg_args)
+
+    # dQ: one program per (batch, head, query block), like the forward.
+    dq_specs = [
+        pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
+        pl.BlockSpec((None, sk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)),
+        pl.BlockSpec((None, sk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)),
+        pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
+        pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
+        pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
+    ]
+    if has_seg:
+        dq_specs += [
+            pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
+            pl.BlockSpec((None, sk), lambda b_, h_, i: (b_, 0)),
+        ]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg, has_seg),
+        grid=(b, h, sq // bq),
+        in_specs=dq_specs,
+        out_specs=pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+        name="bpt_flash_bwd_dq",
+    )(q, k, v, d_out, lse, delta, *seg_args)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
+    return _forward(cfg, q, k, v, q_seg, kv_seg)
+
+
+def _flash_fwd(cfg, q, k, v, q_seg, kv_seg):
+    out, lse = _forward(cfg, q, k, v, q_seg, kv_seg)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(cfg, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def flash_attention_with_lse(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    causal: bool = False,
+    segment_ids=None,
+    block_q: int = 128,
+    block_k: int = 64,
+    block_q_bwd: int = 64,
+    block_k_bwd: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> tuple[Array, Array]:
+    """(out [b, s, h, d], logsumexp [b, h, s] float32) of exact attention, by the Pallas kernels.
+
+    segment_ids: [b, s] ints (or a (q_ids, kv_ids) pair): tokens attend within their segment.
+    k and v may have fewer heads than q (a divisor of it). interpret: run the kernels in
+    Pallas interpret mode (default: everywhere but on a GPU).
+    """
+    if q.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"flash attention takes [b, s, h, d] inputs; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if h % hk:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+    if causal and sq != sk:
+        raise ValueError(f"causal flash attention needs equal query and key lengths; got {sq} and {sk}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if isinstance(segment_ids, tuple):
+        q_seg, kv_seg = segment_ids
+    else:
+        q_seg = kv_seg = segment_ids
+
+    # Blocks are powers of two no longer than the (rounded-up) sequences; sequences are padded
+    # to a whole number of the largest block, head_dim to a power of two.
+    cap_q, cap_k = max(16, _pow2(sq)), max(16, _pow2(sk))
+    bq, bk = min(block_q, cap_q), min(block_k, cap_k)
+    bq_b, bk_b = min(block_q_bwd, cap_q), min(block_k_bwd, cap_k)
+    if causal:  # one padded length for both, so the diagonal stays where it is
+        pad_q = pad_k = -sq % max(bq, bk, bq_b, bk_b)
+    else:
+        pad_q, pad_k = -sq % max(bq, bq_b), -sk % max(bk, bk_b)
+    dp = max(16, _pow2(d)) - d
+    cfg = FlashConfig(
+        causal=causal,
+        scale=1.0 / math.sqrt(d),
+        seq_q=sq,
+        seq_k=sk,
+        block_q=bq,
+        block_k=bk,
+        block_q_bwd=bq_b,
+        block_k_bwd=bk_b,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
+    if pad_q or pad_k or dp:
+        q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, dp)))
+        k = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, dp)))
+        v = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, dp)))
+    if q_seg is not None:  # padded queries and keys get segments of their own
+        q_seg = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, pad_q)), constant_values=-1)
+        kv_seg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, pad_k)), constant_values=-2)
+    out, lse = _flash(cfg, q, k, v, q_seg, kv_seg)
+    return out[:, :sq, :, :d], lse[:, :, :sq]
+
+
+def flash_attention(q: Array, k: Array, v: Array, **kwargs) -> Array:
+    """Exact attention by the Pallas kernels; see flash_attention_with_lse for the arguments."""
+    return flash_attention_with_lse(q, k, v, **kwargs)[0]

@@ -1,0 +1,181 @@
+"""Attention implementations on one GPU: milliseconds and TFLOP/s, forward and forward+backward.
+
+    python scripts/bench_attention.py                       # the issue's table: causal, d=128
+    python scripts/bench_attention.py --seqs 1024,4096 --head_dims 64,80,128 --causal both
+    python scripts/bench_attention.py --tune --seqs 16384   # block sizes of bpt's kernel
+
+FLOPs: 4*B*H*S^2*D for the forward (halved when causal); forward+backward counts 3.5x the
+forward. Prints a markdown table last; --out writes every measurement as JSON and --png
+draws TFLOP/s against the sequence length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bpt.ops import blockwise_attention, reference_attention
+from bpt.ops.kernels import flash_attention
+
+
+def jax_pallas(q, k, v, *, causal):
+    from jax.experimental.pallas.ops.gpu import attention as ref_kernel
+
+    return ref_kernel.mha(q, k, v, None, sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=causal)
+
+
+def cudnn(q, k, v, *, causal):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+IMPLS = {
+    "bpt-pallas": lambda q, k, v, *, causal, **kw: flash_attention(q, k, v, causal=causal, **kw),
+    "cudnn": cudnn,
+    "jax-pallas": jax_pallas,
+    "blockwise": lambda q, k, v, *, causal: blockwise_attention(
+        q, k, v, causal=causal, q_chunk_size=1024, kv_chunk_size=1024
+    ),
+    "xla": lambda q, k, v, *, causal: reference_attention(q, k, v, causal=causal),
+}
+
+
+def time_fn(fn, *args, min_seconds: float = 0.3) -> float:
+    """Seconds per call, after a warm-up, over enough calls to last min_seconds."""
+    jax.block_until_ready(fn(*args))
+    start, calls = time.perf_counter(), 0
+    while True:
+        out = fn(*args)
+        calls += 1
+        if calls in (1, 3, 10, 30, 100, 300) or calls % 1000 == 0:
+            jax.block_until_ready(out)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                return elapsed / calls
+
+
+def measure(impl: str, *, seq: int, heads: int, head_dim: int, causal: bool, batch: int, dtype, **kw) -> dict:
+    keys = jax.random.split(jax.random.PRNGKey(seq + head_dim), 4)
+    shape = (batch, seq, heads, head_dim)
+    q, k, v, do = (jax.random.normal(key, shape, dtype) for key in keys)
+    fn = functools.partial(IMPLS[impl], causal=causal, **kw)
+    fwd = jax.jit(fn)
+
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+    row = dict(impl=impl, seq=seq, heads=heads, head_dim=head_dim, causal=causal, batch=batch, **kw)
+    for name, f, mult in (("fwd", fwd, 1.0), ("fwd_bwd", fwd_bwd, 3.5)):
+        try:
+            seconds = time_fn(f, q, k, v)
+            row[f"{name}_ms"] = seconds * 1e3
+            row[f"{name}_tflops"] = mult * flops / seconds / 1e12
+        except Exception as e:  # out of memory, or inputs an implementation does not take
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return row
+
+
+def table(rows: list[dict], seqs: list[int]) -> str:
+    head = "| implementation | " + " | ".join(f"{s // 1024}K fwd | {s // 1024}K f+b" for s in seqs) + " |"
+    lines = [head, "|---" * (1 + 2 * len(seqs)) + "|"]
+    for (impl, d, causal), group in itertools.groupby(
+        rows, key=lambda r: (r["impl"], r["head_dim"], r["causal"])
+    ):
+        by_seq = {r["seq"]: r for r in group}
+        cells = []
+        for s in seqs:
+            r = by_seq.get(s, {})
+            for name in ("fwd", "fwd_bwd"):
+                cells.append(f"{r[name + '_tflops']:.0f}" if name + "_tflops" in r else "–")
+        lines.append(f"| {impl} (d={d}{', causal' if causal else ''}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, name in zip(axes, ("fwd", "fwd_bwd")):
+        for (impl, d, causal), group in itertools.groupby(
+            rows, key=lambda r: (r["impl"], r["head_dim"], r["causal"])
+        ):
+            pts = [(r["seq"], r[name + "_tflops"]) for r in group if name + "_tflops" in r]
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=f"{impl} d={d}{' causal' if causal else ''}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title("forward" if name == "fwd" else "forward + backward")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seqs", default="4096,16384,65536")
+    parser.add_argument("--head_dims", default="128")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--causal", choices=["yes", "no", "both"], default="yes")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--impls", default="bpt-pallas,cudnn,jax-pallas")
+    parser.add_argument("--max_xla_seq", type=int, default=16384, help="longer: skip materialized XLA")
+    parser.add_argument("--max_blockwise_seq", type=int, default=16384)
+    parser.add_argument("--tune", action="store_true", help="sweep bpt-pallas block sizes instead")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--png", default="")
+    args = parser.parse_args()
+    seqs = [int(s) for s in args.seqs.split(",")]
+    dims = [int(d) for d in args.head_dims.split(",")]
+    causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
+    dtype = jnp.dtype(args.dtype)
+    print(
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype}, batch {args.batch}, {args.heads} heads"
+    )
+    common = dict(heads=args.heads, batch=args.batch, dtype=dtype)
+    rows = []
+    if args.tune:
+        grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+        for seq, d, causal in itertools.product(seqs, dims, causals):
+            for bq, bk, warps, stages in grid:
+                kw = dict(block_q=bq, block_k=bk, block_q_bwd=min(bq, 64), block_k_bwd=min(bk, 64))
+                kw.update(num_warps=warps, num_stages=stages)
+                row = measure("bpt-pallas", seq=seq, head_dim=d, causal=causal, **common, **kw)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    else:
+        for impl, d, causal, seq in itertools.product(args.impls.split(","), dims, causals, seqs):
+            if (impl == "xla" and seq > args.max_xla_seq) or (
+                impl == "blockwise" and seq > args.max_blockwise_seq
+            ):
+                continue
+            row = measure(impl, seq=seq, head_dim=d, causal=causal, **common)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.png and not args.tune:
+        plot(rows, args.png)
+    if not args.tune:
+        print(table(rows, seqs))
+
+
+if __name__ == "__main__":
+    main()

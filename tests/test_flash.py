@@ -1,0 +1,119 @@
+"""The Pallas FlashAttention-2 kernels against the reference: outputs, logsumexp, all gradients.
+
+On CPU the kernels run in Pallas interpret mode on small shapes; the tests marked gpu run
+the Triton-lowered kernels at real sizes (scripts run them on a GPU machine, not CI).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+
+from bpt.ops import attention, reference_attention
+from bpt.ops.kernels import flash_attention, flash_attention_with_lse
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def inputs(key, batch, seq, heads, kv_heads, head_dim, dtype=jnp.float32):
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (batch, seq, heads, head_dim), dtype)
+    k = jax.random.normal(kk, (batch, seq, kv_heads, head_dim), dtype)
+    v = jax.random.normal(kv, (batch, seq, kv_heads, head_dim), dtype)
+    d_out = jax.random.normal(kd, (batch, seq, heads, head_dim), dtype)
+    return q, k, v, d_out
+
+
+def packed_segments(key, batch, seq, num=3):
+    """Sorted random segment ids: documents of random lengths packed back to back."""
+    cuts = jnp.sort(jax.random.randint(key, (batch, num - 1), 1, seq), axis=1)
+    return jnp.sum(jnp.arange(seq)[None, :, None] >= cuts[:, None, :], axis=-1).astype(jnp.int32)
+
+
+def compare(q, k, v, d_out, *, causal, segment_ids, tol, **blocks):
+    def run(fn):
+        def loss(q, k, v):
+            return jnp.sum(fn(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
+
+        return fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    out, grads = run(
+        lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, **blocks)
+    )
+    up = lambda x: x.astype(jnp.float32)  # the reference in float32: the truth for bf16 inputs
+    with jax.default_matmul_precision("highest"):  # no TF32 in the truth on GPUs
+        ref_out, ref_grads = run(
+            lambda q, k, v: reference_attention(up(q), up(k), up(v), causal=causal, segment_ids=segment_ids)
+        )
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+    assert rel_err(out, ref_out) < tol, rel_err(out, ref_out)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert g.shape == r.shape and rel_err(g, r) < tol, (name, rel_err(g, r))
+
+
+SMALL = dict(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)
+
+
+@pytest.mark.parametrize(
+    "seq, heads, kv_heads, head_dim, causal, segments",
+    [
+        (64, 2, 2, 32, False, False),
+        (64, 2, 2, 32, True, False),
+        (80, 4, 2, 24, True, True),  # padded sequence and head_dim, GQA, packed documents
+        (96, 2, 1, 32, False, True),  # MQA
+    ],
+)
+def test_flash_matches_reference_in_interpret_mode(key, seq, heads, kv_heads, head_dim, causal, segments):
+    q, k, v, d_out = inputs(key, 2, seq, heads, kv_heads, head_dim)
+    seg = packed_segments(jax.random.fold_in(key, 1), 2, seq) if segments else None
+    compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-5, **SMALL)
+
+
+def test_logsumexp_and_its_gradient_and_rows_that_see_nothing(key):
+    q, k, v, _ = inputs(key, 1, 48, 2, 2, 16)
+    q_seg = jnp.array([[0] * 24 + [5] * 24])  # segment 5 has no keys: those rows see nothing
+    kv_seg = jnp.zeros((1, 48), jnp.int32)
+    out, lse = flash_attention_with_lse(q, k, v, segment_ids=(q_seg, kv_seg), **SMALL)
+    assert bool(jnp.all(out[:, 24:] == 0)) and bool(jnp.all(jnp.isinf(lse[:, :, 24:])))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+    ref_lse = jax.nn.logsumexp(scores, axis=-1)[:, :, :24]
+    assert rel_err(lse[:, :, :24], ref_lse) < 1e-6
+    grad = jax.grad(lambda q: jnp.sum(flash_attention_with_lse(q, k, v, **SMALL)[1]))(q)
+    ref_grad = jax.grad(lambda q: jnp.sum(jax.nn.logsumexp(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0, -1)))(q)
+    assert rel_err(grad, ref_grad) < 1e-5
+
+
+def test_entry_point_and_bad_inputs(key):
+    q, k, v, _ = inputs(key, 1, 32, 2, 2, 16)
+    np.testing.assert_allclose(
+        attention(q, k, v, impl="pallas", causal=True),
+        reference_attention(q, k, v, causal=True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    with pytest.raises(ValueError, match="query heads \\(2\\) must be a multiple of key/value heads \\(3\\)"):
+        flash_attention(q, jnp.zeros((1, 32, 3, 16)), jnp.zeros((1, 32, 3, 16)))
+    with pytest.raises(ValueError, match="equal query and key lengths"):
+        flash_attention(q, k[:, :16], v[:, :16], causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Triton-lowered kernels need an NVIDIA GPU")
+@pytest.mark.parametrize(
+    "dtype, head_dim, causal, segments, kv_heads",
+    [
+        (jnp.bfloat16, 128, True, False, 8),
+        (jnp.bfloat16, 80, False, True, 2),
+        (jnp.bfloat16, 64, True, True, 1),
+        (jnp.float32, 128, False, True, 8),
+        (jnp.float32, 80, True, False, 2),
+        (jnp.float32, 64, True, True, 1),
+    ],
+)
+def test_flash_on_gpu(key, dtype, head_dim, causal, segments, kv_heads):
+    seq = 1536 if segments else 2048  # one not a power of two
+    q, k, v, d_out = inputs(key, 2, seq, 8, kv_heads, head_dim, dtype)
+    seg = packed_segments(jax.random.fold_in(key, 1), 2, seq, num=4) if segments else None
+    compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
