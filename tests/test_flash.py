@@ -63,6 +63,7 @@ SMALL = dict(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)
         (64, 2, 2, 32, True, False),
         (80, 4, 2, 24, True, True),  # padded sequence and head_dim, GQA, packed documents
         (96, 2, 1, 32, False, True),  # MQA
+        (72, 2, 1, 32, False, False),  # padded keys, non-causal: the masked tail block
     ],
 )
 def test_flash_matches_reference_in_interpret_mode(key, seq, heads, kv_heads, head_dim, causal, segments):
@@ -93,7 +94,9 @@ def test_entry_point_and_bad_inputs(key):
         rtol=1e-5,
         atol=1e-5,
     )
-    with pytest.raises(ValueError, match="query heads \\(2\\) must be a multiple of key/value heads \\(3\\)"):
+    with pytest.raises(
+        ValueError, match="query heads \\(2\\) must be a multiple of the number of key/value heads \\(3\\)"
+    ):
         flash_attention(q, jnp.zeros((1, 32, 3, 16)), jnp.zeros((1, 32, 3, 16)))
     with pytest.raises(ValueError, match="equal query and key lengths"):
         flash_attention(q, k[:, :16], v[:, :16], causal=True)

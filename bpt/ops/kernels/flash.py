@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from bpt.ops.reference import check_qkv, split_segment_ids
+
 Array = jax.Array
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -80,6 +82,17 @@ def _mask(cfg: FlashConfig, q_pos, k_pos, q_seg, k_seg, *, diagonal: bool, tail:
     return mask
 
 
+def _masked_scores(cfg: FlashConfig, q, k, q_pos, k_pos, q_seg, k_seg, *, diagonal: bool, tail: bool):
+    """Scores of one [bq, bk] block in base 2 (scaled by log2(e)/sqrt(d)), -inf where masked.
+
+    The backward turns them into probabilities with exp2(s - lse * log2(e)): masked pairs
+    give exactly 0, and so do rows with lse = +inf (rows that see no key).
+    """
+    s = _dot(q, k, tb=True) * (cfg.scale * LOG2E)
+    mask = _mask(cfg, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail)
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
 def _kv_ranges(cfg: FlashConfig, q_block: int | Array, block_q: int, block_k: int, num_k: int):
     """[(lo, hi, diagonal, tail)]: the key block ranges a query block visits, and how to mask them."""
     q_first = q_block * block_q
@@ -117,18 +130,15 @@ def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
     q = q_ref[...]
     q_pos = _iota(block_q, i * block_q)
     q_seg = qs_ref[...] if has_seg else None
-    scale = cfg.scale * LOG2E
 
     def visit(diagonal, tail):
         def body(j, carry):
             m, row_sum, acc = carry
             span = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
             k, v = k_ref[span, :], v_ref[span, :]
-            s = _dot(q, k, tb=True) * scale
             k_seg = ks_ref[span] if has_seg else None
-            mask = _mask(cfg, q_pos, _iota(block_k, j * block_k), q_seg, k_seg, diagonal=diagonal, tail=tail)
-            if mask is not None:
-                s = jnp.where(mask, s, -jnp.inf)
+            k_pos = _iota(block_k, j * block_k)
+            s = _masked_scores(cfg, q, k, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
             p = jnp.exp2(s - shift[:, None])
@@ -161,31 +171,30 @@ def _compiler_params(cfg: FlashConfig):
     return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _query_grid_specs(block_q: int, seq_k: int, head_dim: int, group: int) -> dict:
+    """BlockSpecs on a (batch, head, query block) grid: the query block [bq, d], the whole K/V
+    of the head's KV head, a row of per-query statistics [bq], and the two segment-id rows."""
+    return dict(
+        rows=pl.BlockSpec((None, block_q, None, head_dim), lambda b, h, i: (b, i, h, 0)),
+        kv=pl.BlockSpec((None, seq_k, None, head_dim), lambda b, h, i: (b, 0, h // group, 0)),
+        stats=pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i)),
+        q_seg=pl.BlockSpec((None, block_q), lambda b, h, i: (b, i)),
+        kv_seg=pl.BlockSpec((None, seq_k), lambda b, h, i: (b, 0)),
+    )
+
+
 def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group = h // hk
     has_seg = q_seg is not None
-    in_specs = [
-        pl.BlockSpec((None, cfg.block_q, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
-        pl.BlockSpec((None, sk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)),
-        pl.BlockSpec((None, sk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)),
-    ]
-    args = [q, k, v]
-    if has_seg:
-        in_specs += [
-            pl.BlockSpec((None, cfg.block_q), lambda b_, h_, i: (b_, i)),
-            pl.BlockSpec((None, sk), lambda b_, h_, i: (b_, 0)),
-        ]
-        args += [q_seg, kv_seg]
+    spec = _query_grid_specs(cfg.block_q, sk, d, group)
+    seg_specs, seg_args = ([spec["q_seg"], spec["kv_seg"]], [q_seg, kv_seg]) if has_seg else ([], [])
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg, has_seg),
         grid=(b, h, sq // cfg.block_q),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, cfg.block_q, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
-            pl.BlockSpec((None, None, cfg.block_q), lambda b_, h_, i: (b_, h_, i)),
-        ],
+        in_specs=[spec["rows"], spec["kv"], spec["kv"], *seg_specs],
+        out_specs=[spec["rows"], spec["stats"]],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
@@ -193,7 +202,7 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="bpt_flash_fwd",
-    )(*args)
+    )(q, k, v, *seg_args)
     return out, lse
 
 
@@ -209,12 +218,13 @@ def _dkdv_kernel(
         dk_ref, dv_ref = refs
     block_q, block_k = cfg.block_q_bwd, cfg.block_k_bwd
     j = pl.program_id(2)
-    num_q = q_ref.shape[0] // block_q
+    # Query blocks of padding only add nothing (their dO is 0): stop at the last real one.
+    # Padded keys need no mask here: their dK and dV are dropped, and the forward's
+    # logsumexp already left them out of every real key's probabilities.
+    num_q = pl.cdiv(cfg.seq_q, block_q)
     k, v = k_ref[...], v_ref[...]
     k_pos = _iota(block_k, j * block_k)
     k_seg = ks_ref[...] if has_seg else None
-    tail = cfg.seq_k % block_k != 0
-    scale = cfg.scale * LOG2E
 
     def visit(g, diagonal):
         def body(i, carry):
@@ -222,11 +232,10 @@ def _dkdv_kernel(
             span = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
             q, do = q_ref[span, g, :], do_ref[span, g, :]
             lse, delta = lse_ref[g, span], dl_ref[g, span]
-            p = jnp.exp2(_dot(q, k, tb=True) * scale - (lse * LOG2E)[:, None])
             q_seg = qs_ref[span] if has_seg else None
-            mask = _mask(cfg, _iota(block_q, i * block_q), k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail)
-            if mask is not None:
-                p = jnp.where(mask, p, 0.0)
+            q_pos = _iota(block_q, i * block_q)
+            s = _masked_scores(cfg, q, k, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=False)
+            p = jnp.exp2(s - (lse * LOG2E)[:, None])
             dv = dv + _dot(p.astype(do.dtype), do, ta=True)
             ds = p * (_dot(do, v, tb=True) - delta[:, None])
             dk = dk + _dot(ds.astype(q.dtype), q, ta=True)
@@ -255,17 +264,15 @@ def _dq_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, do_ref, lse
     lse2, delta = lse_ref[...] * LOG2E, dl_ref[...]
     q_pos = _iota(block_q, i * block_q)
     q_seg = qs_ref[...] if has_seg else None
-    scale = cfg.scale * LOG2E
 
     def visit(diagonal, tail):
         def body(j, dq):
             span = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
             k, v = k_ref[span, :], v_ref[span, :]
-            p = jnp.exp2(_dot(q, k, tb=True) * scale - lse2[:, None])
             k_seg = ks_ref[span] if has_seg else None
-            mask = _mask(cfg, q_pos, _iota(block_k, j * block_k), q_seg, k_seg, diagonal=diagonal, tail=tail)
-            if mask is not None:
-                p = jnp.where(mask, p, 0.0)
+            k_pos = _iota(block_k, j * block_k)
+            s = _masked_scores(cfg, q, k, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail)
+            p = jnp.exp2(s - lse2[:, None])
             ds = p * (_dot(do, v, tb=True) - delta[:, None])
             return dq + _dot(ds.astype(k.dtype), k)
 
@@ -315,24 +322,15 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
     )(q, k, v, d_out, lse, delta, *seg_args)
 
     # dQ: one program per (batch, head, query block), like the forward.
-    dq_specs = [
-        pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
-        pl.BlockSpec((None, sk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)),
-        pl.BlockSpec((None, sk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0)),
-        pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
-        pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
-        pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
-    ]
+    spec = _query_grid_specs(bq, sk, d, group)
+    dq_specs = [spec["rows"], spec["kv"], spec["kv"], spec["rows"], spec["stats"], spec["stats"]]
     if has_seg:
-        dq_specs += [
-            pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
-            pl.BlockSpec((None, sk), lambda b_, h_, i: (b_, 0)),
-        ]
+        dq_specs += [spec["q_seg"], spec["kv_seg"]]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg, has_seg),
         grid=(b, h, sq // bq),
         in_specs=dq_specs,
-        out_specs=pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
+        out_specs=spec["rows"],
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
@@ -386,22 +384,14 @@ def flash_attention_with_lse(
     k and v may have fewer heads than q (a divisor of it). interpret: run the kernels in
     Pallas interpret mode (default: everywhere but on a GPU).
     """
-    if q.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise ValueError(
-            f"flash attention takes [b, s, h, d] inputs; got q {q.shape}, k {k.shape}, v {v.shape}"
-        )
+    check_qkv(q, k, v)
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    if h % hk:
-        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+    sk = k.shape[1]
     if causal and sq != sk:
         raise ValueError(f"causal flash attention needs equal query and key lengths; got {sq} and {sk}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if isinstance(segment_ids, tuple):
-        q_seg, kv_seg = segment_ids
-    else:
-        q_seg = kv_seg = segment_ids
+    q_seg, kv_seg = split_segment_ids(segment_ids, sq, sk)
 
     # Blocks are powers of two no longer than the (rounded-up) sequences; sequences are padded
     # to a whole number of the largest block, head_dim to a power of two.
