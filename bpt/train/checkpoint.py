@@ -9,6 +9,7 @@ loaded or counted again.
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax.training.train_state import TrainState
 
 ITEMS = ("params", "opt_state", "meta")
+UNFINISHED = "*.orbax-checkpoint-tmp*"  # how Orbax names a save that has not been renamed into place
 
 
 def _abstract(tree):
@@ -41,10 +43,16 @@ class Checkpoints:
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True
-        )
+        self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
+        self._remove_unfinished()
         self._open()
+
+    def _remove_unfinished(self):
+        # Done here, before the manager opens, rather than by Orbax's own cleanup, which runs in the
+        # background and may still be deleting when the first restore or listing happens.
+        if jax.process_index() == 0:
+            for leftover in self.directory.glob(UNFINISHED):
+                shutil.rmtree(leftover)
 
     def _open(self):
         self.manager = ocp.CheckpointManager(self.directory, options=self._options, item_names=ITEMS)
@@ -55,8 +63,8 @@ class Checkpoints:
     def save(self, state: TrainState, meta: dict) -> None:
         """Saves state at its step. Refuses parameters or optimizer state with NaN or inf."""
         step = int(state.step)
-        finite = jax.tree.map(lambda x: jnp.isfinite(x).all(), (state.params, state.opt_state))
-        if not all(bool(f) for f in jax.tree.leaves(finite)):
+        checks = [jnp.isfinite(x).all() for x in jax.tree.leaves((state.params, state.opt_state))]
+        if not bool(jnp.all(jnp.stack(checks))):  # one transfer to the host, not one per leaf
             raise FloatingPointError(f"refusing to write a checkpoint with NaN or inf values at step {step}")
         meta = {**meta, "step": step, "param_shapes": param_shapes(state.params)}
         self.manager.save(

@@ -170,23 +170,14 @@ def evaluate_checkpoint(workdir: str | Path, *, eval_batches: int = 0, batch_siz
     return {"step": int(state.step), **evaluate(state, batches, jax.jit(eval_step))}
 
 
-def _merge(config: ConfigDict, saved: dict) -> ConfigDict:
-    """The saved settings over today's defaults: a run saved before a setting existed loads."""
-    for key, value in saved.items():
-        if isinstance(value, dict) and isinstance(config.get(key), ConfigDict):
-            _merge(config[key], value)
-        else:
-            config[key] = value
-    return config
-
-
 def restore_run(workdir: str | Path):
     """(config, dataset, model, state) of a run's latest checkpoint."""
     workdir = Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: --workdir must be a bpt-train run")
-    config = _merge(base_config(), json.loads(config_path.read_text()))
+    config = base_config()  # today's defaults under the saved settings: older runs still load
+    config.update(json.loads(config_path.read_text()))
     config.data.verify_checksums = False  # training checked them; sizes are still checked
     dataset, model, state = setup(config)
     with Checkpoints(workdir / "checkpoints", async_save=False) as checkpoints:
@@ -231,16 +222,6 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
             make_train_step(tc.grad_accum_steps, skip_nonfinite=tc.skip_nonfinite), donate_argnums=0
         )
         step_rng = jax.random.fold_in(rng, 1)
-        bar = tqdm(
-            range(start, tc.steps),
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            initial=start,
-            total=tc.steps,
-        )
-        reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar, model)
-
         batches = iter(
             Prefetcher(
                 lambda s: dataset.train_batch(s, tc.batch_size),
@@ -248,11 +229,13 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
                 depth=config.data.prefetch,
             )
         )
+        bar = tqdm(batches, desc="train", unit="step", dynamic_ncols=True, initial=start, total=tc.steps)
+        reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar, model)
+
         pending, last, done = [], {}, start
         with StopRequest() as stop:
             try:
-                for step in bar:
-                    _, batch = next(batches)
+                for step, batch in bar:
                     state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
                     pending.append(metrics)
                     done = step + 1
