@@ -2,7 +2,9 @@
 
     python scripts/bench_attention.py                       # the table: causal, d=128
     python scripts/bench_attention.py --seqs 1024,4096 --head_dims 64,80,128 --causal both
-    python scripts/bench_attention.py --tune --seqs 16384   # block sizes of bpt's kernel
+    python scripts/bench_attention.py --tune triton --seqs 16384   # block sizes of bpt's kernels
+    python scripts/bench_attention.py --tune hopper --seqs 16384
+    python scripts/bench_attention.py --tune backward --seqs 65536
 
 FLOPs: 4*B*H*S^2*D for the forward (halved when causal); forward+backward counts 3.5x the
 forward. Prints a markdown table last; --out writes every measurement as JSON and --png
@@ -36,7 +38,12 @@ def cudnn(q, k, v, *, causal):
 
 
 IMPLS = {
+    # bpt's kernels: the forward that forward="auto" picks (the Mosaic GPU one on H100-class
+    # GPUs), and the Triton forward; both with the Triton backward.
     "bpt-pallas": lambda q, k, v, *, causal, **kw: flash_attention(q, k, v, causal=causal, **kw),
+    "bpt-triton": lambda q, k, v, *, causal, **kw: flash_attention(
+        q, k, v, causal=causal, forward="triton", **kw
+    ),
     "cudnn": cudnn,
     "jax-pallas": jax_pallas,
     "blockwise": lambda q, k, v, *, causal: blockwise_attention(
@@ -137,7 +144,12 @@ def main() -> None:
     parser.add_argument("--impls", default="bpt-pallas,cudnn,jax-pallas")
     parser.add_argument("--max_xla_seq", type=int, default=16384, help="longer: skip materialized XLA")
     parser.add_argument("--max_blockwise_seq", type=int, default=16384)
-    parser.add_argument("--tune", action="store_true", help="sweep bpt-pallas block sizes instead")
+    parser.add_argument(
+        "--tune",
+        choices=["", "triton", "hopper", "backward"],
+        default="",
+        help="sweep a kernel's block sizes instead",
+    )
     parser.add_argument("--out", default="")
     parser.add_argument("--png", default="")
     args = parser.parse_args()
@@ -150,12 +162,27 @@ def main() -> None:
     )
     common = dict(heads=args.heads, batch=args.batch, dtype=dtype)
     rows = []
+    if args.tune == "triton":
+        settings = [
+            dict(block_q=bq, block_k=bk, block_q_bwd=min(bq, 64), block_k_bwd=min(bk, 64))
+            | dict(num_warps=warps, num_stages=stages, forward="triton")
+            for bq, bk, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+        ]
+    elif args.tune == "hopper":
+        settings = [
+            dict(forward="hopper", hopper_block_q=64, hopper_block_k=bk, hopper_stages=stages)
+            for bk, stages in itertools.product((64, 128, 192), (2, 3, 4))
+        ]
+    elif args.tune == "backward":  # the Triton backward behind the default forward
+        settings = [
+            dict(block_q_bwd=bq, block_k_bwd=bk, num_warps=warps, num_stages=stages)
+            for (bq, bk), warps, stages in itertools.product(
+                ((32, 64), (64, 64), (64, 128), (128, 64), (128, 128)), (4, 8), (2, 3)
+            )
+        ]
     if args.tune:
-        grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
         for seq, d, causal in itertools.product(seqs, dims, causals):
-            for bq, bk, warps, stages in grid:
-                kw = dict(block_q=bq, block_k=bk, block_q_bwd=min(bq, 64), block_k_bwd=min(bk, 64))
-                kw.update(num_warps=warps, num_stages=stages)
+            for kw in settings:
                 row = measure("bpt-pallas", seq=seq, head_dim=d, causal=causal, **common, **kw)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -31,7 +31,16 @@ def packed_segments(key, batch, seq, num=3):
     return jnp.sum(jnp.arange(seq)[None, :, None] >= cuts[:, None, :], axis=-1).astype(jnp.int32)
 
 
+def poison_device_memory(nbytes: int) -> None:
+    """Fills the memory the allocator hands out next with NaN: an output element a kernel fails
+    to write then shows up as NaN instead of a lucky zero."""
+    jax.block_until_ready(jnp.full((nbytes // 4,), jnp.nan, jnp.float32)).delete()
+
+
 def compare(q, k, v, d_out, *, causal, segment_ids, tol, **blocks):
+    if ON_GPU:
+        poison_device_memory(64 * q.nbytes)
+
     def run(fn):
         def loss(q, k, v):
             return jnp.sum(fn(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
@@ -102,6 +111,43 @@ def test_entry_point_and_bad_inputs(key):
         flash_attention(q, k[:, :16], v[:, :16], causal=True)
 
 
+@pytest.mark.parametrize(
+    "dtype, causal, kv_heads, block_k",
+    [
+        (jnp.bfloat16, True, 2, 64),  # GQA; four key blocks through a ring of two slots
+        (jnp.bfloat16, True, 1, 128),  # the first tile needs fewer key blocks than the ring holds
+        (jnp.float16, False, 1, 128),  # MQA
+    ],
+)
+def test_hopper_forward_in_the_mosaic_gpu_interpreter(key, dtype, causal, kv_heads, block_k):
+    """The warp-specialized kernel's data movement and barriers, run by Mosaic GPU's interpreter
+    (the matmuls there are plain dots; the GPU test below runs the wgmma path)."""
+    q, k, v, d_out = inputs(key, 1, 256, 4, kv_heads, 64, dtype)
+    hopper = dict(forward="hopper", hopper_block_q=64, hopper_block_k=block_k)
+    out, lse = flash_attention_with_lse(q, k, v, causal=causal, **hopper)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    assert rel_err(out, reference_attention(up(q), up(k), up(v), causal=causal)) < 1e-2
+    scores = jnp.einsum("bqhd,bkhd->bhqk", up(q), jnp.repeat(up(k), 4 // kv_heads, axis=2)) / 8.0
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((256, 256), bool)), scores, -jnp.inf)
+    assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-3
+    if causal and kv_heads == 2:  # gradients: the Triton backward on the Hopper forward's residuals
+        compare(
+            q, k, v, d_out, causal=True, segment_ids=None, tol=1e-2, block_q_bwd=32, block_k_bwd=32, **hopper
+        )
+
+
+def test_hopper_forward_refuses_what_it_cannot_take(key):
+    q, k, v, _ = inputs(key, 1, 256, 2, 2, 64)
+    with pytest.raises(ValueError, match="forward='hopper' cannot take dtype float32"):
+        flash_attention(q, k, v, forward="hopper")
+    q, k, v = (x.astype(jnp.bfloat16)[:, :192] for x in (q, k, v))
+    with pytest.raises(ValueError, match="lengths 192, 192 \\(need multiples of 128, 128\\)"):
+        flash_attention(q, k, v, forward="hopper")
+    with pytest.raises(ValueError, match="unknown flash forward 'mosaic'; allowed: auto, triton, hopper"):
+        flash_attention(q, k, v, forward="mosaic")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Triton-lowered kernels need an NVIDIA GPU")
 @pytest.mark.parametrize(
@@ -116,7 +162,34 @@ def test_entry_point_and_bad_inputs(key):
     ],
 )
 def test_flash_on_gpu(key, dtype, head_dim, causal, segments, kv_heads):
+    """The Triton kernels (forward and backward)."""
     seq = 1536 if segments else 2048  # one not a power of two
     q, k, v, d_out = inputs(key, 2, seq, 8, kv_heads, head_dim, dtype)
     seg = packed_segments(jax.random.fold_in(key, 1), 2, seq, num=4) if segments else None
-    compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
+    compare(
+        q,
+        k,
+        v,
+        d_out,
+        causal=causal,
+        segment_ids=seg,
+        tol=1e-2 if dtype == jnp.bfloat16 else 1e-5,
+        forward="triton",
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
+@pytest.mark.parametrize(
+    "dtype, head_dim, causal, kv_heads, block_k",
+    [
+        (jnp.bfloat16, 128, True, 2, 128),
+        (jnp.float16, 64, False, 8, 128),
+        (jnp.bfloat16, 64, True, 1, 64),
+    ],
+)
+def test_hopper_forward_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k):
+    """The wgmma/TMA forward at real sizes; gradients through the Triton backward."""
+    q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, dtype)
+    hopper = dict(forward="hopper", hopper_block_k=block_k)
+    compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)

@@ -5,7 +5,8 @@
 | reference   | O(seq^2)    | anywhere                 | yes               |
 | blockwise   | O(seq)      | anywhere                 | yes               |
 | cudnn       | O(seq)      | NVIDIA GPU, bf16/fp16    | no                |
-| pallas      | O(seq)      | NVIDIA GPU (Triton); elsewhere interpret mode (tests) | yes |
+| pallas      | O(seq)      | NVIDIA GPU (Mosaic GPU forward on H100-class GPUs, else Triton;
+|             |             | Triton backward); elsewhere interpret mode (tests) | yes |
 | auto        | on a GPU: cudnn where it supports the inputs, else pallas for bf16/fp16;
 |             | otherwise blockwise (reference when the sequence fits in one chunk) |
 """

@@ -17,7 +17,9 @@ units, [batch, heads, seq], +inf on rows that see no key (so exp(s - lse) is exa
   masked; head_dim is padded to a power of two (80 -> 128), as the lowering needs.
 
 On GPUs the kernels lower through Triton; elsewhere they run in Pallas interpret mode (slow,
-for tests).
+for tests). On H100-class GPUs the forward is by default the Mosaic GPU kernel of
+flash_hopper.py (wgmma, TMA, warp specialization) wherever it takes the inputs; both forwards
+return the same (out, logsumexp), which the Triton backward consumes.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from bpt.ops.kernels import flash_hopper
 from bpt.ops.reference import check_qkv, split_segment_ids
 
 Array = jax.Array
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+FORWARDS = ("auto", "triton", "hopper")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,10 @@ class FlashConfig:
     num_warps: int
     num_stages: int
     interpret: bool
+    forward: str = "triton"  # which forward kernel: "triton" (this file) or "hopper" (flash_hopper.py)
+    hopper_block_q: int = 64
+    hopper_block_k: int = 128
+    hopper_stages: int = 2
 
 
 def _dot(a: Array, b: Array, *, ta: bool = False, tb: bool = False) -> Array:
@@ -184,6 +192,18 @@ def _query_grid_specs(block_q: int, seq_k: int, head_dim: int, group: int) -> di
 
 
 def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
+    if cfg.forward == "hopper":
+        return flash_hopper.forward(
+            q,
+            k,
+            v,
+            causal=cfg.causal,
+            scale=cfg.scale,
+            block_q=cfg.hopper_block_q,
+            block_k=cfg.hopper_block_k,
+            stages=cfg.hopper_stages,
+            interpret=cfg.interpret,
+        )
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group = h // hk
@@ -376,15 +396,24 @@ def flash_attention_with_lse(
     block_k_bwd: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    forward: str = "auto",
+    hopper_block_q: int = 64,
+    hopper_block_k: int = 128,
+    hopper_stages: int = 2,
     interpret: bool | None = None,
 ) -> tuple[Array, Array]:
     """(out [b, s, h, d], logsumexp [b, h, s] float32) of exact attention, by the Pallas kernels.
 
     segment_ids: [b, s] ints (or a (q_ids, kv_ids) pair): tokens attend within their segment.
-    k and v may have fewer heads than q (a divisor of it). interpret: run the kernels in
-    Pallas interpret mode (default: everywhere but on a GPU).
+    k and v may have fewer heads than q (a divisor of it). forward: "triton", "hopper" (the
+    Mosaic GPU kernel of flash_hopper.py: wgmma/TMA, H100-class GPUs, bf16/fp16 without
+    segment ids), or "auto" (hopper where it can run, else triton); the backward is always
+    the Triton pair. interpret: run the kernels in an interpreter (default: everywhere but on
+    a GPU).
     """
     check_qkv(q, k, v)
+    if forward not in FORWARDS:
+        raise ValueError(f"unknown flash forward {forward!r}; allowed: {', '.join(FORWARDS)}")
     b, sq, h, d = q.shape
     sk = k.shape[1]
     if causal and sq != sk:
@@ -403,6 +432,14 @@ def flash_attention_with_lse(
     else:
         pad_q, pad_k = -sq % max(bq, bq_b), -sk % max(bk, bk_b)
     dp = max(16, _pow2(d)) - d
+    hopper_blocks = dict(block_q=hopper_block_q, block_k=hopper_block_k, segment_ids=segment_ids)
+    why_not = flash_hopper.supported(q, k, **hopper_blocks)
+    if why_not is None and (pad_q or pad_k or dp):
+        why_not = "inputs the Triton backward would pad"
+    if forward == "auto":
+        forward = "hopper" if why_not is None and not interpret and flash_hopper.is_hopper() else "triton"
+    elif forward == "hopper" and why_not is not None:
+        raise ValueError(f"flash forward='hopper' cannot take {why_not}; use forward='triton' or 'auto'")
     cfg = FlashConfig(
         causal=causal,
         scale=1.0 / math.sqrt(d),
@@ -415,6 +452,10 @@ def flash_attention_with_lse(
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
+        forward=forward,
+        hopper_block_q=hopper_block_q,
+        hopper_block_k=hopper_block_k,
+        hopper_stages=hopper_stages,
     )
     if pad_q or pad_k or dp:
         q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, dp)))
