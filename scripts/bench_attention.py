@@ -38,11 +38,11 @@ def cudnn(q, k, v, *, causal):
 
 
 IMPLS = {
-    # bpt's kernels: the forward that forward="auto" picks (the Mosaic GPU one on H100-class
-    # GPUs), and the Triton forward; both with the Triton backward.
+    # bpt's kernels: those that "auto" picks (the Mosaic GPU ones on H100-class GPUs), and the
+    # Triton ones.
     "bpt-pallas": lambda q, k, v, *, causal, **kw: flash_attention(q, k, v, causal=causal, **kw),
     "bpt-triton": lambda q, k, v, *, causal, **kw: flash_attention(
-        q, k, v, causal=causal, forward="triton", **kw
+        q, k, v, causal=causal, forward="triton", backward="triton", **kw
     ),
     "cudnn": cudnn,
     "jax-pallas": jax_pallas,
@@ -170,12 +170,12 @@ def main() -> None:
         ]
     elif args.tune == "hopper":
         settings = [
-            dict(forward="hopper", hopper_block_q=64, hopper_block_k=bk, hopper_stages=stages)
-            for bk, stages in itertools.product((64, 128, 192), (2, 3, 4))
+            dict(forward="hopper", backward="hopper", hopper_block_k=bk, hopper_stages=stages)
+            for bk, stages in itertools.product((64, 128), (2, 3, 4))
         ]
-    elif args.tune == "backward":  # the Triton backward behind the default forward
+    elif args.tune == "backward":  # the Triton backward behind the Hopper forward
         settings = [
-            dict(block_q_bwd=bq, block_k_bwd=bk, num_warps=warps, num_stages=stages)
+            dict(block_q_bwd=bq, block_k_bwd=bk, num_warps=warps, num_stages=stages, backward="triton")
             for (bq, bk), warps, stages in itertools.product(
                 ((32, 64), (64, 64), (64, 128), (128, 64), (128, 128)), (4, 8), (2, 3)
             )

@@ -17,9 +17,10 @@ units, [batch, heads, seq], +inf on rows that see no key (so exp(s - lse) is exa
   masked; head_dim is padded to a power of two (80 -> 128), as the lowering needs.
 
 On GPUs the kernels lower through Triton; elsewhere they run in Pallas interpret mode (slow,
-for tests). On H100-class GPUs the forward is by default the Mosaic GPU kernel of
-flash_hopper.py (wgmma, TMA, warp specialization) wherever it takes the inputs; both forwards
-return the same (out, logsumexp), which the Triton backward consumes.
+for tests). On H100-class GPUs the Mosaic GPU kernels of flash_hopper.py (wgmma, TMA, warp
+specialization) run instead wherever they take the inputs; both families share one contract
+(out and logsumexp from the forward; dq, dk, dv from them and delta), so a forward of one
+and a backward of the other combine.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from bpt.ops.reference import check_qkv, split_segment_ids
 Array = jax.Array
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-FORWARDS = ("auto", "triton", "hopper")
+KERNELS = ("auto", "triton", "hopper")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +58,8 @@ class FlashConfig:
     num_warps: int
     num_stages: int
     interpret: bool
-    forward: str = "triton"  # which forward kernel: "triton" (this file) or "hopper" (flash_hopper.py)
-    hopper_block_q: int = 64
+    forward: str = "triton"  # which kernels: "triton" (this file) or "hopper" (flash_hopper.py)
+    backward: str = "triton"
     hopper_block_k: int = 128
     hopper_stages: int = 2
 
@@ -199,7 +200,6 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
             v,
             causal=cfg.causal,
             scale=cfg.scale,
-            block_q=cfg.hopper_block_q,
             block_k=cfg.hopper_block_k,
             stages=cfg.hopper_stages,
             interpret=cfg.interpret,
@@ -313,6 +313,19 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
     # d(lse)/ds = p, so the logsumexp's cotangent joins D: ds = p * (dp - (D - d_lse)).
     delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - d_lse.astype(jnp.float32)
+    if cfg.backward == "hopper":
+        return flash_hopper.backward(
+            q,
+            k,
+            v,
+            d_out,
+            lse,
+            delta,
+            causal=cfg.causal,
+            scale=cfg.scale,
+            stages=cfg.hopper_stages,
+            interpret=cfg.interpret,
+        )
     seg_args = [q_seg, kv_seg] if has_seg else []
 
     # dK, dV: one program per (batch, kv head, key block); it walks the group's query heads.
@@ -397,7 +410,7 @@ def flash_attention_with_lse(
     num_warps: int = 4,
     num_stages: int = 2,
     forward: str = "auto",
-    hopper_block_q: int = 64,
+    backward: str = "auto",
     hopper_block_k: int = 128,
     hopper_stages: int = 2,
     interpret: bool | None = None,
@@ -405,15 +418,17 @@ def flash_attention_with_lse(
     """(out [b, s, h, d], logsumexp [b, h, s] float32) of exact attention, by the Pallas kernels.
 
     segment_ids: [b, s] ints (or a (q_ids, kv_ids) pair): tokens attend within their segment.
-    k and v may have fewer heads than q (a divisor of it). forward: "triton", "hopper" (the
-    Mosaic GPU kernel of flash_hopper.py: wgmma/TMA, H100-class GPUs, bf16/fp16 without
-    segment ids), or "auto" (hopper where it can run, else triton); the backward is always
-    the Triton pair. interpret: run the kernels in an interpreter (default: everywhere but on
+    k and v may have fewer heads than q (a divisor of it). forward, backward: "triton",
+    "hopper" (the Mosaic GPU kernels of flash_hopper.py: wgmma/TMA, H100-class GPUs,
+    bf16/fp16, no segment ids, lengths multiples of 128), or "auto" (hopper where it can run,
+    else triton). hopper_block_k, hopper_stages: the Hopper forward's key block (64 or 128)
+    and ring depth. interpret: run the kernels in an interpreter (default: everywhere but on
     a GPU).
     """
     check_qkv(q, k, v)
-    if forward not in FORWARDS:
-        raise ValueError(f"unknown flash forward {forward!r}; allowed: {', '.join(FORWARDS)}")
+    for setting, value in (("forward", forward), ("backward", backward)):
+        if value not in KERNELS:
+            raise ValueError(f"unknown flash {setting} {value!r}; allowed: {', '.join(KERNELS)}")
     b, sq, h, d = q.shape
     sk = k.shape[1]
     if causal and sq != sk:
@@ -432,14 +447,17 @@ def flash_attention_with_lse(
     else:
         pad_q, pad_k = -sq % max(bq, bq_b), -sk % max(bk, bk_b)
     dp = max(16, _pow2(d)) - d
-    hopper_blocks = dict(block_q=hopper_block_q, block_k=hopper_block_k, segment_ids=segment_ids)
-    why_not = flash_hopper.supported(q, k, **hopper_blocks)
+    why_not = flash_hopper.supported(q, k, segment_ids=segment_ids)
     if why_not is None and (pad_q or pad_k or dp):
-        why_not = "inputs the Triton backward would pad"
+        why_not = "inputs the Triton kernels would pad"
+    use_hopper = why_not is None and not interpret and flash_hopper.is_hopper()
     if forward == "auto":
-        forward = "hopper" if why_not is None and not interpret and flash_hopper.is_hopper() else "triton"
-    elif forward == "hopper" and why_not is not None:
-        raise ValueError(f"flash forward='hopper' cannot take {why_not}; use forward='triton' or 'auto'")
+        forward = "hopper" if use_hopper else "triton"
+    if backward == "auto":
+        backward = "hopper" if use_hopper else "triton"
+    for setting, value in (("forward", forward), ("backward", backward)):
+        if value == "hopper" and why_not is not None:
+            raise ValueError(f"flash {setting}='hopper' cannot take {why_not}; use 'triton' or 'auto'")
     cfg = FlashConfig(
         causal=causal,
         scale=1.0 / math.sqrt(d),
@@ -453,7 +471,7 @@ def flash_attention_with_lse(
         num_stages=num_stages,
         interpret=interpret,
         forward=forward,
-        hopper_block_q=hopper_block_q,
+        backward=backward,
         hopper_block_k=hopper_block_k,
         hopper_stages=hopper_stages,
     )

@@ -1,25 +1,32 @@
-"""FlashAttention forward for Hopper GPUs, in Pallas Mosaic GPU (wgmma, TMA, warp specialization).
+"""FlashAttention for Hopper GPUs in Pallas Mosaic GPU (wgmma, TMA, warp specialization).
 
-One CTA holds three warpgroups. Two compute warpgroups each own `block_q` query rows of a
-2 * block_q tile; the third only moves data: it streams key/value blocks from HBM into a ring
-of `stages` shared-memory slots with TMA, and reuses a slot once both compute warpgroups have
-released it. The compute warpgroups run S = Q K^T and O += P V on the tensor cores (wgmma,
-float32 accumulators; P is fed from registers) and keep the online softmax in base 2 with the
-1/sqrt(d) scale folded into one multiply. Causal: a warpgroup visits only the key blocks at or
-below its rows and masks only the blocks the diagonal crosses; the lower warpgroup, which
-needs fewer blocks, still releases the slots it skips so the ring keeps turning.
+Every kernel here has the same shape. One CTA holds three warpgroups: two compute warpgroups
+each own a block of rows (query rows for the forward and dQ, key rows for dK/dV), and the
+third only moves data: it streams the other side's blocks from HBM into a ring of `stages`
+shared-memory slots with TMA (`_Ring`), and refills a slot once both compute warpgroups have
+released it. The compute warpgroups run the matmuls on the tensor cores (wgmma, float32
+accumulators in registers; P and dS are fed from registers) and keep the softmax in base 2
+with the 1/sqrt(d) scale folded into one multiply.
 
-Outputs: O in q's dtype and the logsumexp in natural units, [batch, heads, seq] float32, the
-same contract as the Triton kernels in flash.py, whose backward consumes them.
+- forward: S = Q K^T, online softmax, O += P V; rescaled once at the end. Writes O and the
+  logsumexp (natural units, [batch, heads, seq] float32), the contract of flash.py.
+- backward, in two passes that recompute P from the logsumexp (no atomics):
+  dK/dV: per key block, over the query blocks of every query head of its GQA group:
+  dV += P^T dO, dK += dS^T Q with dS = P * (dP - D); dQ: per query block, over key blocks:
+  dQ += dS K. D = rowsum(dO * O) (minus the logsumexp's cotangent) comes from XLA.
+- causal: a warpgroup visits only the blocks that its rows can see and masks only those the
+  diagonal crosses; a warpgroup that needs fewer blocks than its partner still waits for and
+  releases the slots it skips, so the ring keeps turning.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
-multiple of 64 up to 256, no segment ids, the query length a multiple of 2 * block_q and the
-key length a multiple of block_k. Off the GPU the kernel runs under Mosaic GPU's interpreter
-(slow; for tests).
+multiple of 64 up to 256, no segment ids, lengths a multiple of the blocks (see supported).
+Off the GPU the kernels run under Mosaic GPU's interpreter (slow; for tests), where the
+matmuls are plain dots and register layouts do not exist.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -33,10 +40,12 @@ Array = jax.Array
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 COMPUTE_WGS = 2  # compute warpgroups per CTA; one more moves data
+TILE = 128  # the lengths must be multiples of this (two compute warpgroups' 64 rows)
+BLOCKS = (64, 128)  # the block sizes the kernels take
 
 
-def supported(q: Array, k: Array, *, block_q: int, block_k: int, segment_ids=None) -> str | None:
-    """None when the Hopper kernel can take these inputs, else the reason it cannot."""
+def supported(q: Array, k: Array, *, segment_ids=None) -> str | None:
+    """None when the Hopper kernels can take these inputs, else the reason they cannot."""
     d = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (needs bfloat16 or float16)"
@@ -44,8 +53,8 @@ def supported(q: Array, k: Array, *, block_q: int, block_k: int, segment_ids=Non
         return f"head_dim {d} (needs a multiple of 64, at most 256)"
     if segment_ids is not None:
         return "segment ids"
-    if q.shape[1] % (COMPUTE_WGS * block_q) or k.shape[1] % block_k:
-        return f"lengths {q.shape[1]}, {k.shape[1]} (need multiples of {COMPUTE_WGS * block_q}, {block_k})"
+    if q.shape[1] % TILE or k.shape[1] % TILE:
+        return f"lengths {q.shape[1]}, {k.shape[1]} (need multiples of {TILE})"
     return None
 
 
@@ -63,124 +72,150 @@ def interpret_params():
     return InterpretGPUParams()
 
 
-def _scores(q_ref, k_ref, interpret: bool) -> Array:
-    """q @ k^T, float32, on the tensor cores (both operands in shared memory)."""
+# --- pieces every kernel uses ---------------------------------------------------------------
+
+
+def _scores(a_ref, b_ref, interpret: bool) -> Array:
+    """a @ b^T in float32 on the tensor cores (both operands in shared memory)."""
     if interpret:  # the interpreter takes no transposed refs
         return lax.dot_general(
-            q_ref[...], k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            a_ref[...], b_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    def mma(s_ref):
-        plgpu.wgmma(s_ref, q_ref, k_ref.transpose((1, 0)))
-        return s_ref[...]
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
+        return acc_ref[...]
 
-    return pl.run_scoped(mma, plgpu.ACC((q_ref.shape[0], k_ref.shape[0]), jnp.float32))
+    return pl.run_scoped(mma, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
 
 
-def _accumulate(acc: Array, p: Array, v_ref, interpret: bool) -> Array:
-    """acc + p @ v on the tensor cores, in place in acc's registers (p from registers)."""
+def _accumulate(acc: Array, a: Array, b_ref, interpret: bool) -> Array:
+    """acc + a @ b on the tensor cores, in place in acc's registers (a from registers)."""
     if interpret:  # the interpreter has no run_state
-        return acc + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
-    return pl.run_state(lambda ref: plgpu.wgmma(ref, p, v_ref))(plgpu.ACC.init(acc))
+        return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+    return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b_ref))(plgpu.ACC.init(acc))
 
 
-def _consumer(cfg: dict, refs, wg):
-    q_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free = refs
-    bq, bk, stages, d, dtype = cfg["block_q"], cfg["block_k"], cfg["stages"], cfg["d"], cfg["dtype"]
-    causal, all_steps = cfg["causal"], cfg["all_steps"]
-    plgpu.set_max_registers(232, action="increase")
-    b, head = lax.axis_index("batch"), lax.axis_index("heads")
-    row0 = cfg["tile"] * (COMPUTE_WGS * bq) + wg * bq
-    my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), head], my_q, q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
+@dataclasses.dataclass(frozen=True)
+class _Regs:
+    """Register arrays in the wgmma accumulator's layout (plain arrays in the interpreter)."""
 
-    # Registers laid out as the wgmma accumulator (the interpreter has no layouts).
-    wgmma = plgpu.Layout.WGMMA
-    layout = (lambda x, _: x) if cfg["interpret"] else plgpu.layout_cast
-    m = layout(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma.reduce(1))
-    denom = layout(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
-    acc = layout(jnp.zeros((bq, d), jnp.float32), wgmma)
-    if cfg["interpret"]:
-        iota = lambda dim: lax.broadcasted_iota(jnp.int32, (bq, bk), dim)  # noqa: E731
-    else:
-        iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=wgmma)  # noqa: E731
-    c = cfg["scale"] * LOG2E
+    interpret: bool
 
-    def step(j, carry, masked: bool):
-        acc, m, denom = carry
-        slot = lax.rem(j, stages)
-        plgpu.barrier_wait(k_ready.at[slot])
-        s = _scores(my_q, k_smem.at[slot], cfg["interpret"]) * c
-        plgpu.barrier_arrive(k_free.at[slot])
-        if masked:
-            s = jnp.where(iota(0) + row0 >= iota(1) + j * bk, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        denom = denom * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p = p.astype(dtype)
-        plgpu.barrier_wait(v_ready.at[slot])
-        acc = _accumulate(acc, p, v_smem.at[slot], cfg["interpret"])
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, denom
+    def zeros(self, shape, fill=0.0) -> Array:
+        x = jnp.full(shape, fill, jnp.float32)
+        if self.interpret:
+            return x
+        layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
+        return plgpu.layout_cast(x, layout)
 
-    carry = (acc, m, denom)
-    if causal:
-        steps = pl.cdiv(row0 + bq, bk)  # key blocks this warpgroup's rows can see
-        clear = row0 // bk  # ... of which the first `clear` need no mask
-        carry = lax.fori_loop(0, clear, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(clear, steps, functools.partial(step, masked=True), carry)
+    def vector(self, ref, along: int) -> Array:
+        """A float32 vector from shared memory, laid out to broadcast along dimension `along`."""
+        if self.interpret:
+            return ref[...]
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(along))
 
-        @pl.loop(steps, all_steps)
-        def _release(j):  # blocks loaded for the other warpgroup: wait for each, then free it
-            slot = lax.rem(j, stages)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-    else:
-        carry = lax.fori_loop(0, all_steps, functools.partial(step, masked=False), carry)
-    acc, m, denom = carry
-
-    my_q[...] = (acc * lax.broadcast_in_dim(1.0 / denom, acc.shape, [0])).astype(dtype)
-    my_lse[...] = (m + jnp.log2(denom)) * LN2
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(my_q, o_ref.at[b, pl.ds(row0, bq), head])
-    plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[b, head, pl.ds(row0, bq)])
-    plgpu.wait_smem_to_gmem(0)
+    def iota(self, shape, dim: int) -> Array:
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _producer(cfg: dict, refs):
-    k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free = refs
-    bk, stages, all_steps = cfg["block_k"], cfg["stages"], cfg["all_steps"]
-    plgpu.set_max_registers(40, action="decrease")
-    b, kv_head = lax.axis_index("batch"), lax.axis_index("heads") // cfg["group"]
+def _rows(x: Array, shape) -> Array:
+    """A per-row vector broadcast over the columns."""
+    return lax.broadcast_in_dim(x, shape, [0])
 
-    def load(j, slot):
-        rows = (b, pl.ds(j * bk, bk), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-    for j in range(stages):  # fill the ring
+def _cols(x: Array, shape) -> Array:
+    """A per-column vector broadcast over the rows."""
+    return lax.broadcast_in_dim(x, shape, [1])
 
-        @pl.when(j < all_steps)
-        def _fill():
-            load(j, j)
 
-    @pl.loop(stages, all_steps)
-    def _stream(j):
-        slot = lax.rem(j, stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(j, slot)
+class _Ring:
+    """`stages` shared-memory slots that the memory warpgroup fills, one step at a time, and
+    the compute warpgroups release.
 
-    @pl.loop(jnp.maximum(all_steps - stages, 0), all_steps)
-    def _drain(j):  # see the last blocks released, so every barrier phase is observed
-        slot = lax.rem(j, stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
+    groups: [(free barrier, [(smem [stages, ...], ready barrier, src)...])], where src(j) is
+    the HBM ref of step j. A slot of a group is refilled once both compute warpgroups have
+    arrived on its free barrier; each buffer signals its own ready barrier.
+    """
+
+    def __init__(self, groups, stages: int, steps):
+        self.groups, self.stages, self.steps = groups, stages, steps
+
+    def slot(self, j):
+        return lax.rem(j, self.stages)
+
+    def produce(self):
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load(j, slot, reuse: bool):
+            for free, buffers in self.groups:
+                if reuse:
+                    plgpu.barrier_wait(free.at[slot])
+                for smem, ready, src in buffers:
+                    plgpu.copy_gmem_to_smem(src(j), smem.at[slot], ready.at[slot])
+
+        for j in range(self.stages):  # fill the ring
+            pl.when(j < self.steps)(functools.partial(load, j, j, False))
+
+        @pl.loop(self.stages, self.steps)
+        def _stream(j):
+            load(j, self.slot(j), True)
+
+        @pl.loop(jnp.maximum(self.steps - self.stages, 0), self.steps)
+        def _drain(j):  # see the last slots released, so every barrier phase is observed
+            for free, _ in self.groups:
+                plgpu.barrier_wait(free.at[self.slot(j)])
+
+    def skip(self, start, stop):
+        """A compute warpgroup passes over steps [start, stop): it waits for and releases each."""
+
+        @pl.loop(start, stop)
+        def _skip(j):
+            for free, buffers in self.groups:
+                for _, ready, _ in buffers:
+                    plgpu.barrier_wait(ready.at[self.slot(j)])
+                plgpu.barrier_arrive(free.at[self.slot(j)])
+
+
+def _smem(shape, dtype, swizzled: bool = True):
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if swizzled else ()
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _barriers(n: int, arrivals: int = 1):
+    return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+
+
+def _launch(body, scratch, *, out_type, grid, grid_names, interpret: bool, name: str):
+    """Runs body(*hbm_refs, *scratch_refs) on three warpgroups per CTA."""
+
+    def entry(*hbm):
+        pl.run_scoped(lambda *scratch_refs: body(*hbm, *scratch_refs), *scratch, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params() if interpret else None,
+        kernel_name=name,
+    )
+
+
+def _check_blocks(**blocks):
+    for setting, value in blocks.items():
+        if value not in BLOCKS:
+            raise ValueError(
+                f"{setting}={value} is not a block size of the Hopper kernels; allowed: {BLOCKS}"
+            )
+
+
+# --- forward ---------------------------------------------------------------------------------
 
 
 def forward(
@@ -190,7 +225,6 @@ def forward(
     *,
     causal: bool,
     scale: float,
-    block_q: int = 64,
     block_k: int = 128,
     stages: int = 2,
     interpret: bool = False,
@@ -198,72 +232,329 @@ def forward(
     """(out [b, s, h, d], logsumexp [b, h, s] float32); see supported() for what it takes."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    reason = supported(q, k, block_q=block_q, block_k=block_k)
-    if reason:
-        raise ValueError(f"the Hopper flash kernel cannot take {reason}")
-    if causal and sq != sk:
-        raise ValueError(f"causal attention needs equal query and key lengths; got {sq} and {sk}")
-    tile_rows = COMPUTE_WGS * block_q
-    num_tiles, num_k = sq // tile_rows, sk // block_k
+    bq, bk, dtype = TILE // COMPUTE_WGS, block_k, q.dtype
+    _check_blocks(hopper_block_k=block_k)
+    num_tiles, num_k = sq // TILE, sk // bk
     stages = max(1, min(stages, num_k))
-    smem = functools.partial(
-        plgpu.SMEM, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    )
+    regs = _Regs(interpret)
+    c = scale * LOG2E
 
-    def body(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, *ring_bars):
+        k_ready, v_ready, k_free, v_free = ring_bars
         # The heaviest causal tiles (the last rows) start first.
-        tile = num_tiles - 1 - lax.axis_index("q_tiles") if causal else lax.axis_index("q_tiles")
-        cfg = dict(
-            block_q=block_q,
-            block_k=block_k,
-            stages=stages,
-            d=d,
-            dtype=q.dtype,
-            causal=causal,
-            scale=scale,
-            group=h // hk,
-            tile=tile,
-            interpret=interpret,
-            all_steps=pl.cdiv((tile + 1) * tile_rows, block_k) if causal else num_k,
+        tile = num_tiles - 1 - lax.axis_index("tiles") if causal else lax.axis_index("tiles")
+        bi, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        kv_rows = lambda ref: lambda j: ref.at[bi, pl.ds(j * bk, bk), head // (h // hk)]  # noqa: E731
+        ring = _Ring(
+            [(k_free, [(k_smem, k_ready, kv_rows(k_ref))]), (v_free, [(v_smem, v_ready, kv_rows(v_ref))])],
+            stages,
+            pl.cdiv((tile + 1) * TILE, bk) if causal else num_k,
         )
 
-        def scoped(q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free):
-            wg = lax.axis_index("wg")
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            row0 = tile * TILE + wg * bq
+            my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, bq), head], my_q, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
 
-            @pl.when(wg < COMPUTE_WGS)
-            def _compute():
-                _consumer(
-                    cfg,
-                    (q_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem)
-                    + (q_ready, k_ready, v_ready, k_free, v_free),
-                    wg,
-                )
+            def step(j, carry, masked: bool):
+                acc, m, denom = carry
+                slot = ring.slot(j)
+                plgpu.barrier_wait(k_ready.at[slot])
+                s = _scores(my_q, k_smem.at[slot], interpret) * c
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    s = jnp.where(regs.iota(s.shape, 0) + row0 >= regs.iota(s.shape, 1) + j * bk, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - _rows(m_new, s.shape))
+                denom = denom * alpha + p.sum(axis=1)
+                acc = acc * _rows(alpha, acc.shape)
+                plgpu.barrier_wait(v_ready.at[slot])
+                acc = _accumulate(acc, p.astype(dtype), v_smem.at[slot], interpret)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, denom
 
-            @pl.when(wg == COMPUTE_WGS)
-            def _memory():
-                _producer(cfg, (k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free))
+            carry = (regs.zeros((bq, d)), regs.zeros((bq,), -jnp.inf), regs.zeros((bq,)))
+            if causal:
+                steps = pl.cdiv(row0 + bq, bk)  # the key blocks these rows can see
+                clear = row0 // bk  # ... of which the first `clear` need no mask
+                carry = lax.fori_loop(0, clear, functools.partial(step, masked=False), carry)
+                carry = lax.fori_loop(clear, steps, functools.partial(step, masked=True), carry)
+                ring.skip(steps, ring.steps)  # blocks loaded for the other warpgroup
+            else:
+                carry = lax.fori_loop(0, ring.steps, functools.partial(step, masked=False), carry)
+            acc, m, denom = carry
+            my_q[...] = (acc * _rows(1.0 / denom, acc.shape)).astype(dtype)
+            my_lse[...] = (m + jnp.log2(denom)) * LN2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, pl.ds(row0, bq), head])
+            plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, head, pl.ds(row0, bq)])
+            plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(
-            scoped,
-            smem((COMPUTE_WGS, block_q, d), q.dtype),
-            smem((stages, block_k, d), q.dtype),
-            smem((stages, block_k, d), q.dtype),
-            plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
-            plgpu.Barrier(num_barriers=COMPUTE_WGS),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-            collective_axes="wg",
-        )
+        pl.when(wg == COMPUTE_WGS)(ring.produce)
 
-    return plgpu.kernel(
+    scratch = [
+        _smem((COMPUTE_WGS, bq, d), dtype),
+        _smem((stages, bk, d), dtype),
+        _smem((stages, bk, d), dtype),
+        _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
+        _barriers(COMPUTE_WGS),
+        _barriers(stages),
+        _barriers(stages),
+        _barriers(stages, COMPUTE_WGS),
+        _barriers(stages, COMPUTE_WGS),
+    ]
+    return _launch(
         body,
-        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
+        scratch,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
         grid=(num_tiles, h, b),
-        grid_names=("q_tiles", "heads", "batch"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params() if interpret else None,
+        grid_names=("tiles", "heads", "batch"),
+        interpret=interpret,
+        name="bpt_flash_hopper_fwd",
     )(q, k, v)
+
+
+# --- backward --------------------------------------------------------------------------------
+
+
+def _dq(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
+    """dQ: per 2 x 64 query rows, over the key blocks (64) they see."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    bq = bk = TILE // COMPUTE_WGS
+    dtype, num_tiles, num_k = q.dtype, sq // TILE, sk // bk
+    stages = max(1, min(stages, num_k))
+    regs = _Regs(interpret)
+    c = scale * LOG2E
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch):
+        (
+            q_smem,
+            do_smem,
+            lse_smem,
+            delta_smem,
+            k_smem,
+            v_smem,
+            rows_ready,
+            k_ready,
+            v_ready,
+            k_free,
+            v_free,
+        ) = scratch
+        tile = num_tiles - 1 - lax.axis_index("tiles") if causal else lax.axis_index("tiles")
+        bi, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        kv_rows = lambda ref: lambda j: ref.at[bi, pl.ds(j * bk, bk), head // (h // hk)]  # noqa: E731
+        ring = _Ring(
+            [(k_free, [(k_smem, k_ready, kv_rows(k_ref))]), (v_free, [(v_smem, v_ready, kv_rows(v_ref))])],
+            stages,
+            pl.cdiv((tile + 1) * TILE, bk) if causal else num_k,
+        )
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            row0 = tile * TILE + wg * bq
+            rows = pl.ds(row0, bq)
+            my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+            ready = rows_ready.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], my_q, ready)
+            plgpu.barrier_wait(ready)
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, head], my_do, ready)
+            plgpu.barrier_wait(ready)
+            plgpu.copy_gmem_to_smem(lse_ref.at[bi, head, rows], lse_smem.at[wg], ready)
+            plgpu.barrier_wait(ready)
+            plgpu.copy_gmem_to_smem(delta_ref.at[bi, head, rows], delta_smem.at[wg], ready)
+            plgpu.barrier_wait(ready)
+            lse2 = regs.vector(lse_smem.at[wg], 1) * LOG2E
+            delta = regs.vector(delta_smem.at[wg], 1)
+
+            def step(j, dq, masked: bool):
+                slot = ring.slot(j)
+                plgpu.barrier_wait(k_ready.at[slot])
+                s = _scores(my_q, k_smem.at[slot], interpret)
+                plgpu.barrier_wait(v_ready.at[slot])
+                dp = _scores(my_do, v_smem.at[slot], interpret)
+                plgpu.barrier_arrive(v_free.at[slot])
+                p = jnp.exp2(s * c - _rows(lse2, s.shape))
+                if masked:
+                    p = jnp.where(regs.iota(s.shape, 0) + row0 >= regs.iota(s.shape, 1) + j * bk, p, 0.0)
+                ds = p * (dp - _rows(delta, dp.shape))
+                dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], interpret)
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq
+
+            dq = regs.zeros((bq, d))
+            if causal:
+                steps, clear = pl.cdiv(row0 + bq, bk), row0 // bk
+                dq = lax.fori_loop(0, clear, functools.partial(step, masked=False), dq)
+                dq = lax.fori_loop(clear, steps, functools.partial(step, masked=True), dq)
+                ring.skip(steps, ring.steps)
+            else:
+                dq = lax.fori_loop(0, ring.steps, functools.partial(step, masked=False), dq)
+            my_q[...] = (dq * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, head])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.when(wg == COMPUTE_WGS)(ring.produce)
+
+    scratch = [
+        _smem((COMPUTE_WGS, bq, d), dtype),
+        _smem((COMPUTE_WGS, bq, d), dtype),
+        _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
+        _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
+        _smem((stages, bk, d), dtype),
+        _smem((stages, bk, d), dtype),
+        _barriers(COMPUTE_WGS),
+        _barriers(stages),
+        _barriers(stages),
+        _barriers(stages, COMPUTE_WGS),
+        _barriers(stages, COMPUTE_WGS),
+    ]
+    return _launch(
+        body,
+        scratch,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        grid=(num_tiles, h, b),
+        grid_names=("tiles", "heads", "batch"),
+        interpret=interpret,
+        name="bpt_flash_hopper_dq",
+    )(q, k, v, d_out, lse, delta)
+
+
+def _dkdv(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
+    """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
+    query head of its group that see them."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    group = h // hk
+    bq = bk = TILE // COMPUTE_WGS
+    dtype, num_tiles, num_q = q.dtype, sk // TILE, sq // bq
+    regs = _Regs(interpret)
+    c = scale * LOG2E
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch):
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, own_ready = scratch[:7]
+        q_ready, do_ready, lse_ready, delta_ready, free = scratch[7:]
+        tile = lax.axis_index("tiles")  # causal: the first key tiles are the heaviest; they start first
+        bi, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        first = tile * TILE // bq if causal else 0  # the first query block that sees this tile
+        per_head = num_q - first
+
+        def at(j):  # (query head, query rows) of step j
+            return kv_head * group + j // per_head, pl.ds((first + lax.rem(j, per_head)) * bq, bq)
+
+        def rows_of(ref):
+            return lambda j: ref.at[bi, at(j)[1], at(j)[0]]
+
+        def stats_of(ref):
+            return lambda j: ref.at[bi, at(j)[0], at(j)[1]]
+
+        ring_stages = stages
+        ring = _Ring(
+            [
+                (
+                    free,
+                    [
+                        (q_smem, q_ready, rows_of(q_ref)),
+                        (do_smem, do_ready, rows_of(do_ref)),
+                        (lse_smem, lse_ready, stats_of(lse_ref)),
+                        (delta_smem, delta_ready, stats_of(delta_ref)),
+                    ],
+                )
+            ],
+            ring_stages,
+            group * per_head,
+        )
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            key0 = tile * TILE + wg * bk
+            keys = pl.ds(key0, bk)
+            my_k, my_v, ready = k_smem.at[wg], v_smem.at[wg], own_ready.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kv_head], my_k, ready)
+            plgpu.barrier_wait(ready)
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, kv_head], my_v, ready)
+            plgpu.barrier_wait(ready)
+
+            def step(j, carry, masked: bool):
+                dk, dv = carry
+                slot = ring.slot(j)
+                plgpu.barrier_wait(q_ready.at[slot])
+                s_t = _scores(my_k, q_smem.at[slot], interpret)  # [keys, queries]
+                plgpu.barrier_wait(lse_ready.at[slot])
+                lse2 = regs.vector(lse_smem.at[slot], 0) * LOG2E
+                p_t = jnp.exp2(s_t * c - _cols(lse2, s_t.shape))
+                if masked:
+                    q0 = (first + lax.rem(j, per_head)) * bq
+                    visible = regs.iota(s_t.shape, 1) + q0 >= regs.iota(s_t.shape, 0) + key0
+                    p_t = jnp.where(visible, p_t, 0.0)
+                plgpu.barrier_wait(do_ready.at[slot])
+                dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
+                dp_t = _scores(my_v, do_smem.at[slot], interpret)
+                plgpu.barrier_wait(delta_ready.at[slot])
+                ds_t = p_t * (dp_t - _cols(regs.vector(delta_smem.at[slot], 0), dp_t.shape))
+                dk = _accumulate(dk, ds_t.astype(dtype), q_smem.at[slot], interpret)
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            def head_loop(g, carry):
+                base = g * per_head - first  # step of query block i is base + i
+                if causal:
+                    mine, clear = key0 // bq, pl.cdiv(key0 + bk - 1, bq)  # first visible, first unmasked
+                    ring.skip(base + first, base + mine)  # blocks only the partner warpgroup sees
+                    carry = lax.fori_loop(
+                        base + mine, base + clear, functools.partial(step, masked=True), carry
+                    )
+                    return lax.fori_loop(
+                        base + clear, base + num_q, functools.partial(step, masked=False), carry
+                    )
+                return lax.fori_loop(base, base + num_q, functools.partial(step, masked=False), carry)
+
+            dk, dv = lax.fori_loop(0, group, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
+            my_k[...] = (dk * scale).astype(dtype)
+            my_v[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, keys, kv_head])
+            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, keys, kv_head])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.when(wg == COMPUTE_WGS)(ring.produce)
+
+    scratch = [
+        _smem((COMPUTE_WGS, bk, d), dtype),
+        _smem((COMPUTE_WGS, bk, d), dtype),
+        _smem((stages, bq, d), dtype),
+        _smem((stages, bq, d), dtype),
+        _smem((stages, bq), jnp.float32, swizzled=False),
+        _smem((stages, bq), jnp.float32, swizzled=False),
+        _barriers(COMPUTE_WGS),
+        _barriers(stages),
+        _barriers(stages),
+        _barriers(stages),
+        _barriers(stages),
+        _barriers(stages, COMPUTE_WGS),
+    ]
+    return _launch(
+        body,
+        scratch,
+        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        grid=(num_tiles, hk, b),
+        grid_names=("tiles", "heads", "batch"),
+        interpret=interpret,
+        name="bpt_flash_hopper_dkdv",
+    )(q, k, v, d_out, lse, delta)
+
+
+def backward(
+    q, k, v, d_out, lse, delta, *, causal: bool, scale: float, stages: int = 2, interpret: bool = False
+):
+    """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s]."""
+    kw = dict(causal=causal, scale=scale, stages=stages, interpret=interpret)
+    dk, dv = _dkdv(q, k, v, d_out, lse, delta, **kw)
+    return _dq(q, k, v, d_out, lse, delta, **kw), dk, dv
