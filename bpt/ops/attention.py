@@ -5,10 +5,12 @@
 | reference   | O(seq^2)    | anywhere                 | yes               |
 | blockwise   | O(seq)      | anywhere                 | yes               |
 | cudnn       | O(seq)      | NVIDIA GPU, bf16/fp16    | no                |
-| pallas      | O(seq)      | NVIDIA GPU (Mosaic GPU forward on H100-class GPUs, else Triton;
-|             |             | Triton backward); elsewhere interpret mode (tests) | yes |
-| auto        | on a GPU: cudnn where it supports the inputs, else pallas for bf16/fp16;
-|             | otherwise blockwise (reference when the sequence fits in one chunk) |
+| pallas      | O(seq)      | NVIDIA GPU (Mosaic GPU kernels on H100-class GPUs where they
+|             |             | take the inputs, else Triton); elsewhere interpret mode (tests) | yes |
+| auto        | on an H100-class GPU, pallas for causal bf16/fp16 up to 4K tokens that the
+|             | Mosaic GPU kernels take (measured faster than cuDNN there, slower at 16K);
+|             | on a GPU otherwise cudnn where it supports the inputs, else pallas for
+|             | bf16/fp16; off the GPU blockwise (reference when one chunk covers it) |
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from bpt.ops.blockwise import blockwise_attention
+from bpt.ops.kernels import flash_hopper
 from bpt.ops.kernels.flash import flash_attention
 from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
 
 Array = jax.Array
+SHORT = 4096  # up to here, bpt's Hopper kernels measured faster than cuDNN (causal, H100)
 IMPLS = ("reference", "blockwise", "cudnn", "pallas", "auto")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -50,6 +54,13 @@ def select_impl(
     q: Array, k: Array, *, causal: bool, segment_ids: SegmentIds, q_chunk_size: int, kv_chunk_size: int
 ) -> str:
     """The implementation impl='auto' runs for these inputs on this platform."""
+    if (
+        causal
+        and k.shape[1] <= SHORT
+        and flash_hopper.is_hopper()
+        and flash_hopper.supported(q, k, segment_ids=segment_ids) is None
+    ):
+        return "pallas"
     if cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids) is None:
         return "cudnn"
     if (
