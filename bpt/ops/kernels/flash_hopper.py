@@ -261,7 +261,14 @@ def _launch(body, scratch, *, out_type, grid, grid_names, interpret: bool, name:
     )
 
 
-def _check_blocks(**blocks):
+def _check(q: Array, k: Array, causal: bool, **blocks) -> None:
+    reason = supported(q, k)
+    if reason:
+        raise ValueError(f"the Hopper flash kernels cannot take {reason}")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"causal attention needs equal query and key lengths; got {q.shape[1]}, {k.shape[1]}"
+        )
     for setting, value in blocks.items():
         if value not in BLOCKS:
             raise ValueError(
@@ -287,7 +294,7 @@ def forward(
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     bq, bk, dtype = TILE // COMPUTE_WGS, block_k, q.dtype
-    _check_blocks(hopper_block_k=block_k)
+    _check(q, k, causal, hopper_block_k=block_k)
     num_tiles, num_k = sq // TILE, sk // bk
     stages = max(1, min(stages, num_k))
     regs = _Regs(interpret)
@@ -561,6 +568,7 @@ def backward(
     q, k, v, d_out, lse, delta, *, causal: bool, scale: float, stages: int = 2, interpret: bool = False
 ):
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s]."""
+    _check(q, k, causal)
     kw = dict(causal=causal, scale=scale, stages=stages, interpret=interpret)
     dk, dv = _dkdv(q, k, v, d_out, lse, delta, **kw)
     return _dq(q, k, v, d_out, lse, delta, **kw), dk, dv
