@@ -120,6 +120,11 @@ class _Regs:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
         return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
+    def visible(self, shape, q0, k0, *, queries_dim: int = 0) -> Array:
+        """The causal mask of a block whose queries start at q0 and keys at k0 (queries along
+        `queries_dim`): query position >= key position."""
+        return self.iota(shape, queries_dim) + q0 >= self.iota(shape, 1 - queries_dim) + k0
+
 
 def _rows(x: Array, shape) -> Array:
     """A per-row vector broadcast over the columns."""
@@ -233,6 +238,13 @@ def _sweep_keys(step, carry, ring: _Ring, *, row0, bq: int, bk: int, causal: boo
     return carry
 
 
+def _copy_in(barrier, *copies) -> None:
+    """TMA copies (hbm ref, smem ref) one after another on one barrier, each awaited."""
+    for src, dst in copies:
+        plgpu.copy_gmem_to_smem(src, dst, barrier)
+        plgpu.barrier_wait(barrier)
+
+
 def _smem(shape, dtype, swizzled: bool = True):
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if swizzled else ()
     return plgpu.SMEM(shape, dtype, transforms=transforms)
@@ -320,7 +332,7 @@ def forward(
                 s = _scores(my_q, k_smem.at[slot], interpret) * c
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
-                    s = jnp.where(regs.iota(s.shape, 0) + row0 >= regs.iota(s.shape, 1) + j * bk, s, -jnp.inf)
+                    s = jnp.where(regs.visible(s.shape, row0, j * bk), s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - _rows(m_new, s.shape))
@@ -363,7 +375,7 @@ def forward(
 # --- backward --------------------------------------------------------------------------------
 
 
-def _dq(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
+def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
     """dQ: per 2 x 64 query rows, over the key blocks (64) they see."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -374,7 +386,7 @@ def _dq(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
     c = scale * LOG2E
     keys = _KeyStream(num_tiles, num_k, h // hk, bk, stages, causal)
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch):
+    def body(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *scratch):
         q_smem, do_smem, lse_smem, delta_smem, rows_ready, *ring_scratch = scratch
         k_smem, v_smem, k_ready, v_ready, k_free, v_free = ring_scratch
         tile, bi, head, wg, ring = keys.open(k_ref, v_ref, *ring_scratch)
@@ -385,17 +397,14 @@ def _dq(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
             row0 = tile * TILE + wg * bq
             rows = pl.ds(row0, bq)
             my_q, my_do = q_smem.at[wg], do_smem.at[wg]
-            ready = rows_ready.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], my_q, ready)
-            plgpu.barrier_wait(ready)
-            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, head], my_do, ready)
-            plgpu.barrier_wait(ready)
-            plgpu.copy_gmem_to_smem(lse_ref.at[bi, head, rows], lse_smem.at[wg], ready)
-            plgpu.barrier_wait(ready)
-            plgpu.copy_gmem_to_smem(delta_ref.at[bi, head, rows], delta_smem.at[wg], ready)
-            plgpu.barrier_wait(ready)
-            lse2 = regs.vector(lse_smem.at[wg], 1) * LOG2E
-            delta = regs.vector(delta_smem.at[wg], 1)
+            _copy_in(
+                rows_ready.at[wg],
+                (q_ref.at[bi, rows, head], my_q),
+                (do_ref.at[bi, rows, head], my_do),
+                (lse2_ref.at[bi, head, rows], lse_smem.at[wg]),
+                (delta_ref.at[bi, head, rows], delta_smem.at[wg]),
+            )
+            lse2, delta = regs.vector(lse_smem.at[wg], 1), regs.vector(delta_smem.at[wg], 1)
 
             def step(j, dq, masked: bool):
                 slot = ring.slot(j)
@@ -406,7 +415,7 @@ def _dq(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
                 plgpu.barrier_arrive(v_free.at[slot])
                 p = jnp.exp2(s * c - _rows(lse2, s.shape))
                 if masked:
-                    p = jnp.where(regs.iota(s.shape, 0) + row0 >= regs.iota(s.shape, 1) + j * bk, p, 0.0)
+                    p = jnp.where(regs.visible(s.shape, row0, j * bk), p, 0.0)
                 ds = p * (dp - _rows(delta, dp.shape))
                 dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], interpret)
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -436,10 +445,67 @@ def _dq(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
         grid_names=("tiles", "heads", "batch"),
         interpret=interpret,
         name="bpt_flash_hopper_dq",
-    )(q, k, v, d_out, lse, delta)
+    )(q, k, v, d_out, lse2, delta)
 
 
-def _dkdv(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
+@dataclasses.dataclass(frozen=True)
+class _QueryStream:
+    """The key side's grid (dK/dV): CTAs over (key tiles, key/value heads, batch), each
+    streaming, for every query head of its group, the query blocks of `bq` rows that see the
+    tile (Q, dO, and the base-2 logsumexp and delta of those rows). Causal: the first key
+    tiles are the heaviest, and the grid starts with them."""
+
+    num_q: int  # query blocks per head
+    group: int
+    bq: int
+    stages: int
+    causal: bool
+
+    def scratch(self, d: int, dtype) -> list:
+        """The ring's shared memory and barriers: open() takes them in this order."""
+        rows, stats = (self.stages, self.bq, d), (self.stages, self.bq)
+        return [
+            _smem(rows, dtype),
+            _smem(rows, dtype),
+            _smem(stats, jnp.float32, swizzled=False),
+            _smem(stats, jnp.float32, swizzled=False),
+            *[_barriers(self.stages) for _ in range(4)],
+            _barriers(self.stages, COMPUTE_WGS),
+        ]
+
+    def open(
+        self, refs, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free
+    ):
+        """(tile, batch, kv head, warpgroup, ring, first, per_head) of this CTA: step j of the
+        ring holds query block first + j % per_head of the group's query head j // per_head."""
+        q_ref, do_ref, lse2_ref, delta_ref = refs
+        tile = lax.axis_index("tiles")
+        bi, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        first = tile * TILE // self.bq if self.causal else 0  # the first query block that sees the tile
+        per_head = self.num_q - first
+
+        def head_rows(j):
+            return kv_head * self.group + j // per_head, pl.ds(
+                (first + lax.rem(j, per_head)) * self.bq, self.bq
+            )
+
+        def rows_of(ref):
+            return lambda j: ref.at[bi, head_rows(j)[1], head_rows(j)[0]]
+
+        def stats_of(ref):
+            return lambda j: ref.at[(bi, *head_rows(j))]
+
+        buffers = [
+            (q_smem, q_ready, rows_of(q_ref)),
+            (do_smem, do_ready, rows_of(do_ref)),
+            (lse_smem, lse_ready, stats_of(lse2_ref)),
+            (delta_smem, delta_ready, stats_of(delta_ref)),
+        ]
+        ring = _Ring([(free, buffers)], self.stages, self.group * per_head)
+        return tile, bi, kv_head, wg, ring, first, per_head
+
+
+def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
     """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
     query head of its group that see them."""
     b, sq, h, d = q.shape
@@ -449,39 +515,13 @@ def _dkdv(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
     dtype, num_tiles, num_q = q.dtype, sk // TILE, sq // bq
     regs = _Regs(interpret)
     c = scale * LOG2E
+    queries = _QueryStream(num_q, group, bq, max(1, min(stages, num_q)), causal)
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch):
-        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, own_ready = scratch[:7]
-        q_ready, do_ready, lse_ready, delta_ready, free = scratch[7:]
-        tile = lax.axis_index("tiles")  # causal: the first key tiles are the heaviest; they start first
-        bi, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        first = tile * TILE // bq if causal else 0  # the first query block that sees this tile
-        per_head = num_q - first
-
-        def at(j):  # (query head, query rows) of step j
-            return kv_head * group + j // per_head, pl.ds((first + lax.rem(j, per_head)) * bq, bq)
-
-        def rows_of(ref):
-            return lambda j: ref.at[bi, at(j)[1], at(j)[0]]
-
-        def stats_of(ref):
-            return lambda j: ref.at[bi, at(j)[0], at(j)[1]]
-
-        ring_stages = stages
-        ring = _Ring(
-            [
-                (
-                    free,
-                    [
-                        (q_smem, q_ready, rows_of(q_ref)),
-                        (do_smem, do_ready, rows_of(do_ref)),
-                        (lse_smem, lse_ready, stats_of(lse_ref)),
-                        (delta_smem, delta_ready, stats_of(delta_ref)),
-                    ],
-                )
-            ],
-            ring_stages,
-            group * per_head,
+    def body(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref, *scratch):
+        k_smem, v_smem, own_ready, *ring_scratch = scratch
+        q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_scratch
+        tile, bi, kv_head, wg, ring, first, per_head = queries.open(
+            (q_ref, do_ref, lse2_ref, delta_ref), *ring_scratch
         )
 
         @pl.when(wg < COMPUTE_WGS)
@@ -489,11 +529,10 @@ def _dkdv(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
             plgpu.set_max_registers(232, action="increase")
             key0 = tile * TILE + wg * bk
             keys = pl.ds(key0, bk)
-            my_k, my_v, ready = k_smem.at[wg], v_smem.at[wg], own_ready.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kv_head], my_k, ready)
-            plgpu.barrier_wait(ready)
-            plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, kv_head], my_v, ready)
-            plgpu.barrier_wait(ready)
+            my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+            _copy_in(
+                own_ready.at[wg], (k_ref.at[bi, keys, kv_head], my_k), (v_ref.at[bi, keys, kv_head], my_v)
+            )
 
             def step(j, carry, masked: bool):
                 dk, dv = carry
@@ -501,12 +540,10 @@ def _dkdv(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
                 plgpu.barrier_wait(q_ready.at[slot])
                 s_t = _scores(my_k, q_smem.at[slot], interpret)  # [keys, queries]
                 plgpu.barrier_wait(lse_ready.at[slot])
-                lse2 = regs.vector(lse_smem.at[slot], 0) * LOG2E
-                p_t = jnp.exp2(s_t * c - _cols(lse2, s_t.shape))
+                p_t = jnp.exp2(s_t * c - _cols(regs.vector(lse_smem.at[slot], 0), s_t.shape))
                 if masked:
                     q0 = (first + lax.rem(j, per_head)) * bq
-                    visible = regs.iota(s_t.shape, 1) + q0 >= regs.iota(s_t.shape, 0) + key0
-                    p_t = jnp.where(visible, p_t, 0.0)
+                    p_t = jnp.where(regs.visible(s_t.shape, q0, key0, queries_dim=1), p_t, 0.0)
                 plgpu.barrier_wait(do_ready.at[slot])
                 dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
                 dp_t = _scores(my_v, do_smem.at[slot], interpret)
@@ -542,16 +579,8 @@ def _dkdv(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
     scratch = [
         _smem((COMPUTE_WGS, bk, d), dtype),
         _smem((COMPUTE_WGS, bk, d), dtype),
-        _smem((stages, bq, d), dtype),
-        _smem((stages, bq, d), dtype),
-        _smem((stages, bq), jnp.float32, swizzled=False),
-        _smem((stages, bq), jnp.float32, swizzled=False),
         _barriers(COMPUTE_WGS),
-        _barriers(stages),
-        _barriers(stages),
-        _barriers(stages),
-        _barriers(stages),
-        _barriers(stages, COMPUTE_WGS),
+        *queries.scratch(d, dtype),
     ]
     return _launch(
         body,
@@ -561,7 +590,7 @@ def _dkdv(q, k, v, d_out, lse, delta, *, causal, scale, stages, interpret):
         grid_names=("tiles", "heads", "batch"),
         interpret=interpret,
         name="bpt_flash_hopper_dkdv",
-    )(q, k, v, d_out, lse, delta)
+    )(q, k, v, d_out, lse2, delta)
 
 
 def backward(
@@ -570,5 +599,6 @@ def backward(
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s]."""
     _check(q, k, causal)
     kw = dict(causal=causal, scale=scale, stages=stages, interpret=interpret)
-    dk, dv = _dkdv(q, k, v, d_out, lse, delta, **kw)
-    return _dq(q, k, v, d_out, lse, delta, **kw), dk, dv
+    lse2 = lse * LOG2E  # both passes compute p = exp2(s * log2(e) / sqrt(d) - lse2)
+    dk, dv = _dkdv(q, k, v, d_out, lse2, delta, **kw)
+    return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
