@@ -37,6 +37,19 @@ def cudnn(q, k, v, *, causal):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
+def tokamax(implementation):
+    """tokamax's attention (an optional comparison; `pip install tokamax`, Python >= 3.12)."""
+
+    def fn(q, k, v, *, causal):
+        try:
+            import tokamax as tk
+        except ImportError as e:
+            raise RuntimeError(f"tokamax is not installed ({e})") from e
+        return tk.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
+    return fn
+
+
 IMPLS = {
     # bpt's kernels: those that "auto" picks (the Mosaic GPU ones on H100-class GPUs), and the
     # Triton ones.
@@ -50,12 +63,16 @@ IMPLS = {
         q, k, v, causal=causal, q_chunk_size=1024, kv_chunk_size=1024
     ),
     "xla": lambda q, k, v, *, causal: reference_attention(q, k, v, causal=causal),
+    "tokamax-mosaic": tokamax("mosaic"),
+    "tokamax-triton": tokamax("triton"),
 }
 
 
 def time_fn(fn, *args, min_seconds: float = 0.3) -> float:
-    """Seconds per call, after a warm-up, over enough calls to last min_seconds."""
-    jax.block_until_ready(fn(*args))
+    """Seconds per call, after two warm-up calls (compilation; libraries that tune on their
+    first call), over enough calls to last min_seconds."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
     start, calls = time.perf_counter(), 0
     while True:
         out = fn(*args)

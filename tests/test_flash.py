@@ -95,6 +95,12 @@ def test_logsumexp_and_its_gradient_and_rows_that_see_nothing(key):
     assert rel_err(grad, ref_grad) < 1e-5
 
 
+def test_default_blocks(key):
+    """No blocks given: the float32 defaults (TRITON_BLOCKS), a padded length, causal."""
+    q, k, v, d_out = inputs(key, 1, 100, 2, 1, 16)
+    compare(q, k, v, d_out, causal=True, segment_ids=None, tol=1e-5)
+
+
 def test_entry_point_and_bad_inputs(key):
     q, k, v, _ = inputs(key, 1, 32, 2, 2, 16)
     np.testing.assert_allclose(

@@ -41,6 +41,10 @@ Array = jax.Array
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 KERNELS = ("auto", "triton", "hopper")
+# The Triton kernels' default blocks (block_q, block_k, block_q_bwd, block_k_bwd) by bytes per
+# element. float32 tiles take twice the registers of bf16 ones: at the bf16 sizes the float32
+# backward spilled so much that compiling it took minutes on an H100 (at these, seconds).
+TRITON_BLOCKS = {2: (128, 64, 64, 64), 4: (64, 32, 32, 32)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,10 +407,10 @@ def flash_attention_with_lse(
     *,
     causal: bool = False,
     segment_ids=None,
-    block_q: int = 128,
-    block_k: int = 64,
-    block_q_bwd: int = 64,
-    block_k_bwd: int = 64,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    block_q_bwd: int | None = None,
+    block_k_bwd: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     forward: str = "auto",
@@ -423,7 +427,8 @@ def flash_attention_with_lse(
     bf16/fp16, no segment ids, lengths multiples of 128), or "auto" (hopper where it can run,
     else triton). hopper_block_k, hopper_stages: the Hopper forward's key block (64 or 128)
     and ring depth. interpret: run the kernels in an interpreter (default: everywhere but on
-    a GPU).
+    a GPU). block_q, block_k (forward) and block_q_bwd, block_k_bwd (backward): the Triton
+    kernels' blocks; by default TRITON_BLOCKS for the input's dtype.
     """
     check_qkv(q, k, v)
     for setting, value in (("forward", forward), ("backward", backward)):
@@ -440,6 +445,11 @@ def flash_attention_with_lse(
     # Blocks are powers of two no longer than the (rounded-up) sequences; sequences are padded
     # to a whole number of the largest block, head_dim to a power of two.
     cap_q, cap_k = max(16, _pow2(sq)), max(16, _pow2(sk))
+    defaults = TRITON_BLOCKS[2 if jnp.dtype(q.dtype).itemsize <= 2 else 4]
+    block_q, block_k, block_q_bwd, block_k_bwd = (
+        default if given is None else given
+        for given, default in zip((block_q, block_k, block_q_bwd, block_k_bwd), defaults)
+    )
     bq, bk = min(block_q, cap_q), min(block_k, cap_k)
     bq_b, bk_b = min(block_q_bwd, cap_q), min(block_k_bwd, cap_k)
     if causal:  # one padded length for both, so the diagonal stays where it is
