@@ -1,0 +1,186 @@
+"""The full training step of a config (forward, backward, AdamW update), measured before and
+while it runs: the memory its compiled executable needs, a real step's time and peak memory,
+and the longest context whose step fits a memory budget.
+
+The benchmark scripts (scripts/bench_max_context.py, bench_memory.py, bench_throughput.py)
+are thin loops over these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.training.train_state import TrainState
+from ml_collections import ConfigDict
+
+from bpt.config import check_config, model_config
+from bpt.models.gpt import GPT
+from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
+from bpt.train.optimizer import make_optimizer
+from bpt.train.step import make_train_step
+
+GPT2_VOCAB = 50257  # the paper's tokenizer (OpenWebText through GPT-2's BPE)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Bytes of the compiled step, as XLA's memory analysis reports them."""
+
+    arguments: int  # train state and batch
+    outputs: int  # the new train state and the metrics
+    aliased: int  # outputs written over donated arguments (the state)
+    temp: int  # everything the step allocates while it runs: activations, gradients
+    code: int
+
+    @property
+    def peak(self) -> int:
+        """What the device must hold at once to run the step."""
+        return self.arguments + self.outputs - self.aliased + self.temp + self.code
+
+    @classmethod
+    def of(cls, compiled) -> StepMemory:
+        m = compiled.memory_analysis()
+        return cls(
+            arguments=m.argument_size_in_bytes,
+            outputs=m.output_size_in_bytes,
+            aliased=m.alias_size_in_bytes,
+            temp=m.temp_size_in_bytes,
+            code=m.generated_code_size_in_bytes,
+        )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+class TrainingStep:
+    """One config's training step on random tokens, compiled once, measured on demand.
+
+    vocab_size fills config.model.vocab_size when that is unset (default: GPT-2's).
+    """
+
+    def __init__(self, config: ConfigDict, *, vocab_size: int = GPT2_VOCAB):
+        check_config(config)
+        self.config = config
+        self.model = GPT(model_config(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len))
+        self.shape = (config.train.batch_size, config.data.seq_len)
+        tx = make_optimizer(config.train)  # one optimizer object: one state tree for all uses
+
+        def init(rng) -> TrainState:
+            dummy = jnp.zeros((1, config.data.seq_len), jnp.int32)
+            params = nn.meta.unbox(self.model.init(rng, dummy)["params"])
+            return TrainState.create(apply_fn=self.model.apply, params=params, tx=tx)
+
+        self.init = jax.jit(init)
+        self.state_shapes = jax.eval_shape(self.init, jax.random.PRNGKey(0))
+        self.step = jax.jit(make_train_step(config.train.grad_accum_steps), donate_argnums=0)
+        self._compiled = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.state_shapes.params))
+
+    def batch(self, rng) -> dict:
+        tokens = jax.random.randint(rng, self.shape, 0, self.model.config.vocab_size, jnp.int32)
+        return {
+            "tokens": tokens,
+            "targets": jnp.roll(tokens, -1, axis=1),
+            "loss_mask": jnp.ones(self.shape, jnp.float32),
+        }
+
+    def compiled(self):
+        """The executable, compiled from shapes alone: nothing is allocated on the device."""
+        if self._compiled is None:
+            batch = jax.eval_shape(self.batch, jax.random.PRNGKey(0))
+            key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+            self._compiled = self.step.lower(self.state_shapes, batch, key).compile()
+        return self._compiled
+
+    def memory(self) -> StepMemory:
+        return StepMemory.of(self.compiled())
+
+    def run(self, steps: int = 3, *, warmup: int = 1) -> dict:
+        """Runs warmup + steps real steps; raises what XLA raises when memory runs out.
+
+        Returns the median step time, tokens/s, model TFLOP/s and MFU (where the device's peak
+        is known), the peak memory the device reports, and the losses.
+        """
+        compiled = self.compiled()  # before allocating: compilation (autotuning) needs memory too
+        state = self.init(jax.random.PRNGKey(self.config.seed))
+        batch = self.batch(jax.random.PRNGKey(1))
+        times, losses = [], []
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            state, metrics = compiled(state, batch, jax.random.PRNGKey(i))
+            losses.append(float(metrics["loss"]))  # waits for the step
+            times.append(time.perf_counter() - start)
+        del state
+        seconds = statistics.median(times[warmup:])
+        device = jax.devices()[0]
+        flops = train_flops_per_token(self.model.config, self.shape[1]) * self.tokens_per_step / seconds
+        peak = peak_flops_per_device(device, self.config.train.peak_flops)
+        return {
+            "step_seconds": seconds,
+            "tokens_per_second": self.tokens_per_step / seconds,
+            "model_tflops": flops / 1e12,
+            "mfu": flops / peak if peak else None,
+            "peak_bytes": peak_memory_bytes(device),
+            "losses": losses,
+        }
+
+
+@dataclasses.dataclass
+class Search:
+    """The longest length that fits, and every length tried on the way ({length: fits})."""
+
+    longest: int  # 0: not even the first length fits
+    longest_power_of_two: int
+    tried: dict[int, bool]
+
+
+def longest_fitting(
+    fits: Callable[[int], bool], *, start: int, stop: int, refine: int = 8, granule: int = 1
+) -> Search:
+    """The longest length in [start, stop] for which fits(length) holds, for a fits that is
+    monotone (true up to some length, false beyond).
+
+    Powers of two times start first (doubling); then the gap between the last length that fit
+    and the first that did not is bisected in steps of 1/refine of the former (rounded up to
+    a multiple of granule: every length tried is start times a power of two or such a
+    multiple). Each length is tried once.
+    """
+    tried: dict[int, bool] = {}
+
+    def check(length: int) -> bool:
+        if length not in tried:
+            tried[length] = bool(fits(length))
+        return tried[length]
+
+    if start > stop or not check(start):
+        return Search(0, 0, tried)
+    low = start
+    while 2 * low <= stop and check(2 * low):
+        low *= 2
+    power = low
+    step = -(-max(low // refine, 1) // granule) * granule
+    # The first length known not to fit, or the first step past stop.
+    high = min(2 * low, low + step * ((stop - low) // step + 1))
+    while high - low > step:
+        middle = low + (high - low) // step // 2 * step
+        if check(middle):
+            low = middle
+        else:
+            high = middle
+    return Search(low, power, tried)

@@ -1,0 +1,96 @@
+"""The training-step probe behind the max-context, memory and throughput benchmarks."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bpt.config import base_config
+from bpt.train.probe import TrainingStep, longest_fitting
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("limit", [4096, 4097, 5000, 8191, 30000, 65536, 100000])
+def test_longest_fitting_finds_the_limit_and_tries_each_length_once(limit):
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= limit
+
+    found = longest_fitting(fits, start=4096, stop=1 << 20, granule=512)
+    power = 4096 * 2 ** ((limit // 4096).bit_length() - 1)
+    step = max(power // 8, 512)
+    assert found.longest_power_of_two == power
+    assert found.longest <= limit < found.longest + step  # the longest multiple of the step
+    assert (found.longest - power) % step == 0
+    assert len(calls) == len(set(calls)) == len(found.tried)
+    assert len(calls) <= (limit // 4096).bit_length() + 1 + 3  # doublings, then three halvings
+
+
+def test_longest_fitting_at_the_edges():
+    assert longest_fitting(lambda n: False, start=1024, stop=8192).longest == 0
+    everything = longest_fitting(lambda n: True, start=1024, stop=10000, granule=128)
+    assert everything.longest_power_of_two == 8192
+    assert everything.longest == 9216  # 8192 + 1024 steps, the last one <= 10000
+    assert longest_fitting(lambda n: True, start=1024, stop=1000).longest == 0
+
+
+def tiny(mode: str, seq_len: int):
+    c = base_config("tiny")
+    c.data.seq_len, c.train.batch_size = seq_len, 1
+    c.model.attention_mode = mode
+    c.model.attention_impl = "reference" if mode == "vanilla" else "blockwise"
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 128
+    return c
+
+
+def test_compiled_memory_grows_quadratically_for_vanilla_and_slowly_for_bpt():
+    peak = {
+        (mode, n): TrainingStep(tiny(mode, n), vocab_size=512).memory().peak
+        for mode in ("vanilla", "blockwise_parallel")
+        for n in (512, 1024, 2048)
+    }
+    growth = lambda mode, a, b: peak[mode, b] - peak[mode, a]  # noqa: E731
+    # Vanilla's [heads, seq, seq] scores: doubling the length more than doubles the growth.
+    assert growth("vanilla", 1024, 2048) > 3 * growth("vanilla", 512, 1024)
+    # BPT's activations are linear in the length and small.
+    assert growth("blockwise_parallel", 1024, 2048) < 2.5 * growth("blockwise_parallel", 512, 1024)
+    assert peak["blockwise_parallel", 2048] < peak["vanilla", 2048] / 2
+
+
+def test_real_steps_train():
+    step = TrainingStep(tiny("blockwise_parallel", 256), vocab_size=300)
+    memory = step.memory()
+    assert memory.peak >= memory.arguments > 0
+    result = step.run(steps=3, warmup=1)
+    assert result["step_seconds"] > 0 and result["tokens_per_second"] > 0
+    assert len(result["losses"]) == 4 and result["losses"][-1] < result["losses"][0]
+
+
+def test_max_context_script_end_to_end(tmp_path):
+    out = tmp_path / "max_context.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/bench_max_context.py"),
+        f"--configs={ROOT / 'configs/tiny.py'}",
+        "--modes=vanilla,blockwise_parallel",
+        "--chunks=128",
+        "--memory_gib=0.25",
+        "--start=512",
+        "--stop=4096",
+        "--verify",
+        "--verify_tries=1",
+        f"--out={out}",
+        f"--png={tmp_path / 'max_context.png'}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = proc.stdout.strip().splitlines()
+    assert table[-3].startswith("| model | Vanilla | BPT |")
+    assert "real step:" in table[-1]
+    assert out.is_file() and (tmp_path / "max_context.png").is_file()
+    bad = subprocess.run([*cmd[:2], "--remats=sometimes"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown remat preset 'sometimes'; allowed: layer" in bad.stderr
