@@ -59,6 +59,9 @@ def base_config(size: str = "small") -> ConfigDict:
     c.model.remat_layer = "nothing_saveable"
     c.model.remat_attention = "none"
     c.model.remat_ffn = "nothing_saveable"
+    # Nested remat: layers per checkpointed group of the stack (1: none). The backward then
+    # keeps num_layers / G + G layer inputs instead of num_layers; it costs one more forward.
+    c.model.remat_group = 1
     c.model.update(MODEL_SIZES[size])
 
     c.data = ConfigDict()

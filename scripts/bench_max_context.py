@@ -9,9 +9,10 @@ process, stepping down an eighth at a time until one runs: the verdict.
 
     python scripts/bench_max_context.py --configs configs/gpt_1b.py --verify
     python scripts/bench_max_context.py --configs configs/gpt_350m.py,configs/gpt_1b.py,configs/gpt_3b.py \\
-        --chunks 512,1024,2048,4096 --remats layer,full,dots --verify --png max_context.png
+        --chunks 512,1024,2048,4096 --remats layer,full,dots --groups 1,4 --verify --png max_context.png
 
-Remat presets (model.remat_layer / remat_attention / remat_ffn): see REMATS. Prints a markdown
+Remat presets (model.remat_layer / remat_attention / remat_ffn): see REMATS; --groups adds
+nested remat of the layer stack (model.remat_group). Prints a markdown
 table last; --out writes every compile and run as JSON.
 """
 
@@ -42,7 +43,9 @@ REMATS = {
 }
 
 
-def load_config(path: str, *, mode: str, impl: str, chunk: int, remat: str, seq_len: int, dtype: str):
+def load_config(
+    path: str, *, mode: str, impl: str, chunk: int, remat: str, seq_len: int, dtype: str, group: int = 1
+):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_config", path)
@@ -58,11 +61,13 @@ def load_config(path: str, *, mode: str, impl: str, chunk: int, remat: str, seq_
     c.model.attention_impl = "reference" if mode == "vanilla" else impl
     c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = chunk
     c.model.remat_layer, c.model.remat_attention, c.model.remat_ffn = REMATS[remat]
+    c.model.remat_group = group
     return c
 
 
-def setting_args(args, config: str, mode: str, chunk: int, remat: str) -> list[str]:
+def setting_args(args, config: str, mode: str, chunk: int, remat: str, group: int) -> list[str]:
     return [
+        f"--groups={group}",
         f"--configs={config}",
         f"--modes={mode}",
         f"--chunks={chunk}",
@@ -72,15 +77,22 @@ def setting_args(args, config: str, mode: str, chunk: int, remat: str) -> list[s
     ]
 
 
-def search(args, budget: int, config: str, mode: str, chunk: int, remat: str, log) -> dict:
+def search(args, budget: int, config: str, mode: str, chunk: int, remat: str, group: int, log) -> dict:
     """Compiled-memory search over lengths for one setting."""
     from bpt.train.probe import TrainingStep, longest_fitting
 
     def fits(seq_len: int) -> bool:
-        record = dict(config=config, mode=mode, chunk=chunk, remat=remat, seq_len=seq_len)
+        record = dict(config=config, mode=mode, chunk=chunk, remat=remat, group=group, seq_len=seq_len)
         try:
             c = load_config(
-                config, mode=mode, impl=args.impl, chunk=chunk, remat=remat, seq_len=seq_len, dtype=args.dtype
+                config,
+                mode=mode,
+                impl=args.impl,
+                chunk=chunk,
+                remat=remat,
+                seq_len=seq_len,
+                dtype=args.dtype,
+                group=group,
             )
             memory = TrainingStep(c).memory()
             record.update(compiled_gib=memory.peak / 2**30, temp_gib=memory.temp / 2**30)
@@ -97,6 +109,7 @@ def search(args, budget: int, config: str, mode: str, chunk: int, remat: str, lo
         mode=mode,
         chunk=chunk,
         remat=remat,
+        group=group,
         longest=result.longest,
         longest_power_of_two=result.longest_power_of_two,
         step=max(result.longest_power_of_two // 8, chunk),
@@ -115,6 +128,7 @@ def run_one(args) -> None:
         remat=args.remats,
         seq_len=args.seq_len,
         dtype=args.dtype,
+        group=int(args.groups),
     )
     result = {"seq_len": args.seq_len}
     try:
@@ -136,7 +150,7 @@ def verify(args, best: dict, log) -> dict:
         cmd = [
             sys.executable,
             __file__,
-            *setting_args(args, best["config"], best["mode"], best["chunk"], best["remat"]),
+            *setting_args(args, best["config"], best["mode"], best["chunk"], best["remat"], best["group"]),
             "--run_one",
             f"--seq_len={length}",
         ]
@@ -170,7 +184,8 @@ def table(bests: dict, verdicts: dict, configs: list[str], modes: list[str]) -> 
             if b is None:
                 cells.append("–")
                 continue
-            cell = f"{human(b['longest'])} ({b['chunk']}, {b['remat']})"
+            group = f", groups of {b['group']}" if b["group"] > 1 else ""
+            cell = f"{human(b['longest'])} ({b['chunk']}, {b['remat']}{group})"
             if (config, mode) in verdicts:
                 cell += f"; real step: {human(verdicts[config, mode]['seq_len'])}"
             cells.append(cell)
@@ -216,6 +231,9 @@ def main() -> None:
     parser.add_argument("--impl", default="auto", help="attention_impl of the two non-vanilla modes")
     parser.add_argument("--chunks", default="1024", help="chunk sizes (query, key/value and loss)")
     parser.add_argument("--remats", default="layer", help=f"remat presets: {', '.join(REMATS)}")
+    parser.add_argument(
+        "--groups", default="1", help="model.remat_group values (nested remat; those dividing the layers)"
+    )
     parser.add_argument("--dtype", default="", help="compute dtype (default: the config's)")
     parser.add_argument("--start", type=int, default=4096)
     parser.add_argument("--stop", type=int, default=1 << 22)
@@ -246,6 +264,7 @@ def main() -> None:
     configs, modes = args.configs.split(","), args.modes.split(",")
     chunks = [int(c) for c in args.chunks.split(",")]
     remats = args.remats.split(",")
+    groups = [int(g) for g in args.groups.split(",")]
     meta = {
         "date": datetime.date.today().isoformat(),
         "device": device.device_kind,
@@ -263,9 +282,9 @@ def main() -> None:
     bests, verdicts = {}, {}
     for config, mode in itertools.product(configs, modes):
         # Vanilla attention has no chunks; its FFN and loss do not either.
-        grid = itertools.product(chunks[:1] if mode == "vanilla" else chunks, remats)
-        for chunk, remat in grid:
-            found = search(args, budget, config, mode, chunk, remat, log)
+        grid = itertools.product(chunks[:1] if mode == "vanilla" else chunks, remats, groups)
+        for chunk, remat, group in grid:
+            found = search(args, budget, config, mode, chunk, remat, group, log)
             log(dict(found, summary=True))
             if found["longest"] > bests.get((config, mode), {}).get("longest", 0):
                 bests[config, mode] = found

@@ -118,6 +118,49 @@ def test_remat_policies_do_not_change_gradients(batch, policy):
     assert tree_rel_err(forward(cfg, params, tokens, targets)[2], expected) < TOL
 
 
+@pytest.mark.parametrize(
+    "mode, group, policy", [("blockwise_parallel", 2, "nothing_saveable"), ("vanilla", 4, "none")]
+)
+def test_grouped_remat_computes_the_same_function(key, mode, group, policy):
+    cfg = dataclasses.replace(BASE, num_layers=4, attention_mode=mode, remat_layer=policy)
+    params = init_params(cfg, key)
+    tokens = jax.random.randint(jax.random.fold_in(key, 1), (2, 64), 0, cfg.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1)
+    expected = forward(cfg, params, tokens, targets)
+    grouped = dataclasses.replace(cfg, remat_group=group)
+    assert jax.tree.structure(init_params(grouped, key)) == jax.tree.structure(params)  # one layout
+    logits, loss, grads = forward(grouped, params, tokens, targets)
+    assert rel_err(logits, expected[0]) < TOL and rel_err(loss, expected[1]) < TOL
+    assert tree_rel_err(grads, expected[2]) < TOL
+    # With dropout the groups draw their own masks: training still differs from evaluation.
+    model = GPT(dataclasses.replace(grouped, dropout=0.3))
+    train = model.apply(
+        {"params": params}, tokens, targets=targets, deterministic=False, rngs={"dropout": key}
+    ).loss
+    assert np.isfinite(float(train)) and float(train) != float(loss)
+
+
+def test_grouped_remat_keeps_fewer_layer_inputs():
+    """8 layers: 8 saved layer inputs alone, 8/4 + 4 = 6 with groups of four. Measured as
+    the growth of the gradient's temporary memory per token (constant buffers cancel)."""
+
+    def temp(group, seq_len):
+        c = base_config("tiny")
+        c.model.num_layers, c.model.remat_group = 8, group
+        c.data.seq_len = seq_len
+        c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 256
+        model = GPT(model_config(c.model, vocab_size=256, seq_len=seq_len))
+        params = jax.eval_shape(lambda: init_params(model.config, jax.random.PRNGKey(0), seq_len))
+        tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+        loss = lambda p, t: model.apply({"params": p}, t, targets=t).loss  # noqa: E731
+        return jax.jit(jax.grad(loss)).lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    per_token = {g: (temp(g, 8192) - temp(g, 4096)) / 4096 for g in (1, 4)}
+    layer_input = 128 * 4  # bytes a token of one [seq, d_model] float32 activation
+    saved = (per_token[1] - per_token[4]) / layer_input
+    assert 1.5 < saved < 3, (saved, per_token)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_future_tokens_never_change_earlier_logits(batch, key, mode):
     tokens, _, params = batch
@@ -170,6 +213,8 @@ def test_parameters_carry_logical_axis_names():
         ("num_kv_heads", 3, r"num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
         ("q_chunk_size", 0, "model.q_chunk_size must be a positive integer"),
         ("dtype", "float8", "unknown model.dtype"),
+        ("remat_group", 3, "model.remat_group=3 must divide model.num_layers=2"),
+        ("remat_group", 0, "model.remat_group must be a positive integer"),
     ],
 )
 def test_bad_model_settings(field, value, message):

@@ -78,6 +78,7 @@ def test_max_context_script_end_to_end(tmp_path):
         f"--configs={ROOT / 'configs/tiny.py'}",
         "--modes=vanilla,blockwise_parallel",
         "--chunks=128",
+        "--groups=1,2",
         "--memory_gib=0.25",
         "--start=512",
         "--stop=4096",

@@ -61,6 +61,10 @@ class GPTConfig:
     remat_layer: str = "nothing_saveable"
     remat_attention: str = "none"
     remat_ffn: str = "nothing_saveable"
+    # Nested rematerialization of the layer stack: with G > 1 layers a group, the backward
+    # keeps only every G-th layer's input (L / G of them) and recomputes a group's G inputs
+    # when it reaches it: L / G + G saved layer inputs instead of L. Needs scan_layers.
+    remat_group: int = 1
 
     def __post_init__(self):
         def allowed(name, value, options):
@@ -99,6 +103,19 @@ class GPTConfig:
             )
         if self.position_embedding == "rotary" and self.dim_per_head % 2:
             raise ValueError(f"rotary positions need an even head_dim; got {self.dim_per_head}")
+        if (
+            isinstance(self.remat_group, bool)
+            or not isinstance(self.remat_group, int)
+            or self.remat_group < 1
+        ):
+            raise ValueError(f"model.remat_group must be a positive integer; got {self.remat_group!r}")
+        if self.remat_group > 1:
+            if self.num_layers % self.remat_group:
+                raise ValueError(
+                    f"model.remat_group={self.remat_group} must divide model.num_layers={self.num_layers}"
+                )
+            if not self.scan_layers:
+                raise ValueError("model.remat_group > 1 needs model.scan_layers=True")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout}")
 
@@ -350,6 +367,39 @@ class Block(nn.Module):
 class GPT(nn.Module):
     config: GPTConfig
 
+    def _grouped_layers(self, x: Array, segment_ids, rotary, deterministic: bool) -> Array:
+        """The layer stack as a scan over groups of remat_group layers, each group one
+        checkpoint around a scan over its layers (each layer its own checkpoint, as without
+        groups). The parameters keep the layout of the plain scan, [num_layers, ...].
+
+        Dropout draws its masks per layer from the "dropout" stream folded with the layer's
+        index, so they differ from the plain scan's.
+        """
+        cfg = self.config
+        size = cfg.remat_group
+        stacked = nn.meta.unbox(self.variables["params"]["layers"])
+        grouped = jax.tree.map(lambda a: a.reshape(cfg.num_layers // size, size, *a.shape[1:]), stacked)
+        rng = None if deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
+        block = Block(cfg, deterministic, parent=None)  # a pure function of its parameters
+
+        def layer(x, inputs):
+            params, index = inputs
+            rngs = None if rng is None else {"dropout": jax.random.fold_in(rng, index)}
+            return block.apply({"params": params}, x, segment_ids, rotary, rngs=rngs)
+
+        if cfg.remat_layer != "none":
+            layer = jax.checkpoint(layer, policy=POLICIES[cfg.remat_layer], prevent_cse=False)
+
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+        def group(x, inputs):
+            params, first = inputs
+            x, _ = jax.lax.scan(layer, x, (params, first + jnp.arange(size)))
+            return x, None
+
+        firsts = jnp.arange(0, cfg.num_layers, size)
+        x, _ = jax.lax.scan(group, x, (grouped, firsts))
+        return x
+
     @nn.compact
     def __call__(
         self,
@@ -409,7 +459,9 @@ class GPT(nn.Module):
         block = Block
         if cfg.remat_layer != "none" and not decode:
             block = nn.remat(Block, policy=POLICIES[cfg.remat_layer], prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
+        if cfg.scan_layers and cfg.remat_group > 1 and not decode and not self.is_initializing():
+            x = self._grouped_layers(x, segment_ids, rotary, deterministic)
+        elif cfg.scan_layers:
             layers = nn.scan(
                 block,
                 variable_axes={"params": 0, "cache": 0},
