@@ -11,8 +11,7 @@ from conftest import rel_err, tree_rel_err
 
 from bpt.config import base_config, model_config
 from bpt.models.gpt import GPT, GPTConfig
-from bpt.train.loop import create_state
-from bpt.train.step import make_train_step
+from bpt.train.probe import TrainingStep
 
 TOL = 1e-5
 MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
@@ -224,20 +223,10 @@ def test_bad_model_settings(field, value, message):
 
 def train_step_temp_bytes(mode: str, seq_len: int) -> int:
     c = base_config("tiny")
-    c.data.seq_len = seq_len
+    c.data.seq_len, c.train.batch_size = seq_len, 1
     c.model.attention_mode = mode
     c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 128
-    model = GPT(model_config(c.model, vocab_size=256, seq_len=seq_len))
-    state = jax.eval_shape(lambda: create_state(c, model, jax.random.PRNGKey(0)))
-    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-    batch = {
-        "tokens": tokens,
-        "targets": tokens,
-        "loss_mask": jax.ShapeDtypeStruct((1, seq_len), jnp.float32),
-    }
-    step = jax.jit(make_train_step(1))
-    compiled = step.lower(state, batch, jax.random.PRNGKey(0)).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return TrainingStep(c, vocab_size=256).memory().temp
 
 
 @pytest.mark.parametrize("seq_len", [1024, 4096])
