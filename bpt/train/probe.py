@@ -2,8 +2,8 @@
 while it runs: the memory its compiled executable needs, a real step's time and peak memory,
 and the longest context whose step fits a memory budget.
 
-The benchmark scripts (scripts/bench_max_context.py, bench_memory.py, bench_throughput.py)
-are thin loops over these.
+scripts/bench_max_context.py is a thin loop over these; the memory and throughput tables
+of the paper are to be measured through them too.
 """
 
 from __future__ import annotations
