@@ -6,6 +6,9 @@ a config file (it has get_config()): bpt-train uses it when no --config is given
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 from ml_collections import ConfigDict, config_dict
 
 from bpt.models.gpt import GPTConfig
@@ -116,6 +119,17 @@ def base_config(size: str = "small") -> ConfigDict:
     c.init = ConfigDict()
     c.init.params_from = ""  # a run's workdir or checkpoint: start from its parameters (fine-tuning)
     return c
+
+
+def load_config_file(path) -> ConfigDict:
+    """The ConfigDict of a config file (a Python file with get_config()), by its path."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} not found")
+    spec = importlib.util.spec_from_file_location(f"bpt_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def get_config() -> ConfigDict:

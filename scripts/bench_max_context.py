@@ -46,12 +46,9 @@ REMATS = {
 def load_config(
     path: str, *, mode: str, impl: str, chunk: int, remat: str, seq_len: int, dtype: str, group: int = 1
 ):
-    import importlib.util
+    from bpt.config import load_config_file
 
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = load_config_file(path)
     c.data.seq_len = seq_len
     c.train.batch_size = 1
     c.train.grad_accum_steps = 1
@@ -112,7 +109,7 @@ def search(args, budget: int, config: str, mode: str, chunk: int, remat: str, gr
         group=group,
         longest=result.longest,
         longest_power_of_two=result.longest_power_of_two,
-        step=max(result.longest_power_of_two // 8, chunk),
+        step=result.step,
     )
 
 

@@ -3,7 +3,8 @@
 For each (attention_mode, attention_impl) pair, in a fresh process so that the device's
 peak-memory counter belongs to that pair alone:
   1. the full training step (forward, backward, AdamW) is compiled and timed (median of
-     --steps runs after two warm-up steps); peak device memory is read after the runs;
+     --steps runs after two warm-up steps, bpt.train.probe); peak device memory is read
+     after the runs;
   2. the loss and the parameter gradients on one fixed batch are compared with vanilla's
      (same initial parameters: every mode has the same parameter tree).
 
@@ -18,10 +19,8 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 PAIRS = [
@@ -34,12 +33,9 @@ PAIRS = [
 
 
 def load_config(args):
-    import importlib.util
+    from bpt.config import load_config_file
 
-    spec = importlib.util.spec_from_file_location("bench_config", args.config)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = load_config_file(args.config)
     c.data.seq_len = args.seq_len
     c.train.batch_size = args.batch_size
     c.model.dtype = args.dtype
@@ -52,47 +48,25 @@ def load_config(args):
 def run_one(args) -> dict:
     """One (mode, impl) pair; prints a JSON line."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.flatten_util import ravel_pytree
 
-    from bpt.config import check_config, model_config
-    from bpt.models.gpt import GPT
-    from bpt.train.loop import create_state
-    from bpt.train.step import make_train_step
+    from bpt.train.probe import TrainingStep
 
-    c = load_config(args)
-    check_config(c)
-    vocab = 257
-    model = GPT(model_config(c.model, vocab_size=vocab, seq_len=c.data.seq_len))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (c.train.batch_size, c.data.seq_len), 0, vocab)
-    batch = {
-        "tokens": tokens,
-        "targets": jnp.roll(tokens, -1, axis=1),
-        "loss_mask": jnp.ones(tokens.shape, jnp.float32),
-    }
+    step = TrainingStep(load_config(args), vocab_size=257)
     result = {"mode": args.mode, "impl": args.impl}
+    result["compiled_temp_gib"] = step.memory().temp / 2**30
+    measured = step.run(steps=args.steps, warmup=2)
+    result["peak_gib"] = (measured["peak_bytes"] or float("nan")) / 2**30
+    result["step_ms"] = 1e3 * measured["step_seconds"]
+    result["tokens_per_sec"] = measured["tokens_per_second"]
 
-    state = create_state(c, model, jax.random.PRNGKey(0))
-    step = jax.jit(make_train_step(1), donate_argnums=0)
-    compiled = step.lower(state, batch, jax.random.PRNGKey(2)).compile()
-    result["compiled_temp_gib"] = compiled.memory_analysis().temp_size_in_bytes / 2**30
-    times = []
-    for _ in range(args.steps + 2):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch, jax.random.PRNGKey(2))
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    stats = jax.devices()[0].memory_stats() or {}
-    result["peak_gib"] = stats.get("peak_bytes_in_use", float("nan")) / 2**30
-    result["step_ms"] = 1e3 * statistics.median(times[2:])
-    result["tokens_per_sec"] = tokens.size / (result["step_ms"] / 1e3)
-    del state, compiled
-
-    params = create_state(c, model, jax.random.PRNGKey(0)).params
+    # The same initial parameters and batch in every mode (every mode has the same parameter tree).
+    params = step.init(jax.random.PRNGKey(0)).params
+    batch = step.batch(jax.random.PRNGKey(1))
     loss_and_grad = jax.jit(
         jax.value_and_grad(
-            lambda p: model.apply({"params": p}, batch["tokens"], targets=batch["targets"]).loss
+            lambda p: step.model.apply({"params": p}, batch["tokens"], targets=batch["targets"]).loss
         )
     )
     loss, grads = loss_and_grad(params)

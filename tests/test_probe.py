@@ -23,7 +23,7 @@ def test_longest_fitting_finds_the_limit_and_tries_each_length_once(limit):
     found = longest_fitting(fits, start=4096, stop=1 << 20, granule=512)
     power = 4096 * 2 ** ((limit // 4096).bit_length() - 1)
     step = max(power // 8, 512)
-    assert found.longest_power_of_two == power
+    assert found.longest_power_of_two == power and found.step == step
     assert found.longest <= limit < found.longest + step  # the longest multiple of the step
     assert (found.longest - power) % step == 0
     assert len(calls) == len(set(calls)) == len(found.tried)

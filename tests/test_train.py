@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import tree_rel_err
 
-from bpt.config import base_config, check_config, model_config
+from bpt.config import base_config, check_config, load_config_file, model_config
 from bpt.data.datasets import CopyTask
 from bpt.models.gpt import GPT
 from bpt.train.loop import create_state, train
@@ -97,13 +97,8 @@ def test_bad_config_is_a_clear_error(field, value, message):
 
 
 def test_every_config_file_loads_and_builds_a_model():
-    import importlib.util
-
     for path in sorted((REPO / "configs").glob("*.py")):
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        c = module.get_config()
+        c = load_config_file(path)
         check_config(c)
         cfg = model_config(c.model, vocab_size=257, seq_len=c.data.seq_len)
         assert cfg.num_params() > 0, path.name

@@ -26,16 +26,22 @@ from bpt.train.optimizer import learning_rate_schedule, make_optimizer
 from bpt.train.step import eval_step, make_train_step
 
 
-def create_state(config: ConfigDict, model: GPT, rng) -> TrainState:
-    """Initial parameters and optimizer state, built inside jit (no host round trip)."""
+def state_initializer(config: ConfigDict, model: GPT):
+    """rng -> initial parameters and optimizer state, to be jit-ed (no host round trip). Every
+    state it makes shares one optimizer object, so one compiled step takes them all."""
     dummy = jnp.zeros((1, config.data.seq_len), jnp.int32)
+    tx = make_optimizer(config.train)
 
-    @jax.jit
-    def init(rng):
+    def init(rng) -> TrainState:
         params = nn.meta.unbox(model.init(rng, dummy)["params"])
-        return TrainState.create(apply_fn=model.apply, params=params, tx=make_optimizer(config.train))
+        return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-    return init(rng)
+    return init
+
+
+def create_state(config: ConfigDict, model: GPT, rng) -> TrainState:
+    """Initial parameters and optimizer state, built inside jit."""
+    return jax.jit(state_initializer(config, model))(rng)
 
 
 def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:

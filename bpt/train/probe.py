@@ -14,16 +14,14 @@ import statistics
 import time
 from collections.abc import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.training.train_state import TrainState
 from ml_collections import ConfigDict
 
 from bpt.config import check_config, model_config
 from bpt.models.gpt import GPT
+from bpt.train.loop import state_initializer
 from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
-from bpt.train.optimizer import make_optimizer
 from bpt.train.step import make_train_step
 
 GPT2_VOCAB = 50257  # the paper's tokenizer (OpenWebText through GPT-2's BPE)
@@ -72,14 +70,7 @@ class TrainingStep:
         self.config = config
         self.model = GPT(model_config(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len))
         self.shape = (config.train.batch_size, config.data.seq_len)
-        tx = make_optimizer(config.train)  # one optimizer object: one state tree for all uses
-
-        def init(rng) -> TrainState:
-            dummy = jnp.zeros((1, config.data.seq_len), jnp.int32)
-            params = nn.meta.unbox(self.model.init(rng, dummy)["params"])
-            return TrainState.create(apply_fn=self.model.apply, params=params, tx=tx)
-
-        self.init = jax.jit(init)
+        self.init = jax.jit(state_initializer(config, self.model))  # one state tree for all uses
         self.state_shapes = jax.eval_shape(self.init, jax.random.PRNGKey(0))
         self.step = jax.jit(make_train_step(config.train.grad_accum_steps), donate_argnums=0)
         self._compiled = None
@@ -147,6 +138,7 @@ class Search:
 
     longest: int  # 0: not even the first length fits
     longest_power_of_two: int
+    step: int  # the refinement step: the next length tried below `longest` would be this much less
     tried: dict[int, bool]
 
 
@@ -169,7 +161,7 @@ def longest_fitting(
         return tried[length]
 
     if start > stop or not check(start):
-        return Search(0, 0, tried)
+        return Search(0, 0, 0, tried)
     low = start
     while 2 * low <= stop and check(2 * low):
         low *= 2
@@ -183,4 +175,4 @@ def longest_fitting(
             low = middle
         else:
             high = middle
-    return Search(low, power, tried)
+    return Search(low, power, step, tried)

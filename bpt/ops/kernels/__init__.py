@@ -1,5 +1,5 @@
-"""Pallas kernels: FlashAttention-2 forward and backward (flash.py, Triton lowering) and a
-Hopper forward (flash_hopper.py, Mosaic GPU)."""
+"""Pallas kernels: FlashAttention-2 forward and backward, lowered through Triton (flash.py)
+and, for H100-class GPUs, through Mosaic GPU (flash_hopper.py)."""
 
 from bpt.ops.kernels.flash import flash_attention, flash_attention_with_lse
 

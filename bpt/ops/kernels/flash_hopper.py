@@ -254,8 +254,9 @@ def _barriers(n: int, arrivals: int = 1):
     return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
 
-def _launch(body, scratch, *, out_type, grid, grid_names, interpret: bool, name: str):
-    """Runs body(*hbm_refs, *scratch_refs) on three warpgroups per CTA."""
+def _launch(body, scratch, *, out_type, tiles: int, heads: int, batch: int, interpret: bool, name: str):
+    """Runs body(*hbm_refs, *scratch_refs) on three warpgroups per CTA, over the grid
+    (tiles, heads, batch) that the streams' open() reads by those names."""
 
     def entry(*hbm):
         pl.run_scoped(lambda *scratch_refs: body(*hbm, *scratch_refs), *scratch, collective_axes="wg")
@@ -263,8 +264,8 @@ def _launch(body, scratch, *, out_type, grid, grid_names, interpret: bool, name:
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=grid,
-        grid_names=grid_names,
+        grid=(tiles, heads, batch),
+        grid_names=("tiles", "heads", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -365,8 +366,9 @@ def forward(
         body,
         scratch,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
-        grid=(num_tiles, h, b),
-        grid_names=("tiles", "heads", "batch"),
+        tiles=num_tiles,
+        heads=h,
+        batch=b,
         interpret=interpret,
         name="bpt_flash_hopper_fwd",
     )(q, k, v)
@@ -441,8 +443,9 @@ def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
         body,
         scratch,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        grid=(num_tiles, h, b),
-        grid_names=("tiles", "heads", "batch"),
+        tiles=num_tiles,
+        heads=h,
+        batch=b,
         interpret=interpret,
         name="bpt_flash_hopper_dq",
     )(q, k, v, d_out, lse2, delta)
@@ -586,8 +589,9 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
         body,
         scratch,
         out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
-        grid=(num_tiles, hk, b),
-        grid_names=("tiles", "heads", "batch"),
+        tiles=num_tiles,
+        heads=hk,
+        batch=b,
         interpret=interpret,
         name="bpt_flash_hopper_dkdv",
     )(q, k, v, d_out, lse2, delta)
