@@ -12,6 +12,7 @@ from pathlib import Path
 from ml_collections import ConfigDict, config_dict
 
 from bpt.models.gpt import GPTConfig
+from bpt.train.optimizer import check_state_dtype
 
 # The BPT paper's Table 1 sizes, plus GPT-2's 125M and 350M and a tiny one for CPUs.
 MODEL_SIZES: dict[str, dict] = {
@@ -65,6 +66,10 @@ def base_config(size: str = "small") -> ConfigDict:
     # Nested remat: layers per checkpointed group of the stack (1: none). The backward then
     # keeps num_layers / G + G layer inputs instead of num_layers; it costs one more forward.
     c.model.remat_group = 1
+    # Saved layer inputs in host memory instead of the device's (needs remat_group=1).
+    c.model.offload_layer_inputs = False
+    # LM loss: auto (chunked in blockwise_parallel only, as in the paper) | chunked | full
+    c.model.loss_impl = "auto"
     c.model.update(MODEL_SIZES[size])
 
     c.data = ConfigDict()
@@ -102,6 +107,7 @@ def base_config(size: str = "small") -> ConfigDict:
     c.train.b2 = 0.95
     c.train.eps = 1e-8
     c.train.grad_clip = 1.0
+    c.train.optimizer_state_dtype = "float32"  # float32 | bfloat16: AdamW's moments between steps
     c.train.log_every = 10
     c.train.skip_nonfinite = False  # skip a step whose loss or gradient is NaN/inf instead of stopping
     c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0: bf16 peak of the device kind
@@ -130,6 +136,34 @@ def load_config_file(path) -> ConfigDict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
+
+
+def override(c: ConfigDict, setting: str) -> ConfigDict:
+    """Sets one field from "section.name=value" (as bpt-train's --config.section.name=value);
+    the value is read as the field's type (bools: true/false). Returns c."""
+    key, sep, text = setting.partition("=")
+    *path, name = key.strip().split(".")
+    section = c
+    for part in path:
+        section = section.get(part) if isinstance(section, ConfigDict) else None
+    if not sep or not isinstance(section, ConfigDict) or name not in section:
+        raise ValueError(f"cannot set {setting!r}: expected section.name=value naming an existing field")
+    current = section[name]
+    kind = type(current) if current is not None else section.get_type(name)
+    text = text.strip()
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            value = text.lower() in ("true", "1")
+        elif kind in (int, float):
+            value = kind(text)
+        else:
+            value = text
+    except ValueError:
+        raise ValueError(f"cannot set {key}={text!r}: {key} takes {kind.__name__}") from None
+    section[name] = value
+    return c
 
 
 def get_config() -> ConfigDict:
@@ -212,6 +246,7 @@ def check_config(c: ConfigDict) -> None:
                 f"data.seq_len={c.data.seq_len} is not divisible by model.{name}={c.model[name]}; "
                 "choose a chunk size that divides the sequence length"
             )
+    check_state_dtype(c.train)
     if c.train.warmup_steps < 0 or c.train.eval_every < 0 or c.train.sample_tokens < 0:
         raise ValueError("train.warmup_steps, train.eval_every and train.sample_tokens must be >= 0")
     if c.data.name == "copy" and c.data.seq_len % 2:

@@ -5,25 +5,30 @@ step at batch 1 for growing lengths (doubling from --start, then bisecting the l
 eighths) and keeps the longest whose compiled memory (XLA's memory analysis: state, batch,
 activations, gradients) fits the device; nothing is allocated while it searches. With
 --verify, the best setting of each mode then runs real steps at that length in a fresh
-process, stepping down an eighth at a time until one runs: the verdict.
+process, stepping down an eighth at a time until one runs: the verdict (--verify_max caps
+the length it starts from: at half a million tokens one step of a 1B model takes minutes).
+--jobs N runs N searches at once, each in its own process (compiling is host work).
 
     python scripts/bench_max_context.py --configs configs/gpt_1b.py --verify
     python scripts/bench_max_context.py --configs configs/gpt_350m.py,configs/gpt_1b.py,configs/gpt_3b.py \\
         --chunks 512,1024,2048,4096 --remats layer,full,dots --groups 1,4 --verify --png max_context.png
 
 Remat presets (model.remat_layer / remat_attention / remat_ffn): see REMATS; --groups adds
-nested remat of the layer stack (model.remat_group). Prints a markdown
-table last; --out writes every compile and run as JSON.
+nested remat of the layer stack (model.remat_group); --set section.name=value (repeatable)
+sets any other config field, such as model.offload_layer_inputs=true or
+train.optimizer_state_dtype=bfloat16. Prints a markdown table last; --out writes every
+compile and run as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import itertools
 import json
+import multiprocessing
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,141 +37,126 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
-LABELS = {"vanilla": "Vanilla", "memory_efficient": "MemoryEfficient", "blockwise_parallel": "BPT"}
-# name: (remat_layer, remat_attention, remat_ffn)
-REMATS = {
-    "layer": ("nothing_saveable", "none", "nothing_saveable"),  # bpt's default
-    "full": ("nothing_saveable", "nothing_saveable", "nothing_saveable"),
-    "dots": ("dots_saveable", "none", "nothing_saveable"),
-    "none": ("none", "none", "none"),
-}
+from bpt.train.probe import LABELS, MODES, REMATS, human_tokens  # noqa: E402  (after the environment)
 
 
-def load_config(
-    path: str, *, mode: str, impl: str, chunk: int, remat: str, seq_len: int, dtype: str, group: int = 1
-):
-    from bpt.config import load_config_file
+def load_config(args, *, config: str, mode: str, chunk: int, remat: str, group: int, seq_len: int):
+    from bpt.train.probe import benchmark_config
 
-    c = load_config_file(path)
-    c.data.seq_len = seq_len
-    c.train.batch_size = 1
-    c.train.grad_accum_steps = 1
-    if dtype:
-        c.model.dtype = dtype
-    c.model.attention_mode = mode
-    c.model.attention_impl = "reference" if mode == "vanilla" else impl
-    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = chunk
-    c.model.remat_layer, c.model.remat_attention, c.model.remat_ffn = REMATS[remat]
-    c.model.remat_group = group
-    return c
+    overrides = [f"model.remat_group={group}", *args.set]
+    return benchmark_config(
+        config,
+        seq_len=seq_len,
+        mode=mode,
+        impl=args.impl,
+        chunk=chunk,
+        remat=remat,
+        dtype=args.dtype,
+        overrides=overrides,
+    )
 
 
-def setting_args(args, config: str, mode: str, chunk: int, remat: str, group: int) -> list[str]:
+def setting_args(args, setting: dict) -> list[str]:
+    """The command-line arguments that select one setting (for a subprocess)."""
     return [
-        f"--groups={group}",
-        f"--configs={config}",
-        f"--modes={mode}",
-        f"--chunks={chunk}",
-        f"--remats={remat}",
+        f"--configs={setting['config']}",
+        f"--modes={setting['mode']}",
+        f"--chunks={setting['chunk']}",
+        f"--remats={setting['remat']}",
+        f"--groups={setting['group']}",
         f"--impl={args.impl}",
         f"--dtype={args.dtype}",
+        *(f"--set={s}" for s in args.set),
     ]
 
 
-def search(args, budget: int, config: str, mode: str, chunk: int, remat: str, group: int, log) -> dict:
-    """Compiled-memory search over lengths for one setting."""
-    from bpt.train.probe import TrainingStep, longest_fitting
+def quiet_compiler() -> None:
+    """Runs in each --jobs worker before jax starts: no autotuning. Concurrent autotuners
+    each allocate operands on the device and run it out of memory; a compile without them
+    picks default algorithms, and its memory analysis differs by the autotuners' scratch
+    (checked in docs/benchmarks.md). The verdicts compile with autotuning, as training does."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level=0".strip()
+
+
+def search(args, budget: int, setting: dict) -> tuple[dict, list[dict]]:
+    """Compiled-memory search over lengths for one setting: (its summary, every compile)."""
+    from bpt.train.probe import TrainingStep, error_summary, longest_fitting
+
+    records = []
 
     def fits(seq_len: int) -> bool:
-        record = dict(config=config, mode=mode, chunk=chunk, remat=remat, group=group, seq_len=seq_len)
+        record = dict(setting, seq_len=seq_len)
         try:
-            c = load_config(
-                config,
-                mode=mode,
-                impl=args.impl,
-                chunk=chunk,
-                remat=remat,
-                seq_len=seq_len,
-                dtype=args.dtype,
-                group=group,
-            )
+            c = load_config(args, **setting, seq_len=seq_len)
             memory = TrainingStep(c).memory()
             record.update(compiled_gib=memory.peak / 2**30, temp_gib=memory.temp / 2**30)
             record["fits"] = memory.peak <= budget
         except Exception as e:  # an error in compiling counts as not fitting, and is kept
-            record.update(fits=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        log(record)
+            record.update(fits=False, error=error_summary(e))
+        records.append(record)
+        print(json.dumps(record), flush=True)
         return record["fits"]
 
-    start = max(args.start, chunk)
-    result = longest_fitting(fits, start=start, stop=args.stop, granule=chunk)
-    return dict(
-        config=config,
-        mode=mode,
-        chunk=chunk,
-        remat=remat,
-        group=group,
+    start = max(args.start, setting["chunk"])
+    result = longest_fitting(fits, start=start, stop=args.stop, granule=setting["chunk"])
+    summary = dict(
+        setting,
+        errors=sum("error" in r for r in records),  # compiles that failed: counted as not fitting
         longest=result.longest,
         longest_power_of_two=result.longest_power_of_two,
         step=result.step,
+        summary=True,
     )
+    return summary, records
 
 
 def run_one(args) -> None:
-    """A real training step at --seq_len in this process; prints a RESULT line."""
-    from bpt.train.probe import TrainingStep, is_out_of_memory
+    """One real training step at --seq_len in this process; reports its result."""
+    from bpt.train.probe import TrainingStep, error_summary, is_out_of_memory, report
 
-    c = load_config(
-        args.configs,
+    setting = dict(
+        config=args.configs,
         mode=args.modes,
-        impl=args.impl,
         chunk=int(args.chunks),
         remat=args.remats,
-        seq_len=args.seq_len,
-        dtype=args.dtype,
         group=int(args.groups),
     )
     result = {"seq_len": args.seq_len}
     try:
-        measured = TrainingStep(c).run(steps=1, warmup=1)
+        # One step, no warm-up: the step is compiled before it runs, and at these lengths a
+        # step takes minutes.
+        measured = TrainingStep(load_config(args, **setting, seq_len=args.seq_len)).run(steps=1, warmup=0)
         result.update(
             ok=True, peak_gib=(measured["peak_bytes"] or 0) / 2**30, step_seconds=measured["step_seconds"]
         )
     except Exception as e:
-        result.update(ok=False, out_of_memory=is_out_of_memory(e), error=str(e).splitlines()[0][:200])
-    print("RESULT " + json.dumps(result), flush=True)
+        result.update(ok=False, out_of_memory=is_out_of_memory(e), error=error_summary(e))
+    report(result)
 
 
 def verify(args, best: dict, log) -> dict:
-    """Real steps in fresh processes, from the compiled length down, until one runs."""
+    """Real steps in fresh processes, from the compiled length (or --verify_max) down, until
+    one runs. The verdict says whether --verify_max capped it."""
+    from bpt.train.probe import run_in_subprocess
+
     length = best["longest"]
+    capped = bool(args.verify_max) and length > args.verify_max
+    if capped:
+        length = args.verify_max
     for _ in range(args.verify_tries):
         if length < best["chunk"]:
             break
-        cmd = [
-            sys.executable,
-            __file__,
-            *setting_args(args, best["config"], best["mode"], best["chunk"], best["remat"], best["group"]),
-            "--run_one",
-            f"--seq_len={length}",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if lines:
-            result = json.loads(lines[-1][len("RESULT ") :])
-        else:  # the process died (the OOM killer, a crash in the runtime)
-            tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-            result = {"seq_len": length, "ok": False, "error": tail[0][:200]}
-        log(dict(best, verify=result))
+        result = run_in_subprocess(
+            [sys.executable, __file__, *setting_args(args, best), "--run_one", f"--seq_len={length}"]
+        )
+        result.setdefault("seq_len", length)
+        result["capped"] = capped
+        log(dict(best, summary=False, verify=result))
         if result["ok"]:
             return result
         length -= best["step"]
-    return {"seq_len": 0, "ok": False}
-
-
-def human(n: int) -> str:
-    return "–" if not n else (f"{n // 1024}K" if n % 1024 == 0 else f"{n / 1024:.1f}K")
+    return {"seq_len": 0, "ok": False, "capped": capped}
 
 
 def table(bests: dict, verdicts: dict, configs: list[str], modes: list[str]) -> str:
@@ -182,9 +172,13 @@ def table(bests: dict, verdicts: dict, configs: list[str], modes: list[str]) -> 
                 cells.append("–")
                 continue
             group = f", groups of {b['group']}" if b["group"] > 1 else ""
-            cell = f"{human(b['longest'])} ({b['chunk']}, {b['remat']}{group})"
+            cell = f"{human_tokens(b['longest'])} ({b['chunk']}, {b['remat']}{group})"
+            if b.get("errors"):
+                cell += f" [{b['errors']} failed compiles]"
             if (config, mode) in verdicts:
-                cell += f"; real step: {human(verdicts[config, mode]['seq_len'])}"
+                verdict = verdicts[config, mode]
+                cap = " (the cap)" if verdict.get("capped") and verdict["ok"] else ""
+                cell += f"; real step: {human_tokens(verdict['seq_len'])}{cap}"
             cells.append(cell)
         rows.append(f"| {Path(config).stem} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -237,6 +231,9 @@ def main() -> None:
     parser.add_argument("--memory_gib", type=float, default=0.0, help="budget (default: the device's limit)")
     parser.add_argument("--verify", action="store_true", help="confirm each mode's best by real steps")
     parser.add_argument("--verify_tries", type=int, default=4)
+    parser.add_argument("--verify_max", type=int, default=0, help="longest real step to try (0: no cap)")
+    parser.add_argument("--set", action="append", default=[], help="section.name=value (repeatable)")
+    parser.add_argument("--jobs", type=int, default=1, help="searches at once, one process each")
     parser.add_argument("--out", default="")
     parser.add_argument("--png", default="")
     parser.add_argument("--run_one", action="store_true", help=argparse.SUPPRESS)
@@ -254,8 +251,10 @@ def main() -> None:
 
     import jax
 
+    from bpt.train.probe import memory_budget
+
     device = jax.devices()[0]
-    budget = int(args.memory_gib * 2**30) or (device.memory_stats() or {}).get("bytes_limit", 0)
+    budget = memory_budget(args.memory_gib)
     if not budget:
         parser.error(f"{device.device_kind} reports no memory limit; pass --memory_gib")
     configs, modes = args.configs.split(","), args.modes.split(",")
@@ -268,6 +267,7 @@ def main() -> None:
         "jax": jax.__version__,
         "budget_gib": budget / 2**30,
         "command": "python " + " ".join(sys.argv),
+        "settings": args.set,
     }
     print(json.dumps(meta), flush=True)
     records = []
@@ -276,17 +276,43 @@ def main() -> None:
         records.append(record)
         print(json.dumps(record), flush=True)
 
-    bests, verdicts = {}, {}
-    for config, mode in itertools.product(configs, modes):
+    from bpt.config import load_config_file
+
+    settings = [
+        dict(config=config, mode=mode, chunk=chunk, remat=remat, group=group)
+        for config, mode in itertools.product(configs, modes)
         # Vanilla attention has no chunks; its FFN and loss do not either.
-        grid = itertools.product(chunks[:1] if mode == "vanilla" else chunks, remats, groups)
-        for chunk, remat, group in grid:
-            found = search(args, budget, config, mode, chunk, remat, group, log)
-            log(dict(found, summary=True))
-            if found["longest"] > bests.get((config, mode), {}).get("longest", 0):
-                bests[config, mode] = found
-        if args.verify and (config, mode) in bests:
-            verdicts[config, mode] = verify(args, bests[config, mode], log)
+        for chunk in (chunks[:1] if mode == "vanilla" else chunks)
+        for remat in remats
+        for group in groups
+        if load_config_file(config).model.num_layers % group == 0
+    ]
+    bests, verdicts = {}, {}
+
+    def keep(found: dict, compiles: list[dict]) -> None:
+        records.extend(compiles)
+        log(found)
+        key = found["config"], found["mode"]
+        if found["longest"] > bests.get(key, {}).get("longest", 0):
+            bests[key] = found
+
+    if args.jobs > 1:
+        # The workers hold device contexts: they are gone before any real step runs (the
+        # with block waits for them).
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(
+            args.jobs, mp_context=spawn, initializer=quiet_compiler
+        ) as pool:
+            for found, compiles in pool.map(
+                search, itertools.repeat(args), itertools.repeat(budget), settings
+            ):
+                keep(found, compiles)
+    else:
+        for setting in settings:
+            keep(*search(args, budget, setting))
+    if args.verify:
+        for key, best in bests.items():
+            verdicts[key] = verify(args, best, log)
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     if args.png:
@@ -294,6 +320,7 @@ def main() -> None:
     print(
         f"\n{meta['device']}, jax {meta['jax']}, budget {meta['budget_gib']:.1f} GiB, batch 1; "
         "longest context by compiled memory (chunk, remat preset)"
+        + (f"; {', '.join(args.set)}" if args.set else "")
     )
     print(table(bests, verdicts, configs, modes))
 

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -51,7 +50,7 @@ def run_one(args) -> dict:
     import numpy as np
     from jax.flatten_util import ravel_pytree
 
-    from bpt.train.probe import TrainingStep
+    from bpt.train.probe import TrainingStep, report
 
     step = TrainingStep(load_config(args), vocab_size=257)
     result = {"mode": args.mode, "impl": args.impl}
@@ -81,7 +80,7 @@ def run_one(args) -> dict:
         ref_loss = json.loads(Path(args.scratch, "vanilla_loss.json").read_text())
         result["loss_rel_diff"] = abs(float(loss) - ref_loss) / abs(ref_loss)
         result["grad_rel_err"] = float(np.linalg.norm(flat - ref) / np.linalg.norm(ref))
-    print("RESULT " + json.dumps(result), flush=True)
+    report(result)
     return result
 
 
@@ -107,6 +106,8 @@ def main():
 
     import jax
 
+    from bpt.train.probe import run_in_subprocess
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else PAIRS
@@ -128,13 +129,10 @@ def main():
             ),
         ]
         print(f"== {mode} / {impl}", flush=True)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            results.append({"mode": mode, "impl": impl, "error": " | ".join(tail)[-300:]})
-        else:
-            results.append(json.loads(lines[-1][len("RESULT ") :]))
+        result = run_in_subprocess(cmd, env=env)
+        if result.get("ok") is False:  # the process died without a result
+            result = {"error": result["error"]}
+        results.append({"mode": mode, "impl": impl, **result})
         print(json.dumps(results[-1]), flush=True)
     for name in ("vanilla_grads.npy", "vanilla_loss.json"):
         (out / name).unlink(missing_ok=True)

@@ -160,6 +160,45 @@ def test_grouped_remat_keeps_fewer_layer_inputs():
     assert 1.5 < saved < 3, (saved, per_token)
 
 
+def saved_residuals(cfg, params, tokens, targets, capsys) -> str:
+    """What the backward keeps of the loss's forward pass, as jax prints it."""
+    capsys.readouterr()
+    model = GPT(cfg)
+    loss = lambda p: model.apply({"params": p}, tokens, targets=targets).loss  # noqa: E731
+    jax.ad_checkpoint.print_saved_residuals(loss, params)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["blockwise_parallel", "memory_efficient"])
+def test_offloaded_layer_inputs_live_in_host_memory_and_change_nothing(batch, mode, capsys):
+    tokens, targets, params = batch
+    cfg = dataclasses.replace(BASE, attention_mode=mode)
+    offloaded = dataclasses.replace(cfg, offload_layer_inputs=True)
+    expected = forward(cfg, params, tokens, targets)
+    logits, loss, grads = forward(offloaded, params, tokens, targets)
+    assert rel_err(logits, expected[0]) < TOL and rel_err(loss, expected[1]) < TOL
+    assert tree_rel_err(grads, expected[2]) < TOL
+    stack = f"[2,2,64,{BASE.d_model}]"  # [layers, batch, seq, d_model]: the saved layer inputs
+    assert f"f32{stack}" in saved_residuals(cfg, params, tokens, targets, capsys)
+    kept = saved_residuals(offloaded, params, tokens, targets, capsys)
+    assert f"f32<host>{stack}" in kept and f"f32{stack}" not in kept
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_and_full_loss_agree(batch, mode, capsys):
+    tokens, targets, params = batch
+    cfgs = {
+        impl: dataclasses.replace(BASE, attention_mode=mode, loss_impl=impl) for impl in ("chunked", "full")
+    }
+    (_, loss_c, grads_c), (_, loss_f, grads_f) = (forward(c, params, tokens, targets) for c in cfgs.values())
+    assert rel_err(loss_c, loss_f) < TOL and tree_rel_err(grads_c, grads_f) < TOL
+    # Chunked, the final LayerNorm runs per chunk: the backward keeps none of its
+    # [batch, seq, d_model] intermediates, which the full loss keeps.
+    full = f"f32[2,64,{BASE.d_model}] output of sub"
+    assert full in saved_residuals(cfgs["full"], params, tokens, targets, capsys)
+    assert full not in saved_residuals(cfgs["chunked"], params, tokens, targets, capsys)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_future_tokens_never_change_earlier_logits(batch, key, mode):
     tokens, _, params = batch
@@ -214,11 +253,21 @@ def test_parameters_carry_logical_axis_names():
         ("dtype", "float8", "unknown model.dtype"),
         ("remat_group", 3, "model.remat_group=3 must divide model.num_layers=2"),
         ("remat_group", 0, "model.remat_group must be a positive integer"),
+        ("loss_impl", "blockwise", "unknown model.loss_impl 'blockwise'; allowed: auto, chunked, full"),
+        ("offload_layer_inputs", True, "offload_layer_inputs needs model.remat_layer other than 'none'"),
     ],
 )
 def test_bad_model_settings(field, value, message):
+    cfg = dataclasses.replace(BASE, remat_layer="none") if field == "offload_layer_inputs" else BASE
     with pytest.raises(ValueError, match=message):
-        dataclasses.replace(BASE, **{field: value})
+        dataclasses.replace(cfg, **{field: value})
+
+
+def test_offload_needs_plain_layer_remat():
+    with pytest.raises(
+        ValueError, match="and model.remat_group=1; got remat_layer='nothing_saveable', remat_group=2"
+    ):
+        dataclasses.replace(BASE, remat_group=2, offload_layer_inputs=True)
 
 
 def train_step_temp_bytes(mode: str, seq_len: int) -> int:

@@ -1,5 +1,6 @@
 """The training-step probe behind the max-context, memory and throughput benchmarks."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,7 @@ def test_max_context_script_end_to_end(tmp_path):
         "--modes=vanilla,blockwise_parallel",
         "--chunks=128",
         "--groups=1,2",
+        "--jobs=2",
         "--memory_gib=0.25",
         "--start=512",
         "--stop=4096",
@@ -95,3 +97,63 @@ def test_max_context_script_end_to_end(tmp_path):
     assert out.is_file() and (tmp_path / "max_context.png").is_file()
     bad = subprocess.run([*cmd[:2], "--remats=sometimes"], capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown remat preset 'sometimes'; allowed: layer" in bad.stderr
+
+
+def test_throughput_script_end_to_end(tmp_path):
+    """Two modes at one length, then the loss check: the modes train to the same loss."""
+    out = tmp_path / "throughput.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/bench_throughput.py"),
+        f"--config={ROOT / 'configs/tiny.py'}",
+        "--modes=memory_efficient,blockwise_parallel",
+        "--seq_lens=256",
+        "--tokens_per_step=512",
+        "--micro_batch_tokens=256",
+        "--chunk=128",
+        "--steps=1",
+        "--loss_steps=4",
+        "--loss_seq_len=128",
+        "--loss_batch=2",
+        "--loss_eval_batches=1",
+        f"--out={out}",
+        f"--png={tmp_path / 'throughput.png'}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())
+    (me, bpt) = results["throughput"]
+    assert me["ok"] and bpt["ok"] and me["batch"] == 2 and me["micro_batches"] == 2
+    assert bpt["tokens_per_second"] > 0
+    losses = {r["mode"]: r for r in results["loss"]}
+    assert len(losses["blockwise_parallel"]["losses"]) == 4
+    assert abs(losses["blockwise_parallel"]["eval_loss"] - losses["memory_efficient"]["eval_loss"]) < 1e-4
+    assert "| 256 | " in proc.stdout and "x |" in proc.stdout  # the BPT / MemoryEfficient ratio
+    assert (tmp_path / "throughput.png").is_file()
+
+
+def test_memory_script_end_to_end(tmp_path):
+    """Vanilla's row ends at the first length over the budget; BPT's fits and runs to 4K."""
+    out = tmp_path / "memory.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/bench_memory.py"),
+        f"--config={ROOT / 'configs/tiny.py'}",
+        "--modes=vanilla,blockwise_parallel",
+        "--seq_lens=512,1024,2048,4096",
+        "--chunk=128",
+        "--memory_gib=0.15",
+        "--set=model.vocab_size=512",
+        "--real",
+        f"--out={out}",
+        f"--png={tmp_path / 'memory.png'}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    vanilla = [r for r in results if r["mode"] == "vanilla"]
+    bpt = [r for r in results if r["mode"] == "blockwise_parallel"]
+    assert [r["fits"] for r in bpt] == [True] * 4 and all(r["real"]["ok"] for r in bpt)
+    assert [r["fits"] for r in vanilla] == [True, True, False]  # quadratic: over it at 2K, then stops
+    assert bpt[-1]["compiled_gib"] < vanilla[-1]["compiled_gib"]
+    assert (tmp_path / "memory.png").is_file()

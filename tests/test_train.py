@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import tree_rel_err
 
-from bpt.config import base_config, check_config, load_config_file, model_config
+from bpt.config import base_config, check_config, load_config_file, model_config, override
 from bpt.data.datasets import CopyTask
 from bpt.models.gpt import GPT
 from bpt.train.loop import create_state, train
@@ -77,9 +77,50 @@ def test_weight_decay_only_on_matrices():
     assert not mask["layers"]["b1"] and not mask["layers"]["ln1_scale"] and not mask["ln_f_bias"]
 
 
+def test_bf16_optimizer_state_halves_the_moments_and_tracks_float32():
+    c = copy_config()
+    model = GPT(model_config(c.model, vocab_size=9, seq_len=64))
+    batch = {k: jnp.asarray(v) for k, v in CopyTask(64, 8, 0).train_batch(0, 8).items()}
+    step = jax.jit(make_train_step(1))
+    deltas = {}
+    for dtype in ("float32", "bfloat16"):
+        c.train.optimizer_state_dtype = dtype
+        state = start = create_state(c, model, jax.random.PRNGKey(0))
+        moments = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+        assert {x.dtype for x in moments} == {jnp.dtype(dtype)}
+        assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
+        for i in range(5):
+            state, _ = step(state, batch, jax.random.PRNGKey(i))
+        assert {x.dtype for x in jax.tree.leaves(state.opt_state) if x.dtype != jnp.int32} == {
+            jnp.dtype(dtype)
+        }
+        deltas[dtype] = jax.tree.map(jnp.subtract, state.params, start.params)
+    # The updates agree to bf16's precision (relative to the update, not to the parameters).
+    assert tree_rel_err(deltas["bfloat16"], deltas["float32"]) < 2e-2
+
+
+def test_override_reads_the_fields_type():
+    c = base_config("tiny")
+    override(c, "model.remat_group=2")
+    override(c, "model.offload_layer_inputs=true")
+    override(c, "train.learning_rate=1e-3")
+    override(c, "train.optimizer_state_dtype=bfloat16")
+    override(c, "model.vocab_size=300")  # a placeholder: its declared type
+    assert c.model.remat_group == 2 and c.model.offload_layer_inputs is True
+    assert c.train.learning_rate == 1e-3 and c.model.vocab_size == 300
+    assert c.train.optimizer_state_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="naming an existing field"):
+        override(c, "model.remat_groups=2")
+    with pytest.raises(ValueError, match="model.remat_group takes int"):
+        override(c, "model.remat_group=two")
+    with pytest.raises(ValueError, match="model.scan_layers takes bool"):
+        override(c, "model.scan_layers=maybe")
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [
+        ("train.optimizer_state_dtype", "float16", "unknown train.optimizer_state_dtype 'float16'; allowed"),
         ("data.seq_len", 100, "data.seq_len=100 is not divisible by model.q_chunk_size=16"),
         ("data.name", "owt", "unknown data.name 'owt'"),
         ("train.batch_size", 6, "train.batch_size=6 is not divisible by train.grad_accum_steps=4"),

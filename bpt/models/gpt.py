@@ -22,6 +22,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from bpt.ops.attention import attention, check_impl, select_impl
 from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
@@ -33,6 +34,8 @@ Array = jax.Array
 ATTENTION_MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
 POSITION_EMBEDDINGS = ("rotary", "learned")
 DTYPES = ("float32", "bfloat16", "float16")
+LOSS_IMPLS = ("auto", "chunked", "full")
+LAYER_INPUT = "layer_input"  # the checkpoint name of each layer's input (for offloading)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,13 @@ class GPTConfig:
     # keeps only every G-th layer's input (L / G of them) and recomputes a group's G inputs
     # when it reaches it: L / G + G saved layer inputs instead of L. Needs scan_layers.
     remat_group: int = 1
+    # Keep the saved layer inputs in host memory (pinned_host) instead of on the device: the
+    # backward copies each back when it reaches its layer. Needs remat_layer and remat_group=1.
+    offload_layer_inputs: bool = False
+    # The LM loss: "chunked" computes logits and cross-entropy loss_chunk_size tokens at a time
+    # (never [seq, vocab] at once); "full" materializes the logits; "auto": chunked in the
+    # blockwise_parallel mode only, as in the paper.
+    loss_impl: str = "auto"
 
     def __post_init__(self):
         def allowed(name, value, options):
@@ -75,6 +85,7 @@ class GPTConfig:
         allowed("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
         allowed("dtype", self.dtype, DTYPES)
         allowed("param_dtype", self.param_dtype, DTYPES)
+        allowed("loss_impl", self.loss_impl, LOSS_IMPLS)
         check_impl(self.attention_impl, "model.attention_impl")
         for name in ("remat_layer", "remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
@@ -116,6 +127,11 @@ class GPTConfig:
                 )
             if not self.scan_layers:
                 raise ValueError("model.remat_group > 1 needs model.scan_layers=True")
+        if self.offload_layer_inputs and (self.remat_layer == "none" or self.remat_group > 1):
+            raise ValueError(
+                "model.offload_layer_inputs needs model.remat_layer other than 'none' and "
+                f"model.remat_group=1; got remat_layer={self.remat_layer!r}, remat_group={self.remat_group}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout}")
 
@@ -130,6 +146,33 @@ class GPTConfig:
     @property
     def mlp_dim(self) -> int:
         return int(self.mlp_ratio * self.d_model)
+
+    @property
+    def chunked_loss(self) -> bool:
+        if self.loss_impl == "auto":
+            return self.attention_mode == "blockwise_parallel"
+        return self.loss_impl == "chunked"
+
+    @property
+    def layer_policy(self):
+        """The checkpoint policy of one layer: remat_layer's, and with offload_layer_inputs
+        the layer's input (named LAYER_INPUT) moved to host memory as well."""
+        policy = POLICIES[self.remat_layer]
+        if not self.offload_layer_inputs:
+            return policy
+        offload = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[LAYER_INPUT],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+
+        def policy_with_offload(prim, *args, **params):
+            if prim.name == "name" and params.get("name") == LAYER_INPUT:  # a checkpoint_name
+                return offload(prim, *args, **params)
+            return policy(prim, *args, **params)
+
+        return policy_with_offload
 
     def num_params(self, *, embeddings: bool = True) -> int:
         """Parameter count (weights and biases), computed from the shapes alone."""
@@ -250,6 +293,8 @@ class Block(nn.Module):
         cache_index: Array | None = None,
     ):
         cfg = self.config
+        if not self.decode:
+            x = checkpoint_name(x, LAYER_INPUT)
         p = self._params()
         rng = None if self.deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
         eps, rate = cfg.layer_norm_epsilon, cfg.dropout
@@ -388,7 +433,7 @@ class GPT(nn.Module):
             return block.apply({"params": params}, x, segment_ids, rotary, rngs=rngs)
 
         if cfg.remat_layer != "none":
-            layer = jax.checkpoint(layer, policy=POLICIES[cfg.remat_layer], prevent_cse=False)
+            layer = jax.checkpoint(layer, policy=cfg.layer_policy, prevent_cse=False)
 
         @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
         def group(x, inputs):
@@ -458,7 +503,7 @@ class GPT(nn.Module):
 
         block = Block
         if cfg.remat_layer != "none" and not decode:
-            block = nn.remat(Block, policy=POLICIES[cfg.remat_layer], prevent_cse=not cfg.scan_layers)
+            block = nn.remat(Block, policy=cfg.layer_policy, prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers and cfg.remat_group > 1 and not decode and not self.is_initializing():
             x = self._grouped_layers(x, segment_ids, rotary, deterministic)
         elif cfg.scan_layers:
@@ -489,7 +534,7 @@ class GPT(nn.Module):
             (cfg.d_model,),
             param_dtype,
         )
-        x = layer_norm(x, scale, bias, cfg.layer_norm_epsilon)
+        final_norm = functools.partial(layer_norm, scale=scale, bias=bias, eps=cfg.layer_norm_epsilon)
         if cfg.tie_embeddings:
             head = embedding.T
         else:
@@ -501,8 +546,11 @@ class GPT(nn.Module):
             )
         head = head.astype(dtype)
 
-        if targets is not None and cfg.attention_mode == "blockwise_parallel":
-            return blockwise_cross_entropy(x, head, targets, chunk_size=cfg.loss_chunk_size, mask=loss_mask)
+        if targets is not None and cfg.chunked_loss:  # the final norm, chunk by chunk too
+            return blockwise_cross_entropy(
+                x, head, targets, chunk_size=cfg.loss_chunk_size, mask=loss_mask, norm=final_norm
+            )
+        x = final_norm(x)
         logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
         if targets is None:
             return logits

@@ -135,6 +135,7 @@ def blockwise_cross_entropy(
     chunk_size: int,
     mask: Array | None = None,
     policy: str = "nothing_saveable",
+    norm: Callable[[Array], Array] | None = None,
 ) -> CrossEntropy:
     """LM head matmul and cross-entropy per chunk; [seq, vocab] logits never exist at once.
 
@@ -144,14 +145,20 @@ def blockwise_cross_entropy(
       targets: [batch, seq] int token ids.
       chunk_size: positions per chunk; must divide seq (a larger value is clamped to seq).
       mask: optional [batch, seq] weights (1 counts a token, 0 ignores it).
+      norm: an optional position-wise function applied to each chunk of hidden before the
+        head (the final LayerNorm): its intermediates then exist one chunk at a time, and the
+        backward recomputes them, instead of keeping a few [seq, d_model] float32 arrays.
     Returns:
-      CrossEntropy(loss, num_tokens, accuracy), equal to cross_entropy(hidden @ weight, ...).
+      CrossEntropy(loss, num_tokens, accuracy), equal to
+      cross_entropy(norm(hidden) @ weight, ...).
     """
     _check_targets(targets, mask, hidden.shape[:2])
     weight = weight.astype(hidden.dtype)
 
     def chunk_sums(_, chunk):
         h, t, m = chunk
+        if norm is not None:
+            h = norm(h)
         logits = jnp.einsum("bsd,dv->bsv", h, weight, preferred_element_type=jnp.float32)
         return _loss_sums(logits, t, m)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from ml_collections import ConfigDict
 
@@ -32,8 +33,37 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
+STATE_DTYPES = ("float32", "bfloat16")
+
+
+def with_state_dtype(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """inner, with its floating-point state stored in dtype between steps (bf16 halves AdamW's
+    two moments). Each update computes in float32: the state is widened, updated, narrowed."""
+
+    def cast(tree, to):
+        return jax.tree.map(lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def init(params):
+        return cast(inner.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
+def check_state_dtype(train: ConfigDict) -> None:
+    if train.optimizer_state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"unknown train.optimizer_state_dtype {train.optimizer_state_dtype!r}; "
+            f"allowed: {', '.join(STATE_DTYPES)}"
+        )
+
+
 def make_optimizer(train: ConfigDict) -> optax.GradientTransformation:
-    return optax.chain(
+    check_state_dtype(train)
+    optimizer = optax.chain(
         optax.clip_by_global_norm(train.grad_clip),
         optax.adamw(
             learning_rate_schedule(train),
@@ -44,3 +74,6 @@ def make_optimizer(train: ConfigDict) -> optax.GradientTransformation:
             mask=decay_mask,
         ),
     )
+    if train.optimizer_state_dtype == "float32":
+        return optimizer
+    return with_state_dtype(optimizer, jnp.dtype(train.optimizer_state_dtype))

@@ -2,29 +2,111 @@
 while it runs: the memory its compiled executable needs, a real step's time and peak memory,
 and the longest context whose step fits a memory budget.
 
-scripts/bench_max_context.py is a thin loop over these; the memory and throughput tables
-of the paper are to be measured through them too.
+scripts/bench_max_context.py, bench_memory.py and bench_throughput.py are thin loops over
+these: benchmark_config sets a config file up for one measurement, and each measurement that
+must own the device (a real step, whose peak-memory counter and out-of-memory errors belong
+to it alone) runs in a fresh process through run_in_subprocess.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from bpt.config import check_config, model_config
+from bpt.config import check_config, load_config_file, model_config, override
 from bpt.models.gpt import GPT
 from bpt.train.loop import state_initializer
 from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.step import make_train_step
 
 GPT2_VOCAB = 50257  # the paper's tokenizer (OpenWebText through GPT-2's BPE)
+MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
+LABELS = {"vanilla": "Vanilla", "memory_efficient": "MemoryEfficient", "blockwise_parallel": "BPT"}
+# Remat presets, as in the paper's appendix: name -> (remat_layer, remat_attention, remat_ffn).
+REMATS = {
+    "layer": ("nothing_saveable", "none", "nothing_saveable"),  # bpt's default
+    "full": ("nothing_saveable", "nothing_saveable", "nothing_saveable"),
+    "dots": ("dots_saveable", "none", "nothing_saveable"),
+    "none": ("none", "none", "none"),
+}
+RESULT = "RESULT "  # the line prefix a measuring subprocess reports its result with
+
+
+def benchmark_config(
+    path: str,
+    *,
+    seq_len: int,
+    batch_size: int = 1,
+    grad_accum_steps: int = 1,
+    mode: str = "",
+    impl: str = "auto",
+    chunk: int = 0,
+    remat: str = "",
+    dtype: str = "",
+    overrides: Sequence[str] = (),
+) -> ConfigDict:
+    """A config file set up for one measurement. Empty or zero arguments keep the file's
+    setting; vanilla attention always runs the reference (materialized) implementation.
+    overrides ("model.remat_group=4", ...) apply last."""
+    c = load_config_file(path)
+    c.data.seq_len = seq_len
+    c.train.batch_size = batch_size
+    c.train.grad_accum_steps = grad_accum_steps
+    if dtype:
+        c.model.dtype = dtype
+    if mode:
+        c.model.attention_mode = mode
+    c.model.attention_impl = "reference" if c.model.attention_mode == "vanilla" else impl
+    if chunk:
+        c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = chunk
+    if remat:
+        c.model.remat_layer, c.model.remat_attention, c.model.remat_ffn = REMATS[remat]
+    for setting in overrides:
+        override(c, setting)
+    return c
+
+
+def report(result: dict) -> None:
+    """Prints a measuring subprocess's result for run_in_subprocess to read."""
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def run_in_subprocess(argv: Sequence[str], *, env: dict | None = None) -> dict:
+    """Runs argv (a process that calls report) and returns its last result. A process that
+    died without one (the OOM killer, a crash in the runtime) gives {"ok": False, "error"}."""
+    proc = subprocess.run(list(argv), capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if lines:
+        return json.loads(lines[-1][len(RESULT) :])
+    tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:] or ["no output"]
+    return {"ok": False, "error": " | ".join(tail)[-300:]}
+
+
+def memory_budget(memory_gib: float = 0.0) -> int:
+    """Bytes a step may use: memory_gib when given, else the device allocator's limit (0
+    where the backend reports none, a CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(memory_gib * 2**30) or stats.get("bytes_limit", 0)
+
+
+def human_tokens(n: int) -> str:
+    """16384 -> "16K"; 0 -> "–"."""
+    if not n:
+        return "–"
+    return f"{n // 1024}K" if n % 1024 == 0 else (f"{n / 1024:.1f}K" if n > 1024 else str(n))
+
+
+def error_summary(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +150,7 @@ class TrainingStep:
     def __init__(self, config: ConfigDict, *, vocab_size: int = GPT2_VOCAB):
         check_config(config)
         self.config = config
+        vocab_size = config.model.vocab_size or vocab_size  # random tokens: no tokenizer to fit
         self.model = GPT(model_config(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len))
         self.shape = (config.train.batch_size, config.data.seq_len)
         self.init = jax.jit(state_initializer(config, self.model))  # one state tree for all uses

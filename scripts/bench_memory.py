@@ -1,0 +1,201 @@
+"""Peak memory of one training step per attention mode and context length (the paper's
+Table 3: GPT-3B on one GPU, batch 1).
+
+For each mode and length the full step (forward, backward, AdamW) is compiled from shapes
+and XLA's memory analysis gives what it needs (state, batch, activations, gradients). With
+--real, the step then runs once in a fresh process and the device's peak memory counter
+gives what it used; an out-of-memory error is the verdict "does not fit". The first length
+of a mode that does not fit by compiled memory ends that mode's row.
+
+    python scripts/bench_memory.py --config configs/gpt_3b.py \\
+        --seq_lens 8192,16384,32768,65536,131072 --real --png memory.png
+
+Prints a markdown table (GiB) last; --out writes every measurement as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see bench_max_context.py
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+from bpt.train.probe import LABELS, MODES, human_tokens  # noqa: E402  (after the environment)
+
+
+def step_for(args, mode: str, seq_len: int):
+    from bpt.train.probe import TrainingStep, benchmark_config
+
+    c = benchmark_config(
+        args.config,
+        seq_len=seq_len,
+        mode=mode,
+        impl=args.impl,
+        chunk=min(args.chunk, seq_len),
+        dtype=args.dtype,
+        overrides=args.set,
+    )
+    return TrainingStep(c)
+
+
+def real_one(args) -> None:
+    """One real step in this process; reports the device's peak memory."""
+    from bpt.train.probe import error_summary, is_out_of_memory, report
+
+    try:
+        measured = step_for(args, args.mode, args.seq_len).run(steps=1, warmup=0)
+        result = dict(
+            ok=True, peak_gib=(measured["peak_bytes"] or 0) / 2**30, step_seconds=measured["step_seconds"]
+        )
+    except Exception as e:
+        result = dict(ok=False, out_of_memory=is_out_of_memory(e), error=error_summary(e))
+    report(result)
+
+
+def table(results: list[dict], modes: list[str], seq_lens: list[int], real: bool) -> str:
+    by = {(r["mode"], r["seq_len"]): r for r in results}
+
+    def cell(mode, n):
+        r = by.get((mode, n))
+        if r is None:
+            return "–"
+        if "compiled_gib" not in r:
+            return "failed to compile"
+        text = f"{r['compiled_gib']:.1f}"
+        if not r["fits"]:
+            return text + " (over)"
+        if real:
+            run = r.get("real", {})
+            text += (
+                f" / {run['peak_gib']:.1f}"
+                if run.get("ok")
+                else (" / OOM" if run.get("out_of_memory") else " / failed")
+            )
+        return text
+
+    unit = "compiled / real-step peak GiB" if real else "compiled GiB"
+    lines = [
+        f"| context ({unit}) | " + " | ".join(LABELS[m] for m in modes) + " |",
+        "|---|" + "---|" * len(modes),
+    ]
+    lines += [f"| {human_tokens(n)} | " + " | ".join(cell(m, n) for m in modes) + " |" for n in seq_lens]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], modes: list[str], budget_gib: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in modes:
+        points = sorted(
+            (r["seq_len"], r["compiled_gib"]) for r in results if r["mode"] == mode and "compiled_gib" in r
+        )
+        if points:
+            (line,) = ax.plot(*zip(*points), marker="o", label=f"{LABELS[mode]} (compiled)")
+            real = sorted(
+                (r["seq_len"], r["real"]["peak_gib"])
+                for r in results
+                if r["mode"] == mode and r.get("real", {}).get("ok")
+            )
+            if real:
+                ax.plot(
+                    *zip(*real),
+                    "x",
+                    color=line.get_color(),
+                    markersize=9,
+                    label=f"{LABELS[mode]} (real step)",
+                )
+    ax.axhline(budget_gib, color="gray", linestyle="--", linewidth=1, label="device memory")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("peak memory of a training step (GiB)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default="configs/gpt_3b.py")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--seq_lens", default="8192,16384,32768,65536,131072")
+    parser.add_argument("--impl", default="auto", help="attention_impl of the two non-vanilla modes")
+    parser.add_argument("--chunk", type=int, default=1024, help="query, key/value and loss chunk size")
+    parser.add_argument("--dtype", default="", help="compute dtype (default: the config's)")
+    parser.add_argument("--set", action="append", default=[], help="section.name=value (repeatable)")
+    parser.add_argument("--real", action="store_true", help="also run one real step per fitting length")
+    parser.add_argument("--memory_gib", type=float, default=0.0, help="budget (default: the device's limit)")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--png", default="")
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--seq_len", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in MODES:
+            parser.error(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    if args.mode:
+        real_one(args)
+        return
+
+    import jax
+
+    from bpt.train.probe import error_summary, memory_budget, run_in_subprocess
+
+    device = jax.devices()[0]
+    budget = memory_budget(args.memory_gib)
+    if not budget:
+        parser.error(f"{device.device_kind} reports no memory limit; pass --memory_gib")
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "device": device.device_kind,
+        "jax": jax.__version__,
+        "budget_gib": budget / 2**30,
+        "command": "python " + " ".join(sys.argv),
+    }
+    print(json.dumps(meta), flush=True)
+    seq_lens = sorted(int(n) for n in args.seq_lens.split(","))
+    results = []
+    for mode in modes:
+        for n in seq_lens:
+            result = dict(mode=mode, seq_len=n)
+            try:
+                result["compiled_gib"] = step_for(args, mode, n).memory().peak / 2**30
+                result["fits"] = result["compiled_gib"] * 2**30 <= budget
+            except Exception as e:
+                result.update(fits=False, error=error_summary(e))
+            if args.real and result["fits"]:
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    f"--config={args.config}",
+                    f"--mode={mode}",
+                    f"--seq_len={n}",
+                ]
+                cmd += [f"--impl={args.impl}", f"--chunk={args.chunk}", f"--dtype={args.dtype}"]
+                result["real"] = run_in_subprocess(cmd + [f"--set={s}" for s in args.set])
+            results.append(result)
+            print(json.dumps(result), flush=True)
+            if not result["fits"]:
+                break  # longer ones need more
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if args.png:
+        plot(results, modes, meta["budget_gib"], args.png)
+    print(f"\n{meta['device']}, jax {meta['jax']}, budget {meta['budget_gib']:.1f} GiB, batch 1")
+    print(table(results, modes, seq_lens, args.real))
+
+
+if __name__ == "__main__":
+    main()

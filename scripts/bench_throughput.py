@@ -1,0 +1,284 @@
+"""Training throughput of Vanilla, MemoryEfficient and BPT per context length (the paper's
+Table 4), and the loss each mode reaches after the same steps on the same data.
+
+Throughput: for each mode and length, in a fresh process (its peak memory and any
+out-of-memory error are its own), the full training step (forward, backward, AdamW) of
+--tokens_per_step tokens is compiled, warmed up and timed (median of --steps). A step is
+batch = tokens_per_step / length sequences, in micro-batches of at most --micro_batch_tokens
+tokens (gradient accumulation), so every length does the same work per token and each
+mode's memory is its own at one micro-batch. MFU counts model FLOPs only (bpt.train.metrics),
+never what rematerialization recomputes.
+
+Loss agreement (--loss_steps N > 0): each mode trains N steps from the same initial
+parameters on the same batches (--loss_data, a bpt-prepare-data folder; else the config's
+data) and is evaluated on the same held-out batches; the three must agree, as the paper's
+"Val Loss" column does.
+
+    python scripts/bench_throughput.py --config configs/gpt_1b.py \\
+        --seq_lens 2048,4096,8192,16384,32768,65536 --loss_steps 100 --loss_data data/owt \\
+        --out results/throughput.json --png throughput.png
+
+Prints markdown tables last (tokens/s per GPU, MFU, BPT / MemoryEfficient).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see bench_max_context.py
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+from bpt.train.probe import LABELS, MODES, human_tokens  # noqa: E402  (after the environment)
+
+
+def step_config(args, mode: str, seq_len: int):
+    from bpt.train.probe import benchmark_config
+
+    batch = max(1, args.tokens_per_step // seq_len)
+    micro = max(1, min(batch, args.micro_batch_tokens // seq_len))
+    while batch % micro:
+        micro -= 1
+    return benchmark_config(
+        args.config,
+        seq_len=seq_len,
+        batch_size=batch,
+        grad_accum_steps=batch // micro,
+        mode=mode,
+        impl=args.impl,
+        chunk=min(args.chunk, seq_len),
+        dtype=args.dtype,
+        overrides=args.set,
+    )
+
+
+def throughput_one(args) -> dict:
+    """Times one (mode, length) in this process."""
+    from bpt.train.probe import TrainingStep, error_summary, is_out_of_memory
+
+    c = step_config(args, args.mode, args.seq_len)
+    result = dict(
+        mode=args.mode, seq_len=args.seq_len, batch=c.train.batch_size, micro_batches=c.train.grad_accum_steps
+    )
+    try:
+        step = TrainingStep(c)
+        result["compiled_gib"] = step.memory().peak / 2**30
+        measured = step.run(steps=args.steps, warmup=2)
+        result.update(
+            ok=True,
+            step_seconds=measured["step_seconds"],
+            tokens_per_second=measured["tokens_per_second"],
+            model_tflops=measured["model_tflops"],
+            mfu=measured["mfu"],
+            peak_gib=(measured["peak_bytes"] or 0) / 2**30,
+        )
+    except Exception as e:
+        result.update(ok=False, out_of_memory=is_out_of_memory(e), error=error_summary(e))
+    return result
+
+
+def loss_one(args) -> dict:
+    """Trains one mode --loss_steps steps; the loss of its last steps and the held-out loss."""
+    import jax
+    import numpy as np
+
+    from bpt.train.loop import evaluate, setup
+    from bpt.train.step import eval_step, make_train_step
+
+    c = step_config(args, args.mode, args.loss_seq_len)
+    c.train.batch_size, c.train.grad_accum_steps = args.loss_batch, 1
+    c.train.steps = args.loss_steps
+    c.train.warmup_steps = max(1, args.loss_steps // 10)
+    c.train.learning_rate = args.loss_lr
+    c.data.prefetch = 0
+    if args.loss_data:
+        c.data.name, c.data.path = "prepared", args.loss_data
+    dataset, _, state = setup(c)  # the same initial parameters in every mode: same seed and tree
+    step_fn = jax.jit(make_train_step(1), donate_argnums=0)
+    rng = jax.random.fold_in(jax.random.PRNGKey(c.seed), 1)
+    losses = []
+    for step in range(args.loss_steps):
+        state, metrics = step_fn(
+            state, dataset.train_batch(step, c.train.batch_size), jax.random.fold_in(rng, step)
+        )
+        losses.append(metrics["loss"])
+    losses = [float(x) for x in jax.device_get(losses)]
+    held_out = evaluate(
+        state, dataset.eval_batches(args.loss_eval_batches, c.train.batch_size), jax.jit(eval_step)
+    )
+    last = max(1, args.loss_steps // 10)
+    return dict(
+        mode=args.mode,
+        ok=True,
+        train_loss=float(np.mean(losses[-last:])),
+        eval_loss=held_out["eval_loss"],
+        losses=losses,
+    )
+
+
+def run_one(args) -> None:
+    from bpt.train.probe import error_summary, report
+
+    try:
+        result = loss_one(args) if args.loss_run else throughput_one(args)
+    except Exception as e:  # reported, not raised: the sweep goes on
+        result = dict(mode=args.mode, ok=False, error=error_summary(e))
+    report(result)
+
+
+def subprocess_args(args, **extra) -> list[str]:
+    keep = ("config", "impl", "chunk", "dtype", "tokens_per_step", "micro_batch_tokens", "steps")
+    keep += ("loss_steps", "loss_seq_len", "loss_batch", "loss_lr", "loss_data", "loss_eval_batches")
+    argv = [sys.executable, __file__, *(f"--{k}={getattr(args, k)}" for k in keep)]
+    argv += [f"--set={s}" for s in args.set]
+    return argv + [f"--{k}" if v is None else f"--{k}={v}" for k, v in extra.items()]
+
+
+def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: list[int]) -> str:
+    by = {(r["mode"], r["seq_len"]): r for r in results}
+
+    def cell(mode, n, fmt):
+        r = by.get((mode, n))
+        if r is None:
+            return "–"
+        if not r["ok"]:
+            return "OOM" if r.get("out_of_memory") else "failed"
+        return fmt(r)
+
+    header = "| context | " + " | ".join(LABELS[m] for m in modes)
+    ratio = "blockwise_parallel" in modes and "memory_efficient" in modes
+    lines = [header + (" | BPT / MemoryEfficient |" if ratio else " |")]
+    lines.append("|---|" + "---|" * (len(modes) + ratio))
+    for n in seq_lens:
+        cells = [
+            cell(
+                m,
+                n,
+                lambda r: f"{r['tokens_per_second']:.0f}" + (f" ({100 * r['mfu']:.0f}%)" if r["mfu"] else ""),
+            )
+            for m in modes
+        ]
+        row = f"| {human_tokens(n)} | " + " | ".join(cells)
+        if ratio:
+            bpt, me = by.get(("blockwise_parallel", n)), by.get(("memory_efficient", n))
+            both = bpt and me and bpt["ok"] and me["ok"]
+            row += f" | {bpt['tokens_per_second'] / me['tokens_per_second']:.2f}x" if both else " | –"
+        lines.append(row + " |")
+    text = "tokens/s per GPU (MFU)\n\n" + "\n".join(lines)
+    if losses:
+        text += "\n\n| mode | train loss (last tenth of the steps) | held-out loss |\n|---|---|---|\n"
+        text += "\n".join(
+            f"| {LABELS[r['mode']]} | {r['train_loss']:.4f} | {r['eval_loss']:.4f} |"
+            if r["ok"]
+            else f"| {LABELS[r['mode']]} | failed: {r.get('error', '')} | |"
+            for r in losses
+        )
+    return text
+
+
+def plot(results: list[dict], modes: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in modes:
+        points = sorted(
+            (r["seq_len"], r["tokens_per_second"]) for r in results if r["mode"] == mode and r["ok"]
+        )
+        if points:
+            ax.plot(*zip(*points), marker="o", label=LABELS[mode])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("training tokens/s per GPU")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default="configs/gpt_1b.py")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--seq_lens", default="2048,4096,8192,16384,32768,65536", help='"": loss check only')
+    parser.add_argument("--impl", default="auto", help="attention_impl of the two non-vanilla modes")
+    parser.add_argument("--chunk", type=int, default=1024, help="query, key/value and loss chunk size")
+    parser.add_argument("--dtype", default="", help="compute dtype (default: the config's)")
+    parser.add_argument("--tokens_per_step", type=int, default=65536)
+    parser.add_argument("--micro_batch_tokens", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after two warm-up steps)")
+    parser.add_argument(
+        "--loss_steps", type=int, default=0, help="training steps per mode for the loss check"
+    )
+    parser.add_argument("--loss_seq_len", type=int, default=2048)
+    parser.add_argument("--loss_batch", type=int, default=8)
+    parser.add_argument("--loss_lr", type=float, default=3e-4)
+    parser.add_argument("--loss_eval_batches", type=int, default=8)
+    parser.add_argument(
+        "--loss_data", default="", help="a bpt-prepare-data folder (default: the config's data)"
+    )
+    parser.add_argument("--set", action="append", default=[], help="section.name=value (repeatable)")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--png", default="")
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--seq_len", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--loss_run", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in MODES:
+            parser.error(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    seq_lens = [int(n) for n in args.seq_lens.split(",") if n]  # none: only the loss check
+    if args.mode:
+        run_one(args)
+        return
+
+    import jax
+
+    from bpt.train.probe import run_in_subprocess
+
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "command": "python " + " ".join(sys.argv),
+    }
+    print(json.dumps(meta), flush=True)
+    results, losses = [], []
+    out_of_memory = set()  # modes that ran out at a shorter length: longer ones are not tried
+    for n in sorted(seq_lens):
+        for mode in modes:
+            if mode in out_of_memory:
+                result = dict(ok=False, out_of_memory=True, skipped=True)
+            else:
+                result = run_in_subprocess(subprocess_args(args, mode=mode, seq_len=n))
+                if result.get("out_of_memory"):
+                    out_of_memory.add(mode)
+            results.append(dict(result, mode=mode, seq_len=n))
+            print(json.dumps(results[-1]), flush=True)
+    if args.loss_steps:
+        for mode in modes:
+            result = run_in_subprocess(
+                subprocess_args(args, mode=mode, seq_len=args.loss_seq_len, loss_run=None)
+            )
+            losses.append(dict(result, mode=mode))
+            print(json.dumps({k: v for k, v in losses[-1].items() if k != "losses"}), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "throughput": results, "loss": losses}, indent=1))
+    if args.png:
+        plot(results, modes, args.png)
+    print(f"\n{meta['device']}, jax {meta['jax']}, {args.tokens_per_step} tokens per step")
+    print(tables(results, losses, modes, seq_lens))
+
+
+if __name__ == "__main__":
+    main()
