@@ -112,8 +112,9 @@ def search(args, budget: int, setting: dict) -> tuple[dict, list[dict]]:
 
 
 def run_one(args) -> None:
-    """One real training step at --seq_len in this process; reports its result."""
-    from bpt.train.probe import TrainingStep, error_summary, is_out_of_memory, report
+    """One real training step at --seq_len in this process (no warm-up: the step is compiled
+    before it runs, and at these lengths a step takes minutes); reports its result."""
+    from bpt.train.probe import measure, report
 
     setting = dict(
         config=args.configs,
@@ -122,17 +123,8 @@ def run_one(args) -> None:
         remat=args.remats,
         group=int(args.groups),
     )
-    result = {"seq_len": args.seq_len}
-    try:
-        # One step, no warm-up: the step is compiled before it runs, and at these lengths a
-        # step takes minutes.
-        measured = TrainingStep(load_config(args, **setting, seq_len=args.seq_len)).run(steps=1, warmup=0)
-        result.update(
-            ok=True, peak_gib=(measured["peak_bytes"] or 0) / 2**30, step_seconds=measured["step_seconds"]
-        )
-    except Exception as e:
-        result.update(ok=False, out_of_memory=is_out_of_memory(e), error=error_summary(e))
-    report(result)
+    config = load_config(args, **setting, seq_len=args.seq_len)
+    report(dict(seq_len=args.seq_len, **measure(config, steps=1, warmup=0)))
 
 
 def verify(args, best: dict, log) -> dict:
@@ -278,6 +270,7 @@ def main() -> None:
 
     from bpt.config import load_config_file
 
+    num_layers = {config: load_config_file(config).model.num_layers for config in configs}
     settings = [
         dict(config=config, mode=mode, chunk=chunk, remat=remat, group=group)
         for config, mode in itertools.product(configs, modes)
@@ -285,7 +278,7 @@ def main() -> None:
         for chunk in (chunks[:1] if mode == "vanilla" else chunks)
         for remat in remats
         for group in groups
-        if load_config_file(config).model.num_layers % group == 0
+        if num_layers[config] % group == 0
     ]
     bests, verdicts = {}, {}
 

@@ -28,10 +28,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 from bpt.train.probe import LABELS, MODES, human_tokens  # noqa: E402  (after the environment)
 
 
-def step_for(args, mode: str, seq_len: int):
-    from bpt.train.probe import TrainingStep, benchmark_config
+def config_for(args, mode: str, seq_len: int):
+    from bpt.train.probe import benchmark_config
 
-    c = benchmark_config(
+    return benchmark_config(
         args.config,
         seq_len=seq_len,
         mode=mode,
@@ -40,21 +40,13 @@ def step_for(args, mode: str, seq_len: int):
         dtype=args.dtype,
         overrides=args.set,
     )
-    return TrainingStep(c)
 
 
 def real_one(args) -> None:
     """One real step in this process; reports the device's peak memory."""
-    from bpt.train.probe import error_summary, is_out_of_memory, report
+    from bpt.train.probe import measure, report
 
-    try:
-        measured = step_for(args, args.mode, args.seq_len).run(steps=1, warmup=0)
-        result = dict(
-            ok=True, peak_gib=(measured["peak_bytes"] or 0) / 2**30, step_seconds=measured["step_seconds"]
-        )
-    except Exception as e:
-        result = dict(ok=False, out_of_memory=is_out_of_memory(e), error=error_summary(e))
-    report(result)
+    report(measure(config_for(args, args.mode, args.seq_len), steps=1, warmup=0))
 
 
 def table(results: list[dict], modes: list[str], seq_lens: list[int], real: bool) -> str:
@@ -71,11 +63,10 @@ def table(results: list[dict], modes: list[str], seq_lens: list[int], real: bool
             return text + " (over)"
         if real:
             run = r.get("real", {})
-            text += (
-                f" / {run['peak_gib']:.1f}"
-                if run.get("ok")
-                else (" / OOM" if run.get("out_of_memory") else " / failed")
-            )
+            if not run.get("ok"):
+                text += " / OOM" if run.get("out_of_memory") else " / failed"
+            else:  # a backend that keeps no peak count (a CPU) gives None
+                text += " / ran" if run["peak_gib"] is None else f" / {run['peak_gib']:.1f}"
         return text
 
     unit = "compiled / real-step peak GiB" if real else "compiled GiB"
@@ -103,7 +94,7 @@ def plot(results: list[dict], modes: list[str], budget_gib: float, path: str) ->
             real = sorted(
                 (r["seq_len"], r["real"]["peak_gib"])
                 for r in results
-                if r["mode"] == mode and r.get("real", {}).get("ok")
+                if r["mode"] == mode and r.get("real", {}).get("peak_gib")
             )
             if real:
                 ax.plot(
@@ -151,7 +142,7 @@ def main() -> None:
 
     import jax
 
-    from bpt.train.probe import error_summary, memory_budget, run_in_subprocess
+    from bpt.train.probe import TrainingStep, error_summary, memory_budget, run_in_subprocess
 
     device = jax.devices()[0]
     budget = memory_budget(args.memory_gib)
@@ -171,8 +162,8 @@ def main() -> None:
         for n in seq_lens:
             result = dict(mode=mode, seq_len=n)
             try:
-                result["compiled_gib"] = step_for(args, mode, n).memory().peak / 2**30
-                result["fits"] = result["compiled_gib"] * 2**30 <= budget
+                peak = TrainingStep(config_for(args, mode, n)).memory().peak
+                result.update(compiled_gib=peak / 2**30, fits=peak <= budget)
             except Exception as e:
                 result.update(fits=False, error=error_summary(e))
             if args.real and result["fits"]:

@@ -58,27 +58,18 @@ def step_config(args, mode: str, seq_len: int):
 
 def throughput_one(args) -> dict:
     """Times one (mode, length) in this process."""
-    from bpt.train.probe import TrainingStep, error_summary, is_out_of_memory
+    from bpt.train.probe import measure
 
     c = step_config(args, args.mode, args.seq_len)
-    result = dict(
-        mode=args.mode, seq_len=args.seq_len, batch=c.train.batch_size, micro_batches=c.train.grad_accum_steps
+    measured = measure(c, steps=args.steps, warmup=2)
+    measured.pop("losses", None)
+    return dict(
+        mode=args.mode,
+        seq_len=args.seq_len,
+        batch=c.train.batch_size,
+        micro_batches=c.train.grad_accum_steps,
+        **measured,
     )
-    try:
-        step = TrainingStep(c)
-        result["compiled_gib"] = step.memory().peak / 2**30
-        measured = step.run(steps=args.steps, warmup=2)
-        result.update(
-            ok=True,
-            step_seconds=measured["step_seconds"],
-            tokens_per_second=measured["tokens_per_second"],
-            model_tflops=measured["model_tflops"],
-            mfu=measured["mfu"],
-            peak_gib=(measured["peak_bytes"] or 0) / 2**30,
-        )
-    except Exception as e:
-        result.update(ok=False, out_of_memory=is_out_of_memory(e), error=error_summary(e))
-    return result
 
 
 def loss_one(args) -> dict:

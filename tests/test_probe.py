@@ -11,6 +11,15 @@ from bpt.config import base_config
 from bpt.train.probe import TrainingStep, longest_fitting
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs/tiny.py"
+
+
+def run_script(name: str, *flags: str, cwd: Path) -> subprocess.CompletedProcess:
+    """scripts/<name> with flags, run in cwd; asserts that it succeeded."""
+    cmd = [sys.executable, str(ROOT / "scripts" / name), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
 
 
 @pytest.mark.parametrize("limit", [4096, 4097, 5000, 8191, 30000, 65536, 100000])
@@ -73,10 +82,9 @@ def test_real_steps_train():
 
 def test_max_context_script_end_to_end(tmp_path):
     out = tmp_path / "max_context.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts/bench_max_context.py"),
-        f"--configs={ROOT / 'configs/tiny.py'}",
+    proc = run_script(
+        "bench_max_context.py",
+        f"--configs={TINY}",
         "--modes=vanilla,blockwise_parallel",
         "--chunks=128",
         "--groups=1,2",
@@ -88,24 +96,23 @@ def test_max_context_script_end_to_end(tmp_path):
         "--verify_tries=1",
         f"--out={out}",
         f"--png={tmp_path / 'max_context.png'}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+        cwd=tmp_path,
+    )
     table = proc.stdout.strip().splitlines()
     assert table[-3].startswith("| model | Vanilla | BPT |")
     assert "real step:" in table[-1]
     assert out.is_file() and (tmp_path / "max_context.png").is_file()
-    bad = subprocess.run([*cmd[:2], "--remats=sometimes"], capture_output=True, text=True)
+    script = str(ROOT / "scripts/bench_max_context.py")
+    bad = subprocess.run([sys.executable, script, "--remats=sometimes"], capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown remat preset 'sometimes'; allowed: layer" in bad.stderr
 
 
 def test_throughput_script_end_to_end(tmp_path):
     """Two modes at one length, then the loss check: the modes train to the same loss."""
     out = tmp_path / "throughput.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts/bench_throughput.py"),
-        f"--config={ROOT / 'configs/tiny.py'}",
+    proc = run_script(
+        "bench_throughput.py",
+        f"--config={TINY}",
         "--modes=memory_efficient,blockwise_parallel",
         "--seq_lens=256",
         "--tokens_per_step=512",
@@ -118,9 +125,8 @@ def test_throughput_script_end_to_end(tmp_path):
         "--loss_eval_batches=1",
         f"--out={out}",
         f"--png={tmp_path / 'throughput.png'}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+        cwd=tmp_path,
+    )
     results = json.loads(out.read_text())
     (me, bpt) = results["throughput"]
     assert me["ok"] and bpt["ok"] and me["batch"] == 2 and me["micro_batches"] == 2
@@ -135,10 +141,9 @@ def test_throughput_script_end_to_end(tmp_path):
 def test_memory_script_end_to_end(tmp_path):
     """Vanilla's row ends at the first length over the budget; BPT's fits and runs to 4K."""
     out = tmp_path / "memory.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts/bench_memory.py"),
-        f"--config={ROOT / 'configs/tiny.py'}",
+    run_script(
+        "bench_memory.py",
+        f"--config={TINY}",
         "--modes=vanilla,blockwise_parallel",
         "--seq_lens=512,1024,2048,4096",
         "--chunk=128",
@@ -147,9 +152,8 @@ def test_memory_script_end_to_end(tmp_path):
         "--real",
         f"--out={out}",
         f"--png={tmp_path / 'memory.png'}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+        cwd=tmp_path,
+    )
     results = json.loads(out.read_text())["results"]
     vanilla = [r for r in results if r["mode"] == "vanilla"]
     bpt = [r for r in results if r["mode"] == "blockwise_parallel"]

@@ -215,6 +215,21 @@ class TrainingStep:
         }
 
 
+def measure(config: ConfigDict, *, steps: int = 1, warmup: int = 0) -> dict:
+    """Real steps of config's training step, as a result that never raises: ok with
+    TrainingStep.run's numbers, compiled_gib and peak_gib (None where the backend keeps no
+    count); or not ok with out_of_memory and the error (compiled_gib if it compiled)."""
+    result = {}
+    try:
+        step = TrainingStep(config)
+        result["compiled_gib"] = step.memory().peak / 2**30
+        measured = step.run(steps=steps, warmup=warmup)
+    except Exception as e:  # reported, not raised: a sweep goes on past an out-of-memory
+        return dict(result, ok=False, out_of_memory=is_out_of_memory(e), error=error_summary(e))
+    peak = measured.pop("peak_bytes")
+    return dict(result, ok=True, peak_gib=peak and peak / 2**30, **measured)
+
+
 @dataclasses.dataclass
 class Search:
     """The longest length that fits, and every length tried on the way ({length: fits})."""

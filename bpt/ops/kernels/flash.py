@@ -426,9 +426,10 @@ def flash_attention_with_lse(
     "hopper" (the Mosaic GPU kernels of flash_hopper.py: wgmma/TMA, H100-class GPUs,
     bf16/fp16, no segment ids, lengths multiples of 128), or "auto" (hopper where it can run,
     else triton). hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
-    the depth of the Hopper kernels' shared-memory ring. interpret: run the kernels in an interpreter (default: everywhere but on
-    a GPU). block_q, block_k (forward) and block_q_bwd, block_k_bwd (backward): the Triton
-    kernels' blocks; by default TRITON_BLOCKS for the input's dtype.
+    the depth of the Hopper kernels' shared-memory ring. interpret: run the kernels in an
+    interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
+    block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
+    TRITON_BLOCKS for the input's dtype.
     """
     check_qkv(q, k, v)
     for setting, value in (("forward", forward), ("backward", backward)):
