@@ -33,7 +33,8 @@ import sys
 from pathlib import Path
 
 # Before jax starts: no preallocated pool, so that compiling (the GEMM autotuner allocates
-# operands of its own) has the whole device; real steps grow the pool up to 95% of it.
+# operands of its own) has the whole device; the processes that run real steps preallocate
+# 95% of it (bpt.train.probe.real_step_env).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
@@ -130,7 +131,7 @@ def run_one(args) -> None:
 def verify(args, best: dict, log) -> dict:
     """Real steps in fresh processes, from the compiled length (or --verify_max) down, until
     one runs. The verdict says whether --verify_max capped it."""
-    from bpt.train.probe import run_in_subprocess
+    from bpt.train.probe import real_step_env, run_in_subprocess
 
     length = best["longest"]
     capped = bool(args.verify_max) and length > args.verify_max
@@ -140,7 +141,8 @@ def verify(args, best: dict, log) -> dict:
         if length < best["chunk"]:
             break
         result = run_in_subprocess(
-            [sys.executable, __file__, *setting_args(args, best), "--run_one", f"--seq_len={length}"]
+            [sys.executable, __file__, *setting_args(args, best), "--run_one", f"--seq_len={length}"],
+            env=real_step_env(),
         )
         result.setdefault("seq_len", length)
         result["capped"] = capped

@@ -142,7 +142,7 @@ def main() -> None:
 
     import jax
 
-    from bpt.train.probe import TrainingStep, error_summary, memory_budget, run_in_subprocess
+    from bpt.train.probe import TrainingStep, error_summary, memory_budget, real_step_env, run_in_subprocess
 
     device = jax.devices()[0]
     budget = memory_budget(args.memory_gib)
@@ -175,7 +175,9 @@ def main() -> None:
                     f"--seq_len={n}",
                 ]
                 cmd += [f"--impl={args.impl}", f"--chunk={args.chunk}", f"--dtype={args.dtype}"]
-                result["real"] = run_in_subprocess(cmd + [f"--set={s}" for s in args.set])
+                result["real"] = run_in_subprocess(
+                    cmd + [f"--set={s}" for s in args.set], env=real_step_env()
+                )
             results.append(result)
             print(json.dumps(result), flush=True)
             if not result["fits"]:

@@ -7,7 +7,9 @@ out-of-memory error are its own), the full training step (forward, backward, Ada
 batch = tokens_per_step / length sequences, in micro-batches of at most --micro_batch_tokens
 tokens (gradient accumulation), so every length does the same work per token and each
 mode's memory is its own at one micro-batch. MFU counts model FLOPs only (bpt.train.metrics),
-never what rematerialization recomputes.
+never what rematerialization recomputes. --chunks runs the modes of --grid_modes at each chunk
+size (a size longer than the context is the context) and the tables keep each mode's
+fastest, as the paper's appendix grid does.
 
 Loss agreement (--loss_steps N > 0): each mode trains N steps from the same initial
 parameters on the same batches (--loss_data, a bpt-prepare-data folder; else the config's
@@ -15,8 +17,10 @@ data) and is evaluated on the same held-out batches; the three must agree, as th
 "Val Loss" column does.
 
     python scripts/bench_throughput.py --config configs/gpt_1b.py \\
-        --seq_lens 2048,4096,8192,16384,32768,65536 --loss_steps 100 --loss_data data/owt \\
-        --out results/throughput.json --png throughput.png
+        --seq_lens 2048,4096,8192,16384,32768,65536 --chunks 1024,4096,16384 \\
+        --loss_steps 100 --loss_data data/owt --out results/throughput.json --png throughput.png
+
+--from_json a.json,b.json prints (and --png draws) the tables of earlier runs together.
 
 Prints markdown tables last (tokens/s per GPU, MFU, BPT / MemoryEfficient).
 """
@@ -36,7 +40,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 from bpt.train.probe import LABELS, MODES, human_tokens  # noqa: E402  (after the environment)
 
 
-def step_config(args, mode: str, seq_len: int):
+def step_config(args, mode: str, seq_len: int, chunk: int):
     from bpt.train.probe import benchmark_config
 
     batch = max(1, args.tokens_per_step // seq_len)
@@ -50,7 +54,7 @@ def step_config(args, mode: str, seq_len: int):
         grad_accum_steps=batch // micro,
         mode=mode,
         impl=args.impl,
-        chunk=min(args.chunk, seq_len),
+        chunk=min(chunk, seq_len),
         dtype=args.dtype,
         overrides=args.set,
     )
@@ -60,12 +64,13 @@ def throughput_one(args) -> dict:
     """Times one (mode, length) in this process."""
     from bpt.train.probe import measure
 
-    c = step_config(args, args.mode, args.seq_len)
+    c = step_config(args, args.mode, args.seq_len, args.chunk)
     measured = measure(c, steps=args.steps, warmup=2)
     measured.pop("losses", None)
     return dict(
         mode=args.mode,
         seq_len=args.seq_len,
+        chunk=args.chunk,
         batch=c.train.batch_size,
         micro_batches=c.train.grad_accum_steps,
         **measured,
@@ -80,7 +85,7 @@ def loss_one(args) -> dict:
     from bpt.train.loop import evaluate, setup
     from bpt.train.step import eval_step, make_train_step
 
-    c = step_config(args, args.mode, args.loss_seq_len)
+    c = step_config(args, args.mode, args.loss_seq_len, args.chunk)
     c.train.batch_size, c.train.grad_accum_steps = args.loss_batch, 1
     c.train.steps = args.loss_steps
     c.train.warmup_steps = max(1, args.loss_steps // 10)
@@ -122,15 +127,30 @@ def run_one(args) -> None:
 
 
 def subprocess_args(args, **extra) -> list[str]:
-    keep = ("config", "impl", "chunk", "dtype", "tokens_per_step", "micro_batch_tokens", "steps")
+    keep = ("config", "impl", "dtype", "tokens_per_step", "micro_batch_tokens", "steps")
     keep += ("loss_steps", "loss_seq_len", "loss_batch", "loss_lr", "loss_data", "loss_eval_batches")
     argv = [sys.executable, __file__, *(f"--{k}={getattr(args, k)}" for k in keep)]
     argv += [f"--set={s}" for s in args.set]
     return argv + [f"--{k}" if v is None else f"--{k}={v}" for k, v in extra.items()]
 
 
+def best_runs(results: list[dict]) -> dict:
+    """(mode, length) -> the fastest run over the chunk sizes, else the last failed one."""
+    best = {}
+    for r in results:
+        key, old = (r["mode"], r["seq_len"]), best.get((r["mode"], r["seq_len"]))
+        if old is None or (r["ok"] and (not old["ok"] or r["tokens_per_second"] > old["tokens_per_second"])):
+            best[key] = r
+    return best
+
+
 def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: list[int]) -> str:
-    by = {(r["mode"], r["seq_len"]): r for r in results}
+    by = best_runs(results)
+    chunks_run = {}  # (mode, length) -> the chunk sizes run
+    for r in results:
+        chunks_run.setdefault((r["mode"], r["seq_len"]), set()).add(r.get("chunk"))
+    grid_modes = {mode for (mode, _), chunks in chunks_run.items() if len(chunks) > 1}
+    grid = bool(grid_modes)
 
     def cell(mode, n, fmt):
         r = by.get((mode, n))
@@ -138,7 +158,7 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
             return "–"
         if not r["ok"]:
             return "OOM" if r.get("out_of_memory") else "failed"
-        return fmt(r)
+        return fmt(r) + (f", chunks {r['chunk']}" if grid and mode in grid_modes else "")
 
     header = "| context | " + " | ".join(LABELS[m] for m in modes)
     ratio = "blockwise_parallel" in modes and "memory_efficient" in modes
@@ -159,7 +179,7 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
             both = bpt and me and bpt["ok"] and me["ok"]
             row += f" | {bpt['tokens_per_second'] / me['tokens_per_second']:.2f}x" if both else " | –"
         lines.append(row + " |")
-    text = "tokens/s per GPU (MFU)\n\n" + "\n".join(lines)
+    text = "tokens/s per GPU (MFU" + (", the fastest chunk size" if grid else "") + ")\n\n" + "\n".join(lines)
     if losses:
         text += "\n\n| mode | train loss (last tenth of the steps) | held-out loss |\n|---|---|---|\n"
         text += "\n".join(
@@ -178,10 +198,9 @@ def plot(results: list[dict], modes: list[str], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    best = best_runs(results).values()
     for mode in modes:
-        points = sorted(
-            (r["seq_len"], r["tokens_per_second"]) for r in results if r["mode"] == mode and r["ok"]
-        )
+        points = sorted((r["seq_len"], r["tokens_per_second"]) for r in best if r["mode"] == mode and r["ok"])
         if points:
             ax.plot(*zip(*points), marker="o", label=LABELS[mode])
     ax.set_xscale("log", base=2)
@@ -194,6 +213,20 @@ def plot(results: list[dict], modes: list[str], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def summarize(args, modes: list[str]) -> None:
+    """--from_json: the tables and plot of earlier runs, merged (later files win a tie)."""
+    results, losses = [], []
+    for path in args.from_json.split(","):
+        saved = json.loads(Path(path).read_text())
+        print(json.dumps(saved["meta"]))
+        results += saved["throughput"]
+        losses += saved["loss"]
+    seq_lens = sorted({r["seq_len"] for r in results})
+    if args.png:
+        plot(results, modes, args.png)
+    print(tables(results, losses, modes, seq_lens))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -202,7 +235,13 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--seq_lens", default="2048,4096,8192,16384,32768,65536", help='"": loss check only')
     parser.add_argument("--impl", default="auto", help="attention_impl of the two non-vanilla modes")
-    parser.add_argument("--chunk", type=int, default=1024, help="query, key/value and loss chunk size")
+    parser.add_argument(
+        "--chunks",
+        default="1024",
+        help="query, key/value and loss chunk sizes: each of --grid_modes runs at each, the "
+        "tables keep the fastest (the paper's appendix grid); the other modes run at the first",
+    )
+    parser.add_argument("--grid_modes", default="memory_efficient,blockwise_parallel")
     parser.add_argument("--dtype", default="", help="compute dtype (default: the config's)")
     parser.add_argument("--tokens_per_step", type=int, default=65536)
     parser.add_argument("--micro_batch_tokens", type=int, default=16384)
@@ -218,10 +257,17 @@ def main() -> None:
         "--loss_data", default="", help="a bpt-prepare-data folder (default: the config's data)"
     )
     parser.add_argument("--set", action="append", default=[], help="section.name=value (repeatable)")
+    parser.add_argument(
+        "--from_json",
+        default="",
+        help="comma-separated --out files of earlier runs: print their tables together (and "
+        "--png) without measuring",
+    )
     parser.add_argument("--out", default="")
     parser.add_argument("--png", default="")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--seq_len", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--loss_run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -229,13 +275,17 @@ def main() -> None:
         if mode not in MODES:
             parser.error(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     seq_lens = [int(n) for n in args.seq_lens.split(",") if n]  # none: only the loss check
+    chunks = [int(c) for c in args.chunks.split(",")]
     if args.mode:
         run_one(args)
+        return
+    if args.from_json:
+        summarize(args, modes)
         return
 
     import jax
 
-    from bpt.train.probe import run_in_subprocess
+    from bpt.train.probe import real_step_env, run_in_subprocess
 
     meta = {
         "date": datetime.date.today().isoformat(),
@@ -245,21 +295,28 @@ def main() -> None:
     }
     print(json.dumps(meta), flush=True)
     results, losses = [], []
-    out_of_memory = set()  # modes that ran out at a shorter length: longer ones are not tried
+    out_of_memory = set()  # what ran out at a shorter length (a mode, or a mode and chunk size)
     for n in sorted(seq_lens):
         for mode in modes:
-            if mode in out_of_memory:
-                result = dict(ok=False, out_of_memory=True, skipped=True)
-            else:
-                result = run_in_subprocess(subprocess_args(args, mode=mode, seq_len=n))
-                if result.get("out_of_memory"):
-                    out_of_memory.add(mode)
-            results.append(dict(result, mode=mode, seq_len=n))
-            print(json.dumps(results[-1]), flush=True)
+            grid = mode in args.grid_modes.split(",") and mode != "vanilla"
+            # A chunk longer than the context is the context: each effective size runs once.
+            for chunk in sorted({min(c, n) for c in (chunks if grid else chunks[:1])}):
+                key = (mode, chunk) if grid else mode
+                if key in out_of_memory:
+                    result = dict(ok=False, out_of_memory=True, skipped=True)
+                else:
+                    result = run_in_subprocess(
+                        subprocess_args(args, mode=mode, seq_len=n, chunk=chunk), env=real_step_env()
+                    )
+                    if result.get("out_of_memory"):
+                        out_of_memory.add(key)
+                results.append(dict(result, mode=mode, seq_len=n, chunk=chunk))
+                print(json.dumps(results[-1]), flush=True)
     if args.loss_steps:
         for mode in modes:
             result = run_in_subprocess(
-                subprocess_args(args, mode=mode, seq_len=args.loss_seq_len, loss_run=None)
+                subprocess_args(args, mode=mode, seq_len=args.loss_seq_len, chunk=chunks[0], loss_run=None),
+                env=real_step_env(),
             )
             losses.append(dict(result, mode=mode))
             print(json.dumps({k: v for k, v in losses[-1].items() if k != "losses"}), flush=True)

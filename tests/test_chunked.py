@@ -1,6 +1,7 @@
 """The blockwise FFN and the blockwise cross-entropy against their whole-sequence versions."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,6 +34,51 @@ def test_blockwise_cross_entropy_equals_full(key, masked):
     g_chunk = jax.grad(lambda h, w: chunked(h, w).loss, (0, 1))(hidden, weight)
     assert rel_err(g_chunk[0], g_full[0]) < TOL
     assert rel_err(g_chunk[1], g_full[1]) < TOL
+
+
+def test_blockwise_cross_entropy_with_a_norm_inside_the_chunks(key):
+    """The gradient reaches the norm's parameters too, and a loss scaled from outside (the
+    cotangent the backward multiplies by) gives scaled gradients."""
+    kh, kw, kt, ks = jax.random.split(key, 4)
+    hidden = jax.random.normal(kh, (2, 64, 32))
+    weight = jax.random.normal(kw, (32, 97)) * 0.3
+    targets = jax.random.randint(kt, (2, 64), 0, 97)
+    params = (1.0 + 0.1 * jax.random.normal(ks, (32,)), jnp.full((32,), 0.05))
+
+    def norm(p, h):
+        h = h - h.mean(-1, keepdims=True)
+        return h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + 1e-5) * p[0] + p[1]
+
+    def full(h, w, p):
+        return 3.0 * cross_entropy(norm(p, h) @ w, targets).loss
+
+    def chunked(h, w, p):
+        return 3.0 * blockwise_cross_entropy(h, w, targets, chunk_size=16, norm=norm, norm_params=p).loss
+
+    assert rel_err(chunked(hidden, weight, params), full(hidden, weight, params)) < TOL
+    g_full = jax.grad(full, (0, 1, 2))(hidden, weight, params)
+    g_chunk = jax.grad(chunked, (0, 1, 2))(hidden, weight, params)
+    for got, want in zip(jax.tree.leaves(g_chunk), jax.tree.leaves(g_full), strict=True):
+        assert rel_err(got, want) < TOL
+
+
+def test_blockwise_cross_entropy_runs_the_head_three_times():
+    """Forward and backward together: one logits matmul and two gradient matmuls a chunk,
+    as an unchunked loss does; a rematerialized chunk would compute its logits twice."""
+    hidden, weight = jnp.ones((1, 64, 8)), jnp.ones((8, 97))
+    targets = jnp.zeros((1, 64), jnp.int32)
+    grad = jax.grad(lambda h, w: blockwise_cross_entropy(h, w, targets, chunk_size=16).loss, (0, 1))
+    jaxpr = jax.make_jaxpr(grad)(hidden, weight)
+
+    def dots(eqns):
+        count = 0
+        for eqn in eqns:
+            count += eqn.primitive.name == "dot_general"
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                count += dots(sub.eqns)
+        return count
+
+    assert dots(jaxpr.jaxpr.eqns) == 3
 
 
 def test_blockwise_cross_entropy_never_builds_full_logits():
@@ -85,3 +131,34 @@ def test_bad_arguments():
         blockwise_ffn(lambda c: c, x, chunk_size=5, policy="save_all")
     with pytest.raises(ValueError, match="targets"):
         blockwise_cross_entropy(x, jnp.zeros((4, 7)), jnp.zeros((1, 9), jnp.int32), chunk_size=5)
+
+
+def test_bf16_weight_gradients_are_summed_over_chunks_in_float32(key):
+    """The backward adds every chunk's weight gradient into one sum. Kept in bfloat16, that
+    sum would round at every chunk, and its error would grow with the number of chunks; in
+    float32 a bf16 run's error stays that of one bf16 rounding however many chunks there are.
+    """
+    kx, k1, k2, kt = jax.random.split(key, 4)
+    seq, d, f = 4096, 32, 64
+    x = jax.random.normal(kx, (1, seq, d)).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(k1, (d, f)) * 0.2).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(k2, (f, d)) * 0.2).astype(jnp.bfloat16)
+    targets = jax.random.randint(kt, (1, seq), 0, f)
+
+    def ffn(c, w):
+        return c + jax.nn.gelu(c @ w[0]) @ w[1]
+
+    def chunked(w, chunk):  # 4096 / 16 = 256 chunks
+        h = blockwise_ffn(ffn, x, chunk_size=chunk, weights=w)
+        return blockwise_cross_entropy(h, w[1].T, targets, chunk_size=chunk).loss
+
+    def exact(w):  # the same bf16 values, every product and sum in float32
+        x32, w32 = x.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), w)
+        return cross_entropy(ffn(x32, w32) @ w32[1].T, targets).loss
+
+    g_ref = jax.grad(exact)((w1, w2))
+    for chunk in (16, seq):
+        g = jax.grad(chunked)((w1, w2), chunk)
+        assert g[0].dtype == jnp.bfloat16
+        for got, want in zip(g, g_ref):
+            assert rel_err(got.astype(jnp.float32), want) < 5e-3, chunk  # bf16 sums: 1.6e-2

@@ -117,7 +117,8 @@ def test_throughput_script_end_to_end(tmp_path):
         "--seq_lens=256",
         "--tokens_per_step=512",
         "--micro_batch_tokens=256",
-        "--chunk=128",
+        "--chunks=128,256",
+        "--grid_modes=blockwise_parallel",
         "--steps=1",
         "--loss_steps=4",
         "--loss_seq_len=128",
@@ -128,14 +129,23 @@ def test_throughput_script_end_to_end(tmp_path):
         cwd=tmp_path,
     )
     results = json.loads(out.read_text())
-    (me, bpt) = results["throughput"]
-    assert me["ok"] and bpt["ok"] and me["batch"] == 2 and me["micro_batches"] == 2
-    assert bpt["tokens_per_second"] > 0
+    (me, *bpt) = results["throughput"]  # BPT at both chunk sizes, MemoryEfficient at the first
+    assert [(r["mode"], r["chunk"]) for r in results["throughput"]] == [
+        ("memory_efficient", 128),
+        ("blockwise_parallel", 128),
+        ("blockwise_parallel", 256),
+    ]
+    assert me["ok"] and me["batch"] == 2 and me["micro_batches"] == 2
+    assert all(r["ok"] and r["tokens_per_second"] > 0 for r in bpt)
+    fastest = max(bpt, key=lambda r: r["tokens_per_second"])["chunk"]
+    assert f", chunks {fastest} |" in proc.stdout
     losses = {r["mode"]: r for r in results["loss"]}
     assert len(losses["blockwise_parallel"]["losses"]) == 4
     assert abs(losses["blockwise_parallel"]["eval_loss"] - losses["memory_efficient"]["eval_loss"]) < 1e-4
     assert "| 256 | " in proc.stdout and "x |" in proc.stdout  # the BPT / MemoryEfficient ratio
     assert (tmp_path / "throughput.png").is_file()
+    again = run_script("bench_throughput.py", f"--from_json={out},{out}", cwd=tmp_path)  # no measuring
+    assert again.stdout.strip().splitlines()[-1] == proc.stdout.strip().splitlines()[-1]
 
 
 def test_memory_script_end_to_end(tmp_path):

@@ -235,6 +235,12 @@ def mlp(p: dict, h: Array) -> Array:
     return jnp.einsum("bsf,fd->bsd", hidden, p["w2"]) + p["b2"]
 
 
+def post_attention_weights(p: dict) -> dict:
+    """The weights a BPT chunk reads after attention: output projection and FFN."""
+    names = ("wo", "bo", "ln2_scale", "ln2_bias", "w1", "b1", "w2", "b2")
+    return {name: p[name] for name in names}
+
+
 def fold_rng(rng: Array | None, *data) -> Array | None:
     if rng is None:
         return None
@@ -299,7 +305,7 @@ class Block(nn.Module):
         rng = None if self.deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
         eps, rate = cfg.layer_norm_epsilon, cfg.dropout
 
-        def ffn_residual(h: Array, rng) -> Array:
+        def ffn_residual(h: Array, rng, p=p) -> Array:
             ffn = remat(lambda h: mlp(p, layer_norm(h, p["ln2_scale"], p["ln2_bias"], eps)), cfg.remat_ffn)
             return h + dropout(ffn(h), rate, rng)
 
@@ -343,13 +349,18 @@ class Block(nn.Module):
             return ffn_residual(h, fold_rng(rng, 1)), None
 
         # Attention by a fused kernel over the whole sequence; the rest block by block.
-        def post_attention(i, chunk):
+        def post_attention(i, chunk, p):
             x_c, a_c = chunk
             h = x_c + dropout(project_out(p, a_c), rate, fold_rng(rng, 0, i))
-            return ffn_residual(h, fold_rng(rng, 1, i))
+            return ffn_residual(h, fold_rng(rng, 1, i), p)
 
         out = scan_chunks(
-            post_attention, (x, a), chunk_size=cfg.q_chunk_size, policy="none", name="q_chunk_size"
+            post_attention,
+            (x, a),
+            chunk_size=cfg.q_chunk_size,
+            policy="none",
+            name="q_chunk_size",
+            weights=post_attention_weights(p),
         )
         return from_chunks(out), None
 
@@ -384,7 +395,7 @@ class Block(nn.Module):
         cfg = self.config
         k, v = gradient_carrier(k), gradient_carrier(v)
 
-        def block(i, chunk):
+        def block(i, chunk, p):
             x_c, q_c, seg_c = chunk
             attend = remat(
                 lambda q_c: attend_query_chunk(
@@ -401,10 +412,15 @@ class Block(nn.Module):
                 prevent_cse=False,
             )
             h = x_c + dropout(project_out(p, attend(q_c)), cfg.dropout, fold_rng(rng, 0, i))
-            return ffn_residual(h, fold_rng(rng, 1, i))
+            return ffn_residual(h, fold_rng(rng, 1, i), p)
 
         out = scan_chunks(
-            block, (x, q, segment_ids), chunk_size=cfg.q_chunk_size, policy="none", name="q_chunk_size"
+            block,
+            (x, q, segment_ids),
+            chunk_size=cfg.q_chunk_size,
+            policy="none",
+            name="q_chunk_size",
+            weights=post_attention_weights(p),
         )
         return from_chunks(out)
 
@@ -534,7 +550,7 @@ class GPT(nn.Module):
             (cfg.d_model,),
             param_dtype,
         )
-        final_norm = functools.partial(layer_norm, scale=scale, bias=bias, eps=cfg.layer_norm_epsilon)
+        eps = cfg.layer_norm_epsilon
         if cfg.tie_embeddings:
             head = embedding.T
         else:
@@ -544,14 +560,18 @@ class GPT(nn.Module):
                 (cfg.d_model, cfg.vocab_size),
                 param_dtype,
             )
-        head = head.astype(dtype)
-
         if targets is not None and cfg.chunked_loss:  # the final norm, chunk by chunk too
             return blockwise_cross_entropy(
-                x, head, targets, chunk_size=cfg.loss_chunk_size, mask=loss_mask, norm=final_norm
+                x,
+                head,
+                targets,
+                chunk_size=cfg.loss_chunk_size,
+                mask=loss_mask,
+                norm=lambda p, h: layer_norm(h, *p, eps),
+                norm_params=(scale, bias),
             )
-        x = final_norm(x)
-        logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+        x = layer_norm(x, scale, bias, eps)
+        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dtype), preferred_element_type=jnp.float32)
         if targets is None:
             return logits
         return cross_entropy(logits, targets, loss_mask)

@@ -1,12 +1,14 @@
 """Position-wise work done chunk by chunk: the blockwise FFN and the blockwise LM loss.
 
-A chunk loop is a lax.scan over the sequence axis (axis 1) with the body under jax.checkpoint,
-so only one chunk's intermediates (an FFN's [chunk, 4 * d_model] hidden layer, an LM head's
-[chunk, vocab] logits) are alive at a time, in the forward and in the backward pass.
+A chunk loop is a lax.scan over the sequence axis (axis 1), so only one chunk's intermediates
+(an FFN's [chunk, 4 * d_model] hidden layer, an LM head's [chunk, vocab] logits) are alive at
+a time, in the forward and in the backward pass: the FFN's body is under jax.checkpoint, and
+the loss computes its gradient in the forward pass, chunk by chunk.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -44,25 +46,41 @@ def from_chunks(x: Array) -> Array:
 
 
 def scan_chunks(
-    fn: Callable[[Array, PyTree], PyTree],
+    fn: Callable[..., PyTree],
     xs: PyTree,
     *,
     chunk_size: int,
     policy: str = "nothing_saveable",
     name: str = "chunk_size",
+    weights: PyTree = None,
 ) -> PyTree:
     """Runs fn(chunk_index, xs_chunk) for every chunk of the sequence axis; stacks the results.
 
     Every leaf of xs is [batch, seq, ...] with the same seq. fn's outputs come back stacked
     along a new leading axis of length seq // chunk_size. The body is rematerialized with
     the named checkpoint policy (see bpt.ops.remat).
+
+    weights: arrays every chunk reads (an FFN's matrices, an LM head); fn is then called as
+    fn(chunk_index, xs_chunk, weights). The backward pass sums each chunk's gradient of
+    them; a scan sums in the dtype of what it closes over, which in bfloat16 would lose
+    precision with every chunk. So the scan closes over float32 copies and each chunk casts
+    them back to their own dtype: the chunks' matmuls run as before and the sums are float32.
     """
     leaves = jax.tree.leaves(xs)
     length = leaves[0].shape[1]
     if any(leaf.shape[1] != length for leaf in leaves):
         raise ValueError(f"all inputs must share the sequence length {length}")
     chunk_size = resolve_chunk_size(chunk_size, length, name)
-    body = remat(fn, policy, prevent_cse=False)
+    if weights is None:
+        body = remat(fn, policy, prevent_cse=False)
+    else:
+        dtypes = jax.tree.map(lambda w: w.dtype, weights)
+        carried = jax.tree.map(lambda w: w.astype(jnp.promote_types(w.dtype, jnp.float32)), weights)
+        body = remat(
+            lambda i, chunk: fn(i, chunk, jax.tree.map(lambda w, t: w.astype(t), carried, dtypes)),
+            policy,
+            prevent_cse=False,
+        )
 
     def step(carry, inputs):
         index, chunk = inputs
@@ -74,7 +92,12 @@ def scan_chunks(
 
 
 def blockwise_ffn(
-    fn: Callable[[PyTree], PyTree], x: PyTree, *, chunk_size: int, policy: str = "nothing_saveable"
+    fn: Callable[..., PyTree],
+    x: PyTree,
+    *,
+    chunk_size: int,
+    policy: str = "nothing_saveable",
+    weights: PyTree = None,
 ) -> PyTree:
     """Applies a position-wise function chunk by chunk along the sequence axis.
 
@@ -84,10 +107,16 @@ def blockwise_ffn(
       x: a [batch, seq, ...] array or pytree of such arrays.
       chunk_size: positions per chunk; must divide seq (a larger value is clamped to seq).
       policy: checkpoint policy of each chunk, a name from bpt.ops.remat.POLICIES.
+      weights: optional pytree of the arrays fn reads, called then as fn(chunk, weights);
+        their gradients are summed over the chunks in float32 (see scan_chunks).
     Returns:
       fn(x), computed with one chunk's intermediates alive at a time.
     """
-    ys = scan_chunks(lambda _, chunk: fn(chunk), x, chunk_size=chunk_size, policy=policy)
+    if weights is None:
+        body = lambda _, chunk: fn(chunk)  # noqa: E731
+    else:
+        body = lambda _, chunk, w: fn(chunk, w)  # noqa: E731
+    ys = scan_chunks(body, x, chunk_size=chunk_size, policy=policy, weights=weights)
     return jax.tree.map(from_chunks, ys)
 
 
@@ -99,9 +128,11 @@ class CrossEntropy(NamedTuple):
     accuracy: Array  # fraction of counted tokens whose argmax prediction is the target
 
 
-def _loss_sums(logits: Array, targets: Array, mask: Array | None) -> Array:
-    """[nll_sum, count, correct_sum] over a [batch, seq, vocab] block of float32 logits."""
-    nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+def _loss_sums(logits: Array, targets: Array, mask: Array | None, lse: Array | None = None) -> Array:
+    """[nll_sum, count, correct_sum] over a [batch, seq, vocab] block of float32 logits
+    (lse: their logsumexp over the vocabulary, when already computed)."""
+    lse = jax.nn.logsumexp(logits, axis=-1) if lse is None else lse
+    nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     weight = jnp.ones_like(nll) if mask is None else mask.astype(jnp.float32)
     return jnp.stack([(nll * weight).sum(), weight.sum(), (correct * weight).sum()])
@@ -134,33 +165,104 @@ def blockwise_cross_entropy(
     *,
     chunk_size: int,
     mask: Array | None = None,
-    policy: str = "nothing_saveable",
-    norm: Callable[[Array], Array] | None = None,
+    norm: Callable[[PyTree, Array], Array] | None = None,
+    norm_params: PyTree = None,
 ) -> CrossEntropy:
     """LM head matmul and cross-entropy per chunk; [seq, vocab] logits never exist at once.
 
+    Under differentiation the gradient is computed in the forward pass, chunk by chunk:
+    the loss is the last thing a model computes, so each chunk's logits give their own
+    gradient (softmax - one-hot) at once, and the backward pass only scales what the forward
+    kept by the incoming cotangent. No chunk's logits are computed twice: the LM head costs
+    the three matmuls of an unchunked loss, not four.
+
     Args:
       hidden: [batch, seq, d_model] final hidden states.
-      weight: [d_model, vocab] output projection (the transposed embedding when tied).
+      weight: [d_model, vocab] output projection (the transposed embedding when tied), any
+        float dtype: each chunk's matmuls run in hidden's dtype, and its gradient is summed
+        over the chunks in float32.
       targets: [batch, seq] int token ids.
       chunk_size: positions per chunk; must divide seq (a larger value is clamped to seq).
-      mask: optional [batch, seq] weights (1 counts a token, 0 ignores it).
-      norm: an optional position-wise function applied to each chunk of hidden before the
-        head (the final LayerNorm): its intermediates then exist one chunk at a time, and the
-        backward recomputes them, instead of keeping a few [seq, d_model] float32 arrays.
+      mask: optional [batch, seq] weights (1 counts a token, 0 ignores it); no gradient
+        flows to it.
+      norm, norm_params: an optional position-wise function norm(norm_params, h) applied to
+        each chunk of hidden before the head (the final LayerNorm), so that its
+        intermediates exist one chunk at a time too.
     Returns:
       CrossEntropy(loss, num_tokens, accuracy), equal to
-      cross_entropy(norm(hidden) @ weight, ...).
+      cross_entropy(norm(norm_params, hidden) @ weight, ...).
     """
     _check_targets(targets, mask, hidden.shape[:2])
-    weight = weight.astype(hidden.dtype)
+    chunk_size = resolve_chunk_size(chunk_size, hidden.shape[1], "chunk_size")
+    return _finish(_chunked_loss_sums(chunk_size, norm, hidden, weight, norm_params, targets, mask))
 
-    def chunk_sums(_, chunk):
+
+def _head_chunk(norm, hidden, weight, norm_params, targets, mask, *, grads: bool):
+    """One chunk's loss sums; with grads also the gradients of its nll sum with respect to
+    hidden (in hidden's dtype), weight and norm_params (float32)."""
+    if norm is None:
+        x, norm_vjp = hidden, None
+    elif grads:
+        x, norm_vjp = jax.vjp(norm, norm_params, hidden)
+    else:
+        x = norm(norm_params, hidden)
+    w = weight.astype(x.dtype)
+    logits = jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    sums = _loss_sums(logits, targets, mask, lse)
+    if not grads:
+        return sums
+    vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, 2)
+    dlogits = jnp.exp(logits - lse[..., None]) - (vocab == targets[..., None])
+    if mask is not None:
+        dlogits = dlogits * mask.astype(jnp.float32)[..., None]
+    dlogits = dlogits.astype(x.dtype)
+    dw = jnp.einsum("bsd,bsv->dv", x, dlogits, preferred_element_type=jnp.float32)
+    dx = jnp.einsum("bsv,dv->bsd", dlogits, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    if norm_vjp is None:
+        return sums, dx, dw, None
+    dnorm, dh = norm_vjp(dx)
+    return sums, dh, dw, jax.tree.map(lambda d: d.astype(jnp.float32), dnorm)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_loss_sums(chunk_size, norm, hidden, weight, norm_params, targets, mask):
+    """[nll_sum, count, correct_sum] over the whole sequence, one chunk at a time."""
+
+    def step(_, chunk):
         h, t, m = chunk
-        if norm is not None:
-            h = norm(h)
-        logits = jnp.einsum("bsd,dv->bsv", h, weight, preferred_element_type=jnp.float32)
-        return _loss_sums(logits, t, m)
+        return None, _head_chunk(norm, h, weight, norm_params, t, m, grads=False)
 
-    sums = scan_chunks(chunk_sums, (hidden, targets, mask), chunk_size=chunk_size, policy=policy)
-    return _finish(sums.sum(axis=0))
+    chunks = jax.tree.map(lambda x: to_chunks(x, chunk_size), (hidden, targets, mask))
+    _, sums = jax.lax.scan(step, None, chunks)
+    return sums.sum(axis=0)
+
+
+def _chunked_loss_sums_fwd(chunk_size, norm, hidden, weight, norm_params, targets, mask):
+    def step(carry, chunk):
+        dw, dnorm = carry
+        h, t, m = chunk
+        sums, dh, dw_c, dnorm_c = _head_chunk(norm, h, weight, norm_params, t, m, grads=True)
+        return (dw + dw_c, jax.tree.map(jnp.add, dnorm, dnorm_c)), (sums, dh)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (weight, norm_params))
+    chunks = jax.tree.map(lambda x: to_chunks(x, chunk_size), (hidden, targets, mask))
+    (dw, dnorm), (sums, dh) = jax.lax.scan(step, zeros, chunks)
+    dtypes = jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), (weight, norm_params))  # empty: only dtypes
+    return sums.sum(axis=0), (from_chunks(dh), dw, dnorm, dtypes)
+
+
+def _chunked_loss_sums_bwd(chunk_size, norm, residuals, cotangent):
+    dh, dw, dnorm, (weight_dtype, norm_dtypes) = residuals
+    g = cotangent[0]  # only the nll sum has a gradient; the count and the hits have none
+    scale = lambda d, like: (g * d.astype(jnp.float32)).astype(like.dtype)  # noqa: E731
+    return (
+        scale(dh, dh),
+        scale(dw, weight_dtype),
+        jax.tree.map(scale, dnorm, norm_dtypes),
+        None,
+        None,
+    )
+
+
+_chunked_loss_sums.defvjp(_chunked_loss_sums_fwd, _chunked_loss_sums_bwd)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 import subprocess
 import time
@@ -78,6 +79,15 @@ def benchmark_config(
 def report(result: dict) -> None:
     """Prints a measuring subprocess's result for run_in_subprocess to read."""
     print(RESULT + json.dumps(result), flush=True)
+
+
+def real_step_env() -> dict:
+    """The environment of a process that runs real steps: the device's memory pool
+    preallocated (95% of the device unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise).
+    Grown on demand instead, the pool could not place a step's temporaries (one buffer of
+    tens of GiB) beside the state at lengths whose compiled memory fits; preallocated, the
+    real peaks match the compiled ones (docs/benchmarks.md)."""
+    return dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="true")
 
 
 def run_in_subprocess(argv: Sequence[str], *, env: dict | None = None) -> dict:
