@@ -6,6 +6,7 @@ a config file (it has get_config()): bpt-train uses it when no --config is given
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -37,39 +38,17 @@ def base_config(size: str = "small") -> ConfigDict:
     c = ConfigDict()
     c.seed = 0
 
+    # The model's settings and their defaults are GPTConfig's fields (one source of truth);
+    # the comments there say what each does. The size fields come from MODEL_SIZES.
     c.model = ConfigDict()
+    for field in dataclasses.fields(GPTConfig):
+        if field.name not in ("vocab_size", "num_layers", "d_model", "num_heads"):
+            c.model[field.name] = field.default
     c.model.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
-    c.model.num_layers = 0
-    c.model.d_model = 0
-    c.model.num_heads = 0
+    c.model.num_layers = c.model.d_model = c.model.num_heads = 0
     c.model.num_kv_heads = config_dict.placeholder(int)  # None: one per query head
     c.model.head_dim = config_dict.placeholder(int)  # None: d_model // num_heads
-    c.model.mlp_ratio = 4.0
     c.model.max_seq_len = config_dict.placeholder(int)  # learned positions; None: data.seq_len
-    c.model.position_embedding = "rotary"  # rotary | learned
-    c.model.rope_theta = 10000.0
-    c.model.tie_embeddings = True
-    c.model.dropout = 0.0
-    c.model.dtype = "float32"  # compute dtype: float32 | bfloat16 | float16
-    c.model.param_dtype = "float32"
-    c.model.attention_mode = "blockwise_parallel"  # vanilla | memory_efficient | blockwise_parallel
-    c.model.attention_impl = "auto"  # reference | blockwise | cudnn | pallas | auto
-    c.model.q_chunk_size = 512
-    c.model.kv_chunk_size = 512
-    c.model.loss_chunk_size = 512
-    c.model.scan_layers = True
-    # Checkpoint policies (bpt.ops.remat.POLICIES): the whole layer, and inside it the
-    # attention and the FFN, as in the paper's appendix.
-    c.model.remat_layer = "nothing_saveable"
-    c.model.remat_attention = "none"
-    c.model.remat_ffn = "nothing_saveable"
-    # Nested remat: layers per checkpointed group of the stack (1: none). The backward then
-    # keeps num_layers / G + G layer inputs instead of num_layers; it costs one more forward.
-    c.model.remat_group = 1
-    # Saved layer inputs in host memory instead of the device's (needs remat_group=1).
-    c.model.offload_layer_inputs = False
-    # LM loss: auto (chunked in blockwise_parallel only, as in the paper) | chunked | full
-    c.model.loss_impl = "auto"
     c.model.update(MODEL_SIZES[size])
 
     c.data = ConfigDict()
@@ -124,6 +103,16 @@ def base_config(size: str = "small") -> ConfigDict:
 
     c.init = ConfigDict()
     c.init.params_from = ""  # a run's workdir or checkpoint: start from its parameters (fine-tuning)
+
+    # The device mesh (bpt.parallel): the product of the four sizes is the number of devices
+    # (all of them, over all hosts); one size may be -1, the devices left over.
+    c.mesh = ConfigDict()
+    c.mesh.data = -1  # batch split, parameters replicated
+    c.mesh.fsdp = 1  # batch split, parameters and optimizer state sharded (ZeRO-3)
+    c.mesh.sequence = 1  # tokens of each sequence split: context parallelism
+    c.mesh.tensor = 1  # heads and FFN hidden units split (Megatron)
+    c.mesh.context_parallel = "ring"  # ring | all_gather: how attention spans the sequence shards
+    c.mesh.load_balance = "zigzag"  # zigzag | striped | none: the causal token layout of the shards
     return c
 
 
@@ -200,6 +189,60 @@ def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int) -> GPTConf
             f"({vocab_size} tokens)"
         )
     return GPTConfig(**fields)
+
+
+def check_mesh(c: ConfigDict, device_count: int) -> None:
+    """Raises ValueError naming the first mesh setting that cannot work with this config on
+    device_count devices (the mesh itself is checked by bpt.parallel.make_mesh)."""
+    from bpt.parallel.mesh import CONTEXT_PARALLEL, LOAD_BALANCE
+
+    m = c.mesh
+    if m.context_parallel not in CONTEXT_PARALLEL:
+        raise ValueError(
+            f"unknown mesh.context_parallel {m.context_parallel!r}; allowed: {', '.join(CONTEXT_PARALLEL)}"
+        )
+    if m.load_balance not in LOAD_BALANCE:
+        raise ValueError(f"unknown mesh.load_balance {m.load_balance!r}; allowed: {', '.join(LOAD_BALANCE)}")
+    sizes = {name: m[name] for name in ("data", "fsdp", "sequence", "tensor")}
+    free = [name for name, size in sizes.items() if size == -1]
+    fixed = 1
+    for size in sizes.values():
+        fixed *= size if size != -1 else 1
+    if len(free) == 1 and device_count % fixed == 0:
+        sizes[free[0]] = device_count // fixed
+    batch_shards, seq, tensor = sizes["data"] * sizes["fsdp"], sizes["sequence"], sizes["tensor"]
+    micro = c.train.batch_size // c.train.grad_accum_steps
+    if batch_shards > 0 and micro % batch_shards:
+        raise ValueError(
+            f"train.batch_size / train.grad_accum_steps = {micro} sequences a micro-batch do not split over "
+            f"mesh.data x mesh.fsdp = {batch_shards} devices; make it a multiple"
+        )
+    if seq > 1:
+        if c.model.attention_mode == "vanilla":
+            raise ValueError(
+                "model.attention_mode='vanilla' materializes the [seq, seq] scores and cannot run with "
+                "mesh.sequence > 1; use memory_efficient or blockwise_parallel"
+            )
+        pieces = 2 * seq if m.load_balance == "zigzag" else seq
+        if c.data.seq_len % pieces:
+            raise ValueError(
+                f"data.seq_len={c.data.seq_len} does not split into the {pieces} pieces of "
+                f"mesh.load_balance={m.load_balance!r} over mesh.sequence={seq}"
+            )
+        piece = c.data.seq_len // pieces
+        for name in ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
+            chunk = min(c.model[name], piece)
+            if piece % chunk:
+                raise ValueError(
+                    f"model.{name}={c.model[name]} does not divide the {piece} tokens a device holds per "
+                    f"{m.load_balance} piece (data.seq_len / mesh.sequence{' / 2' if pieces > seq else ''})"
+                )
+    if tensor > 1:
+        heads, kv = c.model.num_heads, c.model.num_kv_heads or c.model.num_heads
+        if heads % tensor or kv % tensor:
+            raise ValueError(
+                f"mesh.tensor={tensor} must divide model.num_heads={heads} and model.num_kv_heads={kv}"
+            )
 
 
 def check_config(c: ConfigDict) -> None:

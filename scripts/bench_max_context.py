@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import itertools
 import json
 import multiprocessing
@@ -34,15 +33,15 @@ from pathlib import Path
 
 # Before jax starts: no preallocated pool, so that compiling (the GEMM autotuner allocates
 # operands of its own) has the whole device; the processes that run real steps preallocate
-# 95% of it (bpt.train.probe.real_step_env).
+# 95% of it (benchlib.run_in_subprocess).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from bpt.train.probe import LABELS, MODES, REMATS, human_tokens  # noqa: E402  (after the environment)
+from benchlib import LABELS, MODES, REMATS, human_tokens, parse_choices  # noqa: E402  (after the environment)
 
 
 def load_config(args, *, config: str, mode: str, chunk: int, remat: str, group: int, seq_len: int):
-    from bpt.train.probe import benchmark_config
+    from benchlib import benchmark_config
 
     overrides = [f"model.remat_group={group}", *args.set]
     return benchmark_config(
@@ -115,7 +114,9 @@ def search(args, budget: int, setting: dict) -> tuple[dict, list[dict]]:
 def run_one(args) -> None:
     """One real training step at --seq_len in this process (no warm-up: the step is compiled
     before it runs, and at these lengths a step takes minutes); reports its result."""
-    from bpt.train.probe import measure, report
+    from benchlib import report
+
+    from bpt.train.probe import measure
 
     setting = dict(
         config=args.configs,
@@ -131,7 +132,7 @@ def run_one(args) -> None:
 def verify(args, best: dict, log) -> dict:
     """Real steps in fresh processes, from the compiled length (or --verify_max) down, until
     one runs. The verdict says whether --verify_max capped it."""
-    from bpt.train.probe import real_step_env, run_in_subprocess
+    from benchlib import run_in_subprocess
 
     length = best["longest"]
     capped = bool(args.verify_max) and length > args.verify_max
@@ -141,8 +142,7 @@ def verify(args, best: dict, log) -> dict:
         if length < best["chunk"]:
             break
         result = run_in_subprocess(
-            [sys.executable, __file__, *setting_args(args, best), "--run_one", f"--seq_len={length}"],
-            env=real_step_env(),
+            [sys.executable, __file__, *setting_args(args, best), "--run_one", f"--seq_len={length}"]
         )
         result.setdefault("seq_len", length)
         result["capped"] = capped
@@ -233,36 +233,23 @@ def main() -> None:
     parser.add_argument("--run_one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seq_len", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for remat in args.remats.split(","):
-        if remat not in REMATS:
-            parser.error(f"unknown remat preset {remat!r}; allowed: {', '.join(REMATS)}")
-    for mode in args.modes.split(","):
-        if mode not in MODES:
-            parser.error(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    remats = parse_choices(parser, args.remats, REMATS, "remat preset")
+    modes = parse_choices(parser, args.modes, MODES, "mode")
     if args.run_one:
         run_one(args)
         return
 
-    import jax
+    from benchlib import run_meta
 
     from bpt.train.probe import memory_budget
 
-    device = jax.devices()[0]
     budget = memory_budget(args.memory_gib)
+    meta = run_meta(budget_gib=budget / 2**30, settings=args.set)
     if not budget:
-        parser.error(f"{device.device_kind} reports no memory limit; pass --memory_gib")
-    configs, modes = args.configs.split(","), args.modes.split(",")
+        parser.error(f"{meta['device']} reports no memory limit; pass --memory_gib")
+    configs = args.configs.split(",")
     chunks = [int(c) for c in args.chunks.split(",")]
-    remats = args.remats.split(",")
     groups = [int(g) for g in args.groups.split(",")]
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "device": device.device_kind,
-        "jax": jax.__version__,
-        "budget_gib": budget / 2**30,
-        "command": "python " + " ".join(sys.argv),
-        "settings": args.set,
-    }
     print(json.dumps(meta), flush=True)
     records = []
 

@@ -16,7 +16,6 @@ Prints a markdown table (GiB) last; --out writes every measurement as JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,11 +24,11 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see bench_max_context.py
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from bpt.train.probe import LABELS, MODES, human_tokens  # noqa: E402  (after the environment)
+from benchlib import LABELS, MODES, human_tokens, parse_choices  # noqa: E402  (after the environment)
 
 
 def config_for(args, mode: str, seq_len: int):
-    from bpt.train.probe import benchmark_config
+    from benchlib import benchmark_config
 
     return benchmark_config(
         args.config,
@@ -44,7 +43,9 @@ def config_for(args, mode: str, seq_len: int):
 
 def real_one(args) -> None:
     """One real step in this process; reports the device's peak memory."""
-    from bpt.train.probe import measure, report
+    from benchlib import report
+
+    from bpt.train.probe import measure
 
     report(measure(config_for(args, args.mode, args.seq_len), steps=1, warmup=0))
 
@@ -132,29 +133,19 @@ def main() -> None:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--seq_len", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    modes = args.modes.split(",")
-    for mode in modes:
-        if mode not in MODES:
-            parser.error(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    modes = parse_choices(parser, args.modes, MODES, "mode")
     if args.mode:
         real_one(args)
         return
 
-    import jax
+    from benchlib import run_in_subprocess, run_meta
 
-    from bpt.train.probe import TrainingStep, error_summary, memory_budget, real_step_env, run_in_subprocess
+    from bpt.train.probe import TrainingStep, error_summary, memory_budget
 
-    device = jax.devices()[0]
     budget = memory_budget(args.memory_gib)
+    meta = run_meta(budget_gib=budget / 2**30)
     if not budget:
-        parser.error(f"{device.device_kind} reports no memory limit; pass --memory_gib")
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "device": device.device_kind,
-        "jax": jax.__version__,
-        "budget_gib": budget / 2**30,
-        "command": "python " + " ".join(sys.argv),
-    }
+        parser.error(f"{meta['device']} reports no memory limit; pass --memory_gib")
     print(json.dumps(meta), flush=True)
     seq_lens = sorted(int(n) for n in args.seq_lens.split(","))
     results = []
@@ -175,9 +166,7 @@ def main() -> None:
                     f"--seq_len={n}",
                 ]
                 cmd += [f"--impl={args.impl}", f"--chunk={args.chunk}", f"--dtype={args.dtype}"]
-                result["real"] = run_in_subprocess(
-                    cmd + [f"--set={s}" for s in args.set], env=real_step_env()
-                )
+                result["real"] = run_in_subprocess(cmd + [f"--set={s}" for s in args.set])
             results.append(result)
             print(json.dumps(result), flush=True)
             if not result["fits"]:

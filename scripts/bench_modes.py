@@ -16,9 +16,7 @@ Prints a markdown table last and writes results.json and table.md under --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -48,9 +46,10 @@ def run_one(args) -> dict:
     """One (mode, impl) pair; prints a JSON line."""
     import jax
     import numpy as np
+    from benchlib import report
     from jax.flatten_util import ravel_pytree
 
-    from bpt.train.probe import TrainingStep, report
+    from bpt.train.probe import TrainingStep
 
     step = TrainingStep(load_config(args), vocab_size=257)
     result = {"mode": args.mode, "impl": args.impl}
@@ -104,14 +103,11 @@ def main():
         run_one(args)
         return
 
-    import jax
-
-    from bpt.train.probe import run_in_subprocess
+    from benchlib import run_in_subprocess, run_meta
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else PAIRS
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     results = []
     for mode, impl in pairs:
         cmd = [
@@ -129,7 +125,7 @@ def main():
             ),
         ]
         print(f"== {mode} / {impl}", flush=True)
-        result = run_in_subprocess(cmd, env=env)
+        result = run_in_subprocess(cmd)
         if result.get("ok") is False:  # the process died without a result
             result = {"error": result["error"]}
         results.append({"mode": mode, "impl": impl, **result})
@@ -137,13 +133,9 @@ def main():
     for name in ("vanilla_grads.npy", "vanilla_loss.json"):
         (out / name).unlink(missing_ok=True)
 
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "command": "python " + " ".join(sys.argv),
-        **{k: getattr(args, k) for k in ("config", "seq_len", "batch_size", "chunk_size", "dtype", "steps")},
-    }
+    meta = run_meta(
+        **{k: getattr(args, k) for k in ("config", "seq_len", "batch_size", "chunk_size", "dtype", "steps")}
+    )
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     rows = [
         "| mode | impl | step (ms) | tokens/s | peak memory (GiB) | compiled temp (GiB) | loss | loss rel. diff vs vanilla | grad rel. err vs vanilla |",

@@ -28,7 +28,6 @@ Prints markdown tables last (tokens/s per GPU, MFU, BPT / MemoryEfficient).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -37,11 +36,11 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see bench_max_context.py
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from bpt.train.probe import LABELS, MODES, human_tokens  # noqa: E402  (after the environment)
+from benchlib import LABELS, MODES, human_tokens, parse_choices  # noqa: E402  (after the environment)
 
 
 def step_config(args, mode: str, seq_len: int, chunk: int):
-    from bpt.train.probe import benchmark_config
+    from benchlib import benchmark_config
 
     batch = max(1, args.tokens_per_step // seq_len)
     micro = max(1, min(batch, args.micro_batch_tokens // seq_len))
@@ -117,7 +116,9 @@ def loss_one(args) -> dict:
 
 
 def run_one(args) -> None:
-    from bpt.train.probe import error_summary, report
+    from benchlib import report
+
+    from bpt.train.probe import error_summary
 
     try:
         result = loss_one(args) if args.loss_run else throughput_one(args)
@@ -270,10 +271,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--loss_run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    modes = args.modes.split(",")
-    for mode in modes:
-        if mode not in MODES:
-            parser.error(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    modes = parse_choices(parser, args.modes, MODES, "mode")
     seq_lens = [int(n) for n in args.seq_lens.split(",") if n]  # none: only the loss check
     chunks = [int(c) for c in args.chunks.split(",")]
     if args.mode:
@@ -283,16 +281,9 @@ def main() -> None:
         summarize(args, modes)
         return
 
-    import jax
+    from benchlib import run_in_subprocess, run_meta
 
-    from bpt.train.probe import real_step_env, run_in_subprocess
-
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "command": "python " + " ".join(sys.argv),
-    }
+    meta = run_meta()
     print(json.dumps(meta), flush=True)
     results, losses = [], []
     out_of_memory = set()  # what ran out at a shorter length (a mode, or a mode and chunk size)
@@ -305,9 +296,7 @@ def main() -> None:
                 if key in out_of_memory:
                     result = dict(ok=False, out_of_memory=True, skipped=True)
                 else:
-                    result = run_in_subprocess(
-                        subprocess_args(args, mode=mode, seq_len=n, chunk=chunk), env=real_step_env()
-                    )
+                    result = run_in_subprocess(subprocess_args(args, mode=mode, seq_len=n, chunk=chunk))
                     if result.get("out_of_memory"):
                         out_of_memory.add(key)
                 results.append(dict(result, mode=mode, seq_len=n, chunk=chunk))
@@ -315,8 +304,7 @@ def main() -> None:
     if args.loss_steps:
         for mode in modes:
             result = run_in_subprocess(
-                subprocess_args(args, mode=mode, seq_len=args.loss_seq_len, chunk=chunks[0], loss_run=None),
-                env=real_step_env(),
+                subprocess_args(args, mode=mode, seq_len=args.loss_seq_len, chunk=chunks[0], loss_run=None)
             )
             losses.append(dict(result, mode=mode))
             print(json.dumps({k: v for k, v in losses[-1].items() if k != "losses"}), flush=True)

@@ -25,6 +25,7 @@ BASE = GPTConfig(
     kv_chunk_size=8,
     loss_chunk_size=16,
     max_seq_len=64,
+    attention_impl="blockwise",
 )
 
 

@@ -227,6 +227,14 @@ def make_dataset(data: ConfigDict, seed: int):
     )
 
 
+def put_batch(batch: Batch, sharding=None) -> dict:
+    """This process's part of a global batch as global device arrays laid out by sharding
+    (a NamedSharding of the [batch, seq] arrays); without one, on the default device."""
+    if sharding is None:
+        return jax.device_put(batch)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
+
+
 class Prefetcher:
     """Makes the batches of `steps` on a background thread and puts them on the device ahead.
 
@@ -244,7 +252,7 @@ class Prefetcher:
         self._thread = None
 
     def _put_device(self, batch: Batch):
-        return jax.device_put(batch, self.sharding) if self.sharding is not None else jax.device_put(batch)
+        return put_batch(batch, self.sharding)
 
     def _produce(self) -> None:
         try:

@@ -29,6 +29,8 @@ from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
 from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy, from_chunks, scan_chunks
 from bpt.ops.decode import decode_attention
 from bpt.ops.remat import POLICIES, check_policy, remat
+from bpt.parallel.mesh import Parallelism
+from bpt.parallel.ring import context_parallel_attention, from_layout, layout_permutation, to_layout
 
 Array = jax.Array
 ATTENTION_MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
@@ -56,7 +58,7 @@ class GPTConfig:
     param_dtype: str = "float32"
     layer_norm_epsilon: float = 1e-5
     attention_mode: str = "blockwise_parallel"
-    attention_impl: str = "blockwise"  # see bpt.ops.attention.IMPLS
+    attention_impl: str = "auto"  # see bpt.ops.attention.IMPLS
     q_chunk_size: int = 512
     kv_chunk_size: int = 512
     loss_chunk_size: int = 512
@@ -258,6 +260,7 @@ class Block(nn.Module):
     config: GPTConfig
     deterministic: bool = True
     decode: bool = False  # use and update the key/value cache (collection "cache")
+    parallel: Parallelism | None = None  # the mesh; None: one device
 
     def _param(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init) -> Array:
         cfg = self.config
@@ -299,6 +302,9 @@ class Block(nn.Module):
         cache_index: Array | None = None,
     ):
         cfg = self.config
+        par = None if self.decode else self.parallel
+        if par is not None:
+            x = jax.lax.with_sharding_constraint(x, par.activations())
         if not self.decode:
             x = checkpoint_name(x, LAYER_INPUT)
         p = self._params()
@@ -329,12 +335,24 @@ class Block(nn.Module):
         if self.decode:
             a = self._cached_attention(q, k, v, impl, cache_index)
             return ffn_residual(x + project_out(p, a), None), None
-        if cfg.attention_mode == "blockwise_parallel" and impl == "blockwise":
+        shards = 1 if par is None else par.sequence
+        if cfg.attention_mode == "blockwise_parallel" and impl == "blockwise" and shards == 1:
             return self._fused_blockwise(p, x, q, k, v, segment_ids, rng, ffn_residual), None
 
+        if par is not None and (shards > 1 or impl in ("pallas", "cudnn")):
+            # Across the sequence shards (ring or all-gather), or a kernel XLA cannot split
+            # by itself: attention runs inside shard_map, per device.
+            attend = functools.partial(
+                context_parallel_attention,
+                mesh=par.mesh,
+                strategy=par.context_parallel,
+                layout=par.load_balance,
+            )
+        else:
+            attend = attention
         attend = remat(
             functools.partial(
-                attention,
+                attend,
                 impl=impl,
                 causal=True,
                 segment_ids=segment_ids,
@@ -348,7 +366,8 @@ class Block(nn.Module):
             h = x + dropout(project_out(p, a), rate, fold_rng(rng, 0))
             return ffn_residual(h, fold_rng(rng, 1)), None
 
-        # Attention by a fused kernel over the whole sequence; the rest block by block.
+        # Attention by a fused kernel, or across sequence shards, over the whole (local)
+        # sequence; the rest block by block (on every shard at once).
         def post_attention(i, chunk, p):
             x_c, a_c = chunk
             h = x_c + dropout(project_out(p, a_c), rate, fold_rng(rng, 0, i))
@@ -361,8 +380,9 @@ class Block(nn.Module):
             policy="none",
             name="q_chunk_size",
             weights=post_attention_weights(p),
+            shards=shards,
         )
-        return from_chunks(out), None
+        return from_chunks(out, shards), None
 
     def _cached_attention(self, q, k, v, impl: str, cache_index: Array) -> Array:
         """Attention while decoding. The cache holds every position's keys and values.
@@ -426,7 +446,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """The model. parallel: the mesh it runs on (bpt.parallel.Parallelism); None: one device.
+
+    With a mesh, activations are sharded [batch over data x fsdp, tokens over sequence], and
+    with mesh.sequence > 1 the tokens are permuted once into the load-balanced layout at the
+    input (positions follow them) and logits are permuted back at the output; attention then
+    spans the shards by ring or all-gather attention.
+    """
+
     config: GPTConfig
+    parallel: Parallelism | None = None
 
     def _grouped_layers(self, x: Array, segment_ids, rotary, deterministic: bool) -> Array:
         """The layer stack as a scan over groups of remat_group layers, each group one
@@ -441,7 +470,8 @@ class GPT(nn.Module):
         stacked = nn.meta.unbox(self.variables["params"]["layers"])
         grouped = jax.tree.map(lambda a: a.reshape(cfg.num_layers // size, size, *a.shape[1:]), stacked)
         rng = None if deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
-        block = Block(cfg, deterministic, parent=None)  # a pure function of its parameters
+        # A pure function of its parameters:
+        block = Block(cfg, deterministic, parallel=self.parallel, parent=None)
 
         def layer(x, inputs):
             params, index = inputs
@@ -490,6 +520,15 @@ class GPT(nn.Module):
             positions = cache_index + jnp.arange(seq_len)
         elif positions is None:
             positions = jnp.arange(seq_len)
+        par = None if decode else self.parallel
+        shards = 1 if par is None else par.sequence
+        perm = None
+        if shards > 1:  # the load-balanced layout, once for the whole stack
+            perm = layout_permutation(seq_len, shards, par.load_balance)
+            tokens, targets, loss_mask, segment_ids = (
+                None if x is None else to_layout(x, perm) for x in (tokens, targets, loss_mask, segment_ids)
+            )
+            positions = to_layout(positions, perm, axis=0)
         normal = nn.initializers.normal(0.02)
         embedding = self.param(
             "embedding",
@@ -497,7 +536,11 @@ class GPT(nn.Module):
             (cfg.vocab_size, cfg.d_model),
             param_dtype,
         )
+        if par is not None:  # gathered over the FSDP axes once, as FSDP gathers every weight
+            embedding = jax.lax.with_sharding_constraint(embedding, par.sharding("tensor", None))
         x = jnp.take(embedding, tokens, axis=0).astype(dtype)
+        if par is not None:
+            x = jax.lax.with_sharding_constraint(x, par.activations())
         rotary = None
         if cfg.position_embedding == "learned":
             if seq_len > cfg.max_seq_len:
@@ -530,11 +573,11 @@ class GPT(nn.Module):
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, deterministic, decode, name="layers")
+            )(cfg, deterministic, decode, par, name="layers")
             x, _ = layers(x, segment_ids, rotary, cache_index)
         else:
             for i in range(cfg.num_layers):
-                x, _ = block(cfg, deterministic, decode, name=f"layer_{i}")(
+                x, _ = block(cfg, deterministic, decode, par, name=f"layer_{i}")(
                     x, segment_ids, rotary, cache_index
                 )
 
@@ -560,6 +603,9 @@ class GPT(nn.Module):
                 (cfg.d_model, cfg.vocab_size),
                 param_dtype,
             )
+        if par is not None:
+            x = jax.lax.with_sharding_constraint(x, par.activations())
+            head = jax.lax.with_sharding_constraint(head, par.sharding(None, "tensor"))
         if targets is not None and cfg.chunked_loss:  # the final norm, chunk by chunk too
             return blockwise_cross_entropy(
                 x,
@@ -569,9 +615,10 @@ class GPT(nn.Module):
                 mask=loss_mask,
                 norm=lambda p, h: layer_norm(h, *p, eps),
                 norm_params=(scale, bias),
+                shards=shards,
             )
         x = layer_norm(x, scale, bias, eps)
         logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dtype), preferred_element_type=jnp.float32)
         if targets is None:
-            return logits
+            return logits if perm is None else from_layout(logits, perm)
         return cross_entropy(logits, targets, loss_mask)

@@ -18,6 +18,7 @@ import functools
 import math
 from typing import NamedTuple
 
+import einops
 import jax
 import jax.numpy as jnp
 
@@ -119,8 +120,15 @@ def _chunk_attention_fwd(spec, q, k, v, q_seg, kv_seg, q_start):
 
 def _chunk_attention_bwd(spec, residuals, cotangents):
     q, k, v, q_seg, kv_seg, q_start, out, lse = residuals
-    d_out, d_lse = cotangents
     start = spec.static_q_start if spec.static_q_start is not None else q_start
+    dq, dk, dv = _chunk_backward(spec, q, k, v, q_seg, kv_seg, start, out, lse, *cotangents)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+def _chunk_backward(spec, q, k, v, q_seg, kv_seg, start, out, lse, d_out, d_lse):
+    """FlashAttention-2's backward of one query chunk: (dq, dk, dv) in float32, dk and dv over
+    all keys. out and lse may be those of a larger attention this chunk's keys are part of (a
+    ring's merged result): the gradient is then this key range's share of that attention's."""
     b, cq, h, d = q.shape
     num_kv_heads = k.shape[2]
     ck = spec.kv_chunk_size
@@ -157,14 +165,7 @@ def _chunk_attention_bwd(spec, residuals, cotangents):
     lo, hi = _kv_chunk_bounds(spec, start, cq, k.shape[1])
     dq, dk, dv = _fori(spec, lo, hi, body, init)
     scale = 1.0 / math.sqrt(d)
-    return (
-        (dq * scale).reshape(q.shape).astype(q.dtype),
-        (dk * scale).astype(k.dtype),
-        dv.astype(v.dtype),
-        None,
-        None,
-        None,
-    )
+    return (dq * scale).reshape(q.shape), dk * scale, dv
 
 
 _chunk_attention.defvjp(_chunk_attention_fwd, _chunk_attention_bwd)
@@ -272,3 +273,99 @@ def blockwise_attention(
     seg_chunks = None if q_seg is None else to_chunks(q_seg, q_chunk_size)
     _, outs = jax.lax.scan(step, None, (starts, to_chunks(q, q_chunk_size), seg_chunks))
     return from_chunks(outs)
+
+
+def _chunked_spec_and_segments(q, k, *, causal, q_offset, segment_ids, q_chunk_size, kv_chunk_size):
+    check_qkv(q, k, k)
+    q_chunk_size = resolve_chunk_size(q_chunk_size, q.shape[1], "q_chunk_size")
+    kv_chunk_size = resolve_chunk_size(kv_chunk_size, k.shape[1], "kv_chunk_size")
+    q_seg, kv_seg = split_segment_ids(segment_ids, q.shape[1], k.shape[1])
+    spec = _ChunkSpec(causal, kv_chunk_size, q_offset, None, False)
+    seg_chunks = None if q_seg is None else to_chunks(q_seg, q_chunk_size)
+    starts = jnp.arange(0, q.shape[1], q_chunk_size)
+    return spec, q_chunk_size, starts, seg_chunks, kv_seg
+
+
+def blockwise_forward(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    causal: bool = False,
+    q_offset: int = 0,
+    segment_ids: SegmentIds = None,
+    q_chunk_size: int = 512,
+    kv_chunk_size: int = 512,
+) -> tuple[Array, Array]:
+    """(out, lse) of blockwise attention, not differentiable: one half of a custom_vjp that
+    merges several attentions (ring attention). Query i is at position q_offset + i, key j at
+    j (causal: i sees j <= q_offset + i; q_offset=-1 leaves out the diagonal).
+
+    Returns out [batch, q_len, heads, head_dim] in q's dtype and lse [batch, heads, q_len]
+    float32, +inf where a query sees no key.
+    """
+    spec, cq, starts, seg_chunks, kv_seg = _chunked_spec_and_segments(
+        q,
+        k,
+        causal=causal,
+        q_offset=q_offset,
+        segment_ids=segment_ids,
+        q_chunk_size=q_chunk_size,
+        kv_chunk_size=kv_chunk_size,
+    )
+
+    def step(carry, chunk):
+        start, q_i, seg_i = chunk
+        return carry, _chunk_forward(spec, q_i, k, v, seg_i, kv_seg, start)
+
+    _, (outs, lses) = jax.lax.scan(step, None, (starts, to_chunks(q, cq), seg_chunks))
+    return from_chunks(outs), einops.rearrange(lses, "n b h c -> b h (n c)")
+
+
+def blockwise_backward(
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
+    d_out: Array,
+    d_lse: Array,
+    *,
+    causal: bool = False,
+    q_offset: int = 0,
+    segment_ids: SegmentIds = None,
+    q_chunk_size: int = 512,
+    kv_chunk_size: int = 512,
+) -> tuple[Array, Array, Array]:
+    """(dq, dk, dv), float32, of the attention blockwise_forward computes, given its cotangents
+    d_out and d_lse. out and lse may be those of a larger attention these keys are part of
+    (ring attention's merged result): the gradients are then this key range's share of it."""
+    spec, cq, starts, seg_chunks, kv_seg = _chunked_spec_and_segments(
+        q,
+        k,
+        causal=causal,
+        q_offset=q_offset,
+        segment_ids=segment_ids,
+        q_chunk_size=q_chunk_size,
+        kv_chunk_size=kv_chunk_size,
+    )
+    chunk_lse = lambda x: einops.rearrange(x, "b h (n c) -> n b h c", c=cq)  # noqa: E731
+
+    def step(carry, chunk):
+        dk, dv = carry
+        start, q_i, seg_i, o_i, l_i, do_i, dl_i = chunk
+        dq_i, dk_i, dv_i = _chunk_backward(spec, q_i, k, v, seg_i, kv_seg, start, o_i, l_i, do_i, dl_i)
+        return (dk + dk_i, dv + dv_i), dq_i
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    xs = (
+        starts,
+        to_chunks(q, cq),
+        seg_chunks,
+        to_chunks(out, cq),
+        chunk_lse(lse),
+        to_chunks(d_out, cq),
+        chunk_lse(d_lse),
+    )
+    (dk, dv), dq = jax.lax.scan(step, zeros, xs)
+    return from_chunks(dq), dk, dv

@@ -35,14 +35,20 @@ def resolve_chunk_size(chunk_size: int, length: int, name: str) -> int:
     return chunk_size
 
 
-def to_chunks(x: Array, chunk_size: int) -> Array:
-    """[batch, seq, ...] -> [seq // chunk_size, batch, chunk_size, ...]."""
-    return einops.rearrange(x, "b (n c) ... -> n b c ...", c=chunk_size)
+def to_chunks(x: Array, chunk_size: int, shards: int = 1) -> Array:
+    """[batch, seq, ...] -> [seq // chunk_size, batch, chunk_size, ...].
+
+    shards > 1: the sequence is split over that many devices (sequence parallelism), so
+    chunk i is taken from every shard at once: [seq // shards // chunk_size, batch * shards,
+    chunk_size, ...]. The chunk axis then stays local to each device and a scan over it needs
+    no communication.
+    """
+    return einops.rearrange(x, "b (s n c) ... -> n (b s) c ...", c=chunk_size, s=shards)
 
 
-def from_chunks(x: Array) -> Array:
-    """[num_chunks, batch, chunk, ...] -> [batch, num_chunks * chunk, ...]."""
-    return einops.rearrange(x, "n b c ... -> b (n c) ...")
+def from_chunks(x: Array, shards: int = 1) -> Array:
+    """The inverse of to_chunks: [num_chunks, batch * shards, chunk, ...] -> [batch, seq, ...]."""
+    return einops.rearrange(x, "n (b s) c ... -> b (s n c) ...", s=shards)
 
 
 def scan_chunks(
@@ -53,6 +59,7 @@ def scan_chunks(
     policy: str = "nothing_saveable",
     name: str = "chunk_size",
     weights: PyTree = None,
+    shards: int = 1,
 ) -> PyTree:
     """Runs fn(chunk_index, xs_chunk) for every chunk of the sequence axis; stacks the results.
 
@@ -65,11 +72,18 @@ def scan_chunks(
     them; a scan sums in the dtype of what it closes over, which in bfloat16 would lose
     precision with every chunk. So the scan closes over float32 copies and each chunk casts
     them back to their own dtype: the chunks' matmuls run as before and the sums are float32.
+
+    shards: the sequence is split over that many devices; each step takes one chunk of every
+    shard (see to_chunks), chunk_index counts within a shard, and the results come back as
+    to_chunks(..., shards) lays them out (from_chunks(ys, shards) restores the sequence).
     """
     leaves = jax.tree.leaves(xs)
     length = leaves[0].shape[1]
     if any(leaf.shape[1] != length for leaf in leaves):
         raise ValueError(f"all inputs must share the sequence length {length}")
+    if length % shards:
+        raise ValueError(f"sequence length {length} does not split into {shards} shards")
+    length //= shards
     chunk_size = resolve_chunk_size(chunk_size, length, name)
     if weights is None:
         body = remat(fn, policy, prevent_cse=False)
@@ -86,7 +100,7 @@ def scan_chunks(
         index, chunk = inputs
         return carry, body(index, chunk)
 
-    chunks = jax.tree.map(lambda x: to_chunks(x, chunk_size), xs)
+    chunks = jax.tree.map(lambda x: to_chunks(x, chunk_size, shards), xs)
     _, ys = jax.lax.scan(step, None, (jnp.arange(length // chunk_size), chunks))
     return ys
 
@@ -167,6 +181,7 @@ def blockwise_cross_entropy(
     mask: Array | None = None,
     norm: Callable[[PyTree, Array], Array] | None = None,
     norm_params: PyTree = None,
+    shards: int = 1,
 ) -> CrossEntropy:
     """LM head matmul and cross-entropy per chunk; [seq, vocab] logits never exist at once.
 
@@ -188,26 +203,31 @@ def blockwise_cross_entropy(
       norm, norm_params: an optional position-wise function norm(norm_params, h) applied to
         each chunk of hidden before the head (the final LayerNorm), so that its
         intermediates exist one chunk at a time too.
+      shards: the sequence is split over that many devices (see to_chunks); chunk_size then
+        counts within a shard.
     Returns:
       CrossEntropy(loss, num_tokens, accuracy), equal to
       cross_entropy(norm(norm_params, hidden) @ weight, ...).
     """
     _check_targets(targets, mask, hidden.shape[:2])
-    chunk_size = resolve_chunk_size(chunk_size, hidden.shape[1], "chunk_size")
-    return _finish(_chunked_loss_sums(chunk_size, norm, hidden, weight, norm_params, targets, mask))
+    if hidden.shape[1] % shards:
+        raise ValueError(f"sequence length {hidden.shape[1]} does not split into {shards} shards")
+    chunk_size = resolve_chunk_size(chunk_size, hidden.shape[1] // shards, "chunk_size")
+    chunking = (chunk_size, shards)
+    return _finish(_chunked_loss_sums(chunking, norm, hidden, weight, norm_params, targets, mask))
 
 
 def _head_chunk(norm, hidden, weight, norm_params, targets, mask, *, grads: bool):
     """One chunk's loss sums; with grads also the gradients of its nll sum with respect to
-    hidden (in hidden's dtype), weight and norm_params (float32)."""
+    hidden (in hidden's dtype), weight and norm_params (float32). weight comes in the
+    compute dtype (cast once, outside the chunk loop)."""
     if norm is None:
         x, norm_vjp = hidden, None
     elif grads:
         x, norm_vjp = jax.vjp(norm, norm_params, hidden)
     else:
         x = norm(norm_params, hidden)
-    w = weight.astype(x.dtype)
-    logits = jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bsd,dv->bsv", x, weight, preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     sums = _loss_sums(logits, targets, mask, lse)
     if not grads:
@@ -218,7 +238,7 @@ def _head_chunk(norm, hidden, weight, norm_params, targets, mask, *, grads: bool
         dlogits = dlogits * mask.astype(jnp.float32)[..., None]
     dlogits = dlogits.astype(x.dtype)
     dw = jnp.einsum("bsd,bsv->dv", x, dlogits, preferred_element_type=jnp.float32)
-    dx = jnp.einsum("bsv,dv->bsd", dlogits, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    dx = jnp.einsum("bsv,dv->bsd", dlogits, weight, preferred_element_type=jnp.float32).astype(x.dtype)
     if norm_vjp is None:
         return sums, dx, dw, None
     dnorm, dh = norm_vjp(dx)
@@ -226,33 +246,37 @@ def _head_chunk(norm, hidden, weight, norm_params, targets, mask, *, grads: bool
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked_loss_sums(chunk_size, norm, hidden, weight, norm_params, targets, mask):
-    """[nll_sum, count, correct_sum] over the whole sequence, one chunk at a time."""
+def _chunked_loss_sums(chunking, norm, hidden, weight, norm_params, targets, mask):
+    """[nll_sum, count, correct_sum] over the whole sequence, one chunk at a time; chunking is
+    (chunk_size, shards)."""
+    w = weight.astype(hidden.dtype)
 
     def step(_, chunk):
         h, t, m = chunk
-        return None, _head_chunk(norm, h, weight, norm_params, t, m, grads=False)
+        return None, _head_chunk(norm, h, w, norm_params, t, m, grads=False)
 
-    chunks = jax.tree.map(lambda x: to_chunks(x, chunk_size), (hidden, targets, mask))
+    chunks = jax.tree.map(lambda x: to_chunks(x, *chunking), (hidden, targets, mask))
     _, sums = jax.lax.scan(step, None, chunks)
     return sums.sum(axis=0)
 
 
-def _chunked_loss_sums_fwd(chunk_size, norm, hidden, weight, norm_params, targets, mask):
+def _chunked_loss_sums_fwd(chunking, norm, hidden, weight, norm_params, targets, mask):
+    w = weight.astype(hidden.dtype)
+
     def step(carry, chunk):
         dw, dnorm = carry
         h, t, m = chunk
-        sums, dh, dw_c, dnorm_c = _head_chunk(norm, h, weight, norm_params, t, m, grads=True)
+        sums, dh, dw_c, dnorm_c = _head_chunk(norm, h, w, norm_params, t, m, grads=True)
         return (dw + dw_c, jax.tree.map(jnp.add, dnorm, dnorm_c)), (sums, dh)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (weight, norm_params))
-    chunks = jax.tree.map(lambda x: to_chunks(x, chunk_size), (hidden, targets, mask))
+    chunks = jax.tree.map(lambda x: to_chunks(x, *chunking), (hidden, targets, mask))
     (dw, dnorm), (sums, dh) = jax.lax.scan(step, zeros, chunks)
     dtypes = jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), (weight, norm_params))  # empty: only dtypes
-    return sums.sum(axis=0), (from_chunks(dh), dw, dnorm, dtypes)
+    return sums.sum(axis=0), (from_chunks(dh, chunking[1]), dw, dnorm, dtypes)
 
 
-def _chunked_loss_sums_bwd(chunk_size, norm, residuals, cotangent):
+def _chunked_loss_sums_bwd(chunking, norm, residuals, cotangent):
     dh, dw, dnorm, (weight_dtype, norm_dtypes) = residuals
     g = cotangent[0]  # only the nll sum has a gradient; the count and the hits have none
     scale = lambda d, like: (g * d.astype(jnp.float32)).astype(like.dtype)  # noqa: E731

@@ -33,6 +33,14 @@ def param_shapes(params) -> dict[str, list[int]]:
     }
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    """Whether every float in tree is finite: one program and one transfer to the host (one
+    program per leaf would launch dozens of collectives at once on a mesh)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
 class ModelMismatch(ValueError):
     """A checkpoint's parameters do not fit the configured model."""
 
@@ -63,8 +71,7 @@ class Checkpoints:
     def save(self, state: TrainState, meta: dict) -> None:
         """Saves state at its step. Refuses parameters or optimizer state with NaN or inf."""
         step = int(state.step)
-        checks = [jnp.isfinite(x).all() for x in jax.tree.leaves((state.params, state.opt_state))]
-        if not bool(jnp.all(jnp.stack(checks))):  # one transfer to the host, not one per leaf
+        if not bool(_all_finite((state.params, state.opt_state))):
             raise FloatingPointError(f"refusing to write a checkpoint with NaN or inf values at step {step}")
         meta = {**meta, "step": step, "param_shapes": param_shapes(state.params)}
         self.manager.save(
@@ -110,9 +117,8 @@ class Checkpoints:
             except Exception as error:  # noqa: BLE001  (Orbax and TensorStore raise many types)
                 self._set_aside(step, error)
                 continue
-            state = state.replace(
-                step=jnp.asarray(step, state.step.dtype), params=restored.params, opt_state=restored.opt_state
-            )
+            step_array = jax.device_put(jnp.asarray(step, state.step.dtype), state.step.sharding)
+            state = state.replace(step=step_array, params=restored.params, opt_state=restored.opt_state)
             return state, meta
         return None
 

@@ -3,45 +3,27 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
 from pathlib import Path
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax.training.train_state import TrainState
 from ml_collections import ConfigDict
 from tqdm.auto import tqdm
 
 from bpt.config import base_config, check_config, model_config
-from bpt.data.datasets import Prefetcher, make_dataset
+from bpt.data.datasets import Prefetcher, make_dataset, put_batch
 from bpt.models.gpt import GPT
 from bpt.sample import generate
 from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
-from bpt.train.optimizer import learning_rate_schedule, make_optimizer
+from bpt.train.optimizer import learning_rate_schedule
+from bpt.train.state import create_state, make_parallelism
 from bpt.train.step import eval_step, make_train_step
-
-
-def state_initializer(config: ConfigDict, model: GPT):
-    """rng -> initial parameters and optimizer state, to be jit-ed (no host round trip). Every
-    state it makes shares one optimizer object, so one compiled step takes them all."""
-    dummy = jnp.zeros((1, config.data.seq_len), jnp.int32)
-    tx = make_optimizer(config.train)
-
-    def init(rng) -> TrainState:
-        params = nn.meta.unbox(model.init(rng, dummy)["params"])
-        return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
-    return init
-
-
-def create_state(config: ConfigDict, model: GPT, rng) -> TrainState:
-    """Initial parameters and optimizer state, built inside jit."""
-    return jax.jit(state_initializer(config, model))(rng)
 
 
 def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:
@@ -57,15 +39,16 @@ def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:
 class Reporter:
     """Turns the metrics of the steps since the last log into one metrics.jsonl line."""
 
-    def __init__(self, config: ConfigDict, workdir: Path, eval_data: list[dict], bar, model: GPT):
+    def __init__(self, config: ConfigDict, workdir: Path, eval_data: list[dict], bar, model: GPT, eval_fn):
         self.config, self.eval_data, self.bar = config, eval_data, bar
-        self.writer = MetricsWriter(workdir)
+        self.writer = MetricsWriter(workdir) if jax.process_index() == 0 else None
         self.schedule = learning_rate_schedule(config.train)
-        self.eval_fn = jax.jit(eval_step)
+        self.eval_fn = eval_fn
         self.flops_per_token = train_flops_per_token(model.config, config.data.seq_len)
-        self.device = jax.devices()[0]
+        self.device = jax.local_devices()[0]
+        self.num_devices = 1 if model.parallel is None else model.parallel.mesh.size
         peak = peak_flops_per_device(self.device, config.train.peak_flops)
-        self.peak_flops = peak * jax.device_count() if peak else None
+        self.peak_flops = peak * self.num_devices if peak else None  # the devices the step runs on
         self.tokens_per_step = config.train.batch_size * config.data.seq_len
         self.timer = None  # (time, step) when timing began
         self.skipped = 0  # steps skipped for a non-finite loss or gradient (train.skip_nonfinite)
@@ -115,7 +98,8 @@ class Reporter:
         eval_every = self.config.train.eval_every
         if evaluate_now or (eval_every and step % eval_every == 0):
             record.update(evaluate(state, self.eval_data, self.eval_fn))
-        self.writer.write(record)
+        if self.writer is not None:
+            self.writer.write(record)
         postfix = {"loss": f"{loss:.3f}"}
         if tokens_per_sec:
             postfix["tok/s"] = f"{tokens_per_sec:.0f}"
@@ -127,7 +111,14 @@ class Reporter:
         return record
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def say(*args, **kwargs) -> None:
+    """print, on process 0 only: a run of several processes speaks once."""
+    if jax.process_index() == 0:
+        print(*args, **kwargs)
 
 
 class StopRequest:
@@ -159,21 +150,51 @@ class StopRequest:
 
 
 def setup(config: ConfigDict) -> tuple[object, GPT, TrainState]:
-    """The run's dataset, model and initial train state, after checking the config."""
+    """The run's dataset, model (on the mesh config.mesh describes) and initial train state,
+    after checking the config."""
     check_config(config)
+    parallel = make_parallelism(config)
     dataset = make_dataset(config.data, config.seed)
-    model = GPT(model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len))
-    state = create_state(config, model, jax.random.fold_in(jax.random.PRNGKey(config.seed), 0))
+    model = GPT(
+        model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len),
+        parallel=parallel,
+    )
+    state = create_state(config, model, jax.random.fold_in(jax.random.PRNGKey(config.seed), 0), parallel)
     return dataset, model, state
+
+
+def jit_steps(config: ConfigDict, model: GPT, state: TrainState):
+    """(train_step, eval_step, batch_sharding), jit-ed with the state's and the batch's shardings
+    on the model's mesh (batch_sharding None on one device)."""
+    tc, parallel = config.train, model.parallel
+    if parallel is None:
+        train_step = make_train_step(tc.grad_accum_steps, skip_nonfinite=tc.skip_nonfinite)
+        return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step), None
+    batch = parallel.activations()
+    shardings = jax.tree.map(lambda x: x.sharding, state)  # as create_state laid it out
+    train_step = make_train_step(tc.grad_accum_steps, skip_nonfinite=tc.skip_nonfinite, batch_sharding=batch)
+    replicated = parallel.replicated()
+    return (
+        jax.jit(
+            train_step,
+            in_shardings=(shardings, batch, replicated),
+            out_shardings=(shardings, replicated),
+            donate_argnums=0,
+        ),
+        jax.jit(eval_step, in_shardings=(shardings, batch), out_shardings=replicated),
+        batch,
+    )
 
 
 def evaluate_checkpoint(workdir: str | Path, *, eval_batches: int = 0, batch_size: int = 0) -> dict:
     """Validation loss, perplexity and accuracy of a run's latest checkpoint."""
-    config, dataset, _, state = restore_run(workdir)
+    config, dataset, model, state = restore_run(workdir)
+    _, eval_fn, batch_sharding = jit_steps(config, model, state)
     batches = dataset.eval_batches(
         eval_batches or config.train.eval_batches, batch_size or config.train.batch_size
     )
-    return {"step": int(state.step), **evaluate(state, batches, jax.jit(eval_step))}
+    batches = [put_batch(b, batch_sharding) for b in batches]
+    return {"step": int(state.step), **evaluate(state, batches, eval_fn)}
 
 
 def restore_run(workdir: str | Path):
@@ -185,6 +206,12 @@ def restore_run(workdir: str | Path):
     config = base_config()  # today's defaults under the saved settings: older runs still load
     config.update(json.loads(config_path.read_text()))
     config.data.verify_checksums = False  # training checked them; sizes are still checked
+    sizes = [config.mesh[name] for name in ("data", "fsdp", "sequence", "tensor")]
+    if -1 not in sizes and math.prod(sizes) != jax.device_count():
+        # Saved on another number of devices: the checkpoint restores onto any mesh, so read
+        # it data-parallel over the devices at hand.
+        say(f"the run's mesh {sizes} does not fit {jax.device_count()} devices; using data parallelism")
+        config.mesh.update(data=-1, fsdp=1, sequence=1, tensor=1)
     dataset, model, state = setup(config)
     with Checkpoints(workdir / "checkpoints", async_save=False) as checkpoints:
         restored = checkpoints.restore_latest(state)
@@ -201,12 +228,13 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    if jax.process_index() == 0:
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     tc = config.train
     dataset, model, state = setup(config)
     rng = jax.random.PRNGKey(config.seed)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
-    print(
+    say(
         f"model: {num_params / 1e6:.2f}M parameters, attention_mode={model.config.attention_mode}, "
         f"attention_impl={model.config.attention_impl}; data: {config.data.name}, seq_len={config.data.seq_len}"
     )
@@ -217,26 +245,36 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         restored = checkpoints.restore_latest(state)
         if restored is not None:
             state, _ = restored
-            print(f"resuming from the checkpoint at step {int(state.step)}")
+            say(f"resuming from the checkpoint at step {int(state.step)}")
         elif config.init.params_from:
             state = state.replace(params=load_params(config.init.params_from, state.params))
-            print(f"parameters loaded from {config.init.params_from}")
+            say(f"parameters loaded from {config.init.params_from}")
         start = int(state.step)
         meta = {"config": json.loads(config.to_json_best_effort()), "seed": config.seed}
 
-        train_step = jax.jit(
-            make_train_step(tc.grad_accum_steps, skip_nonfinite=tc.skip_nonfinite), donate_argnums=0
-        )
+        train_step, eval_fn, batch_sharding = jit_steps(config, model, state)
         step_rng = jax.random.fold_in(rng, 1)
         batches = iter(
             Prefetcher(
                 lambda s: dataset.train_batch(s, tc.batch_size),
                 range(start, tc.steps),
                 depth=config.data.prefetch,
+                sharding=batch_sharding,
             )
         )
-        bar = tqdm(batches, desc="train", unit="step", dynamic_ncols=True, initial=start, total=tc.steps)
-        reporter = Reporter(config, workdir, dataset.eval_batches(tc.eval_batches, tc.batch_size), bar, model)
+        bar = tqdm(
+            batches,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            initial=start,
+            total=tc.steps,
+            disable=jax.process_index() != 0,
+        )
+        eval_data = [
+            put_batch(b, batch_sharding) for b in dataset.eval_batches(tc.eval_batches, tc.batch_size)
+        ]
+        reporter = Reporter(config, workdir, eval_data, bar, model, eval_fn)
 
         pending, last, done = [], {}, start
         with StopRequest() as stop:
@@ -259,7 +297,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
                             checkpoints.save(state, {**meta, "data_step": done})
                         reporter.start_timer(done)  # evaluation and saving are not training time
                     if stopping:
-                        print(f"\nstopped after step {done}; its checkpoint is saved")
+                        say(f"\nstopped after step {done}; its checkpoint is saved")
                         break
             finally:
                 batches.close()
@@ -269,7 +307,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         return last
 
     summary = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float))
-    print(f"step {last['step']}: {summary}")
+    say(f"step {last['step']}: {summary}")
     tokenizer = getattr(dataset, "tokenizer", None)
     if tc.sample_tokens and tokenizer is not None:
         new = generate(
@@ -284,6 +322,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
             top_p=tc.sample_top_p,
         )
         text = tc.sample_prompt + tokenizer.decode(new)
-        (workdir / "sample.txt").write_text(text)
-        print(f"--- sample ---\n{text}\n--------------")
+        if jax.process_index() == 0:
+            (workdir / "sample.txt").write_text(text)
+        say(f"--- sample ---\n{text}\n--------------")
     return last

@@ -2,103 +2,29 @@
 while it runs: the memory its compiled executable needs, a real step's time and peak memory,
 and the longest context whose step fits a memory budget.
 
-scripts/bench_max_context.py, bench_memory.py and bench_throughput.py are thin loops over
-these: benchmark_config sets a config file up for one measurement, and each measurement that
-must own the device (a real step, whose peak-memory counter and out-of-memory errors belong
-to it alone) runs in a fresh process through run_in_subprocess.
+The benchmark scripts (scripts/bench_*.py, with their shared helpers in scripts/benchlib.py)
+are loops over these.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import statistics
-import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from bpt.config import check_config, load_config_file, model_config, override
+from bpt.config import check_config, model_config
 from bpt.models.gpt import GPT
-from bpt.train.loop import state_initializer
 from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
+from bpt.train.state import make_parallelism, state_initializer, state_shardings
 from bpt.train.step import make_train_step
 
 GPT2_VOCAB = 50257  # the paper's tokenizer (OpenWebText through GPT-2's BPE)
-MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
-LABELS = {"vanilla": "Vanilla", "memory_efficient": "MemoryEfficient", "blockwise_parallel": "BPT"}
-# Remat presets, as in the paper's appendix: name -> (remat_layer, remat_attention, remat_ffn).
-REMATS = {
-    "layer": ("nothing_saveable", "none", "nothing_saveable"),  # bpt's default
-    "full": ("nothing_saveable", "nothing_saveable", "nothing_saveable"),
-    "dots": ("dots_saveable", "none", "nothing_saveable"),
-    "none": ("none", "none", "none"),
-}
-RESULT = "RESULT "  # the line prefix a measuring subprocess reports its result with
-
-
-def benchmark_config(
-    path: str,
-    *,
-    seq_len: int,
-    batch_size: int = 1,
-    grad_accum_steps: int = 1,
-    mode: str = "",
-    impl: str = "auto",
-    chunk: int = 0,
-    remat: str = "",
-    dtype: str = "",
-    overrides: Sequence[str] = (),
-) -> ConfigDict:
-    """A config file set up for one measurement. Empty or zero arguments keep the file's
-    setting; vanilla attention always runs the reference (materialized) implementation.
-    overrides ("model.remat_group=4", ...) apply last."""
-    c = load_config_file(path)
-    c.data.seq_len = seq_len
-    c.train.batch_size = batch_size
-    c.train.grad_accum_steps = grad_accum_steps
-    if dtype:
-        c.model.dtype = dtype
-    if mode:
-        c.model.attention_mode = mode
-    c.model.attention_impl = "reference" if c.model.attention_mode == "vanilla" else impl
-    if chunk:
-        c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = chunk
-    if remat:
-        c.model.remat_layer, c.model.remat_attention, c.model.remat_ffn = REMATS[remat]
-    for setting in overrides:
-        override(c, setting)
-    return c
-
-
-def report(result: dict) -> None:
-    """Prints a measuring subprocess's result for run_in_subprocess to read."""
-    print(RESULT + json.dumps(result), flush=True)
-
-
-def real_step_env() -> dict:
-    """The environment of a process that runs real steps: the device's memory pool
-    preallocated (95% of the device unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise).
-    Grown on demand instead, the pool could not place a step's temporaries (one buffer of
-    tens of GiB) beside the state at lengths whose compiled memory fits; preallocated, the
-    real peaks match the compiled ones (docs/benchmarks.md)."""
-    return dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="true")
-
-
-def run_in_subprocess(argv: Sequence[str], *, env: dict | None = None) -> dict:
-    """Runs argv (a process that calls report) and returns its last result. A process that
-    died without one (the OOM killer, a crash in the runtime) gives {"ok": False, "error"}."""
-    proc = subprocess.run(list(argv), capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if lines:
-        return json.loads(lines[-1][len(RESULT) :])
-    tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:] or ["no output"]
-    return {"ok": False, "error": " | ".join(tail)[-300:]}
 
 
 def memory_budget(memory_gib: float = 0.0) -> int:
@@ -106,13 +32,6 @@ def memory_budget(memory_gib: float = 0.0) -> int:
     where the backend reports none, a CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
     return int(memory_gib * 2**30) or stats.get("bytes_limit", 0)
-
-
-def human_tokens(n: int) -> str:
-    """16384 -> "16K"; 0 -> "–"."""
-    if not n:
-        return "–"
-    return f"{n // 1024}K" if n % 1024 == 0 else (f"{n / 1024:.1f}K" if n > 1024 else str(n))
 
 
 def error_summary(error: BaseException) -> str:
@@ -154,19 +73,43 @@ def is_out_of_memory(error: BaseException) -> bool:
 class TrainingStep:
     """One config's training step on random tokens, compiled once, measured on demand.
 
-    vocab_size fills config.model.vocab_size when that is unset (default: GPT-2's).
+    vocab_size fills config.model.vocab_size when that is unset (default: GPT-2's). The step
+    runs on the mesh config.mesh describes over `devices` (default: all).
     """
 
-    def __init__(self, config: ConfigDict, *, vocab_size: int = GPT2_VOCAB):
+    def __init__(self, config: ConfigDict, *, vocab_size: int = GPT2_VOCAB, devices=None):
         check_config(config)
         self.config = config
         vocab_size = config.model.vocab_size or vocab_size  # random tokens: no tokenizer to fit
-        self.model = GPT(model_config(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len))
+        self.parallel = make_parallelism(config, devices)
+        self.model = GPT(
+            model_config(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len),
+            parallel=self.parallel,
+        )
         self.shape = (config.train.batch_size, config.data.seq_len)
-        self.init = jax.jit(state_initializer(config, self.model))  # one state tree for all uses
+        init = state_initializer(config, self.model)  # one state tree for all uses
+        train_step = make_train_step(config.train.grad_accum_steps)
+        if self.parallel is None:
+            self.init = jax.jit(init)
+            self.step = jax.jit(train_step, donate_argnums=0)
+            self._batch = jax.jit(self._random_batch)
+        else:
+            shardings = state_shardings(config, self.model, self.parallel, init)
+            batch, replicated = self.parallel.activations(), self.parallel.replicated()
+            self.init = jax.jit(init, out_shardings=shardings)
+            self.step = jax.jit(
+                make_train_step(config.train.grad_accum_steps, batch_sharding=batch),
+                in_shardings=(shardings, batch, replicated),
+                out_shardings=(shardings, replicated),
+                donate_argnums=0,
+            )
+            self._batch = jax.jit(self._random_batch, out_shardings=batch)
         self.state_shapes = jax.eval_shape(self.init, jax.random.PRNGKey(0))
-        self.step = jax.jit(make_train_step(config.train.grad_accum_steps), donate_argnums=0)
         self._compiled = None
+
+    @property
+    def num_devices(self) -> int:
+        return 1 if self.parallel is None else self.parallel.mesh.size
 
     @property
     def tokens_per_step(self) -> int:
@@ -177,6 +120,9 @@ class TrainingStep:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.state_shapes.params))
 
     def batch(self, rng) -> dict:
+        return self._batch(rng)
+
+    def _random_batch(self, rng) -> dict:
         tokens = jax.random.randint(rng, self.shape, 0, self.model.config.vocab_size, jnp.int32)
         return {
             "tokens": tokens,
@@ -187,7 +133,7 @@ class TrainingStep:
     def compiled(self):
         """The executable, compiled from shapes alone: nothing is allocated on the device."""
         if self._compiled is None:
-            batch = jax.eval_shape(self.batch, jax.random.PRNGKey(0))
+            batch = jax.eval_shape(self._random_batch, jax.random.PRNGKey(0))
             key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
             self._compiled = self.step.lower(self.state_shapes, batch, key).compile()
         return self._compiled
@@ -198,8 +144,8 @@ class TrainingStep:
     def run(self, steps: int = 3, *, warmup: int = 1) -> dict:
         """Runs warmup + steps real steps; raises what XLA raises when memory runs out.
 
-        Returns the median step time, tokens/s, model TFLOP/s and MFU (where the device's peak
-        is known), the peak memory the device reports, and the losses.
+        Returns the median step time, tokens/s, model TFLOP/s and MFU (over the mesh's devices,
+        where their peak is known), the highest peak memory its devices report, and the losses.
         """
         compiled = self.compiled()  # before allocating: compilation (autotuning) needs memory too
         state = self.init(jax.random.PRNGKey(self.config.seed))
@@ -212,26 +158,28 @@ class TrainingStep:
             times.append(time.perf_counter() - start)
         del state
         seconds = statistics.median(times[warmup:])
-        device = jax.devices()[0]
+        devices = jax.local_devices()[: self.num_devices]
         flops = train_flops_per_token(self.model.config, self.shape[1]) * self.tokens_per_step / seconds
-        peak = peak_flops_per_device(device, self.config.train.peak_flops)
+        peak = peak_flops_per_device(devices[0], self.config.train.peak_flops)
+        peaks = [p for p in (peak_memory_bytes(d) for d in devices) if p is not None]
         return {
             "step_seconds": seconds,
             "tokens_per_second": self.tokens_per_step / seconds,
             "model_tflops": flops / 1e12,
-            "mfu": flops / peak if peak else None,
-            "peak_bytes": peak_memory_bytes(device),
+            "mfu": flops / (peak * self.num_devices) if peak else None,
+            "peak_bytes": max(peaks) if peaks else None,
             "losses": losses,
+            "devices": self.num_devices,
         }
 
 
-def measure(config: ConfigDict, *, steps: int = 1, warmup: int = 0) -> dict:
+def measure(config: ConfigDict, *, steps: int = 1, warmup: int = 0, devices=None) -> dict:
     """Real steps of config's training step, as a result that never raises: ok with
     TrainingStep.run's numbers, compiled_gib and peak_gib (None where the backend keeps no
     count); or not ok with out_of_memory and the error (compiled_gib if it compiled)."""
     result = {}
     try:
-        step = TrainingStep(config)
+        step = TrainingStep(config, devices=devices)
         result["compiled_gib"] = step.memory().peak / 2**30
         measured = step.run(steps=steps, warmup=warmup)
     except Exception as e:  # reported, not raised: a sweep goes on past an out-of-memory

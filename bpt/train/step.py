@@ -26,7 +26,7 @@ def _loss(apply_fn: Callable, params, batch: dict, rng, deterministic: bool) -> 
 
 
 def make_train_step(
-    grad_accum_steps: int, *, skip_nonfinite: bool = False
+    grad_accum_steps: int, *, skip_nonfinite: bool = False, batch_sharding=None
 ) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
     """A step that splits the batch into grad_accum_steps micro-batches and applies one update.
 
@@ -36,10 +36,19 @@ def make_train_step(
     skip_nonfinite: when the loss or the gradient norm is not finite, keep the parameters and
     the optimizer state as they were (the step counter still advances, so the data position
     and the checkpoint's step stay in line). metrics["finite"] says what happened.
+
+    batch_sharding: the NamedSharding of the [batch, seq] inputs on a mesh. Micro-batch m takes
+    rows m, m + grad_accum_steps, ...: the split keeps the (sharded) batch axis whole on every
+    device instead of moving the accumulation index onto it.
     """
 
     def train_step(state: TrainState, batch: dict, rng) -> tuple[TrainState, dict]:
-        micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
+        micro = jax.tree.map(lambda x: x.reshape(-1, grad_accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
+        if batch_sharding is not None:
+            spec = jax.sharding.PartitionSpec(None, *batch_sharding.spec)
+            micro = jax.lax.with_sharding_constraint(
+                micro, jax.sharding.NamedSharding(batch_sharding.mesh, spec)
+            )
 
         def summed_loss(params, mb, mb_rng):
             out = _loss(state.apply_fn, params, mb, mb_rng, deterministic=False)

@@ -66,6 +66,7 @@ class FlashConfig:
     backward: str = "triton"
     hopper_block_k: int = 128
     hopper_stages: int = 2
+    pad_d: int = 0  # zeros added to head_dim
 
 
 def _dot(a: Array, b: Array, *, ta: bool = False, tb: bool = False) -> Array:
@@ -431,6 +432,37 @@ def flash_attention_with_lse(
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype.
     """
+    cfg, (q, k, v, q_seg, kv_seg) = _prepare(q, k, v, causal, segment_ids, locals())
+    out, lse = _flash(cfg, q, k, v, q_seg, kv_seg)
+    return out[:, : cfg.seq_q, :, : k.shape[-1] - cfg.pad_d], lse[:, :, : cfg.seq_q]
+
+
+_SETTINGS = (
+    "block_q",
+    "block_k",
+    "block_q_bwd",
+    "block_k_bwd",
+    "num_warps",
+    "num_stages",
+    "forward",
+    "backward",
+    "hopper_block_k",
+    "hopper_stages",
+    "interpret",
+)
+
+
+def _prepare(q, k, v, causal, segment_ids, settings: dict):
+    """The kernels' FlashConfig for these inputs, and the inputs padded as the kernels need
+    (lengths to whole blocks, head_dim to a power of two; padded tokens get segments of their own)."""
+    block_q, block_k, block_q_bwd, block_k_bwd, num_warps, num_stages = (
+        settings.get(name) for name in _SETTINGS[:6]
+    )
+    forward, backward = settings.get("forward", "auto"), settings.get("backward", "auto")
+    hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages", 2)
+    interpret = settings.get("interpret")
+    num_warps = 4 if num_warps is None else num_warps
+    num_stages = 2 if num_stages is None else num_stages
     check_qkv(q, k, v)
     for setting, value in (("forward", forward), ("backward", backward)):
         if value not in KERNELS:
@@ -470,6 +502,7 @@ def flash_attention_with_lse(
         if value == "hopper" and why_not is not None:
             raise ValueError(f"flash {setting}='hopper' cannot take {why_not}; use 'triton' or 'auto'")
     cfg = FlashConfig(
+        pad_d=dp,
         causal=causal,
         scale=1.0 / math.sqrt(d),
         seq_q=sq,
@@ -493,8 +526,51 @@ def flash_attention_with_lse(
     if q_seg is not None:  # padded queries and keys get segments of their own
         q_seg = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, pad_q)), constant_values=-1)
         kv_seg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, pad_k)), constant_values=-2)
-    out, lse = _flash(cfg, q, k, v, q_seg, kv_seg)
-    return out[:, :sq, :, :d], lse[:, :, :sq]
+    return cfg, (q, k, v, q_seg, kv_seg)
+
+
+def flash_forward(q: Array, k: Array, v: Array, *, causal: bool = False, segment_ids=None, **settings):
+    """(out, lse) of the forward kernel, not differentiable: one half of a custom_vjp that merges
+    several attentions (ring attention). Arguments as flash_attention_with_lse."""
+    cfg, (qp, kp, vp, q_seg, kv_seg) = _prepare(q, k, v, causal, segment_ids, settings)
+    out, lse = _forward(cfg, qp, kp, vp, q_seg, kv_seg)
+    return out[:, : cfg.seq_q, :, : q.shape[-1]], lse[:, :, : cfg.seq_q]
+
+
+def flash_backward(
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
+    d_out: Array,
+    d_lse: Array,
+    *,
+    causal: bool = False,
+    segment_ids=None,
+    **settings,
+) -> tuple[Array, Array, Array]:
+    """(dq, dk, dv) of the attention flash_forward computes, given the cotangents d_out and d_lse.
+    out and lse may be those of a larger attention these keys are part of (ring attention's
+    merged result): the gradients are then this key range's share of it."""
+    cfg, (qp, kp, vp, q_seg, kv_seg) = _prepare(q, k, v, causal, segment_ids, settings)
+    pad_q, d = qp.shape[1] - q.shape[1], q.shape[-1]
+    rows = ((0, 0), (0, pad_q), (0, 0), (0, cfg.pad_d))
+    stats = ((0, 0), (0, 0), (0, pad_q))
+    dq, dk, dv = _backward(
+        cfg,
+        qp,
+        kp,
+        vp,
+        q_seg,
+        kv_seg,
+        jnp.pad(out, rows),
+        jnp.pad(lse, stats, constant_values=jnp.inf),
+        jnp.pad(d_out, rows),
+        jnp.pad(d_lse, stats),
+    )
+    sk = k.shape[1]
+    return dq[:, : q.shape[1], :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d]
 
 
 def flash_attention(q: Array, k: Array, v: Array, **kwargs) -> Array:

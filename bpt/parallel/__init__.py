@@ -1,0 +1,39 @@
+"""Running on a mesh of devices: the mesh and its sharding rules, and context parallelism."""
+
+from bpt.parallel.mesh import (
+    AXES,
+    BATCH_AXES,
+    CONTEXT_PARALLEL,
+    LOAD_BALANCE,
+    PARAM_RULES,
+    Parallelism,
+    make_mesh,
+    param_shardings,
+)
+from bpt.parallel.ring import (
+    LAYOUTS,
+    all_gather_attention,
+    context_parallel_attention,
+    from_layout,
+    layout_permutation,
+    ring_attention,
+    to_layout,
+)
+
+__all__ = [
+    "AXES",
+    "BATCH_AXES",
+    "CONTEXT_PARALLEL",
+    "LAYOUTS",
+    "LOAD_BALANCE",
+    "PARAM_RULES",
+    "Parallelism",
+    "all_gather_attention",
+    "context_parallel_attention",
+    "from_layout",
+    "layout_permutation",
+    "make_mesh",
+    "param_shardings",
+    "ring_attention",
+    "to_layout",
+]

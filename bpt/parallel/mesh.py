@@ -1,0 +1,181 @@
+"""The device mesh and the rules that map logical axis names to it.
+
+Mesh axes, outermost first: data, fsdp, sequence, tensor. The innermost axes talk the most
+(tensor parallelism every layer, the ring every hop), so they get the neighbouring devices.
+
+- data: the batch is split; parameters are replicated.
+- fsdp: the batch is split and every weight is sharded (ZeRO-3): a layer's weights are
+  gathered when it runs and its gradients reduce-scattered.
+- sequence: the tokens of each sequence are split (context parallelism: ring or all-gather
+  attention). The devices of a sequence group need the same weights, so weights are sharded
+  over it as over fsdp.
+- tensor: attention heads and the FFN's hidden units are split (Megatron style).
+
+Parameters carry logical axis names (embed, heads, kv_heads, head_dim, mlp, vocab,
+positions, layers) from nn.with_logical_partitioning; PARAM_RULES maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "fsdp", "sequence", "tensor")
+BATCH_AXES = ("data", "fsdp")
+CONTEXT_PARALLEL = ("ring", "all_gather")
+LOAD_BALANCE = ("zigzag", "striped", "none")
+
+# Logical parameter axis -> mesh axes. Anything not named is replicated.
+PARAM_RULES = (
+    ("embed", ("fsdp", "sequence")),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("positions", None),
+    ("layers", None),
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, sequence: int = 1, *, devices=None) -> Mesh:
+    """A mesh with axes AXES over `devices` (default: all). One size may be -1: the devices left.
+
+    Devices are laid out in jax.devices() order (process by process), so the batch axes, the
+    outermost, split across hosts and the sequence and tensor axes stay within one.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {"data": data, "fsdp": fsdp, "sequence": sequence, "tensor": tensor}
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(f"mesh.{name} must be a positive integer or -1; got {size!r}")
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"only one mesh size may be -1; got -1 for {', '.join('mesh.' + n for n in free)}")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if len(devices) % fixed:
+            raise ValueError(
+                f"mesh.{free[0]}=-1 takes the devices left, but {len(devices)} devices do not divide "
+                f"by the other sizes' product {fixed}"
+            )
+        sizes[free[0]] = len(devices) // fixed
+    if math.prod(sizes.values()) != len(devices):
+        shape = " x ".join(f"{name} {sizes[name]}" for name in AXES)
+        raise ValueError(
+            f"the mesh {shape} needs {math.prod(sizes.values())} devices and there are {len(devices)}; "
+            "set mesh.data, mesh.fsdp, mesh.sequence and mesh.tensor so that their product is the "
+            "device count (one of them may be -1)"
+        )
+    grid = np.asarray(devices, dtype=object).reshape([sizes[name] for name in AXES])
+    return Mesh(grid, AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """How a model runs on a mesh: the mesh, and how attention spans the sequence axis.
+
+    context_parallel: 'ring' | 'all_gather'. load_balance: the token layout of the sequence
+    shards, 'zigzag' | 'striped' | 'none' (bpt.parallel.ring).
+    """
+
+    mesh: Mesh
+    context_parallel: str = "ring"
+    load_balance: str = "zigzag"
+
+    def __post_init__(self):
+        if self.context_parallel not in CONTEXT_PARALLEL:
+            raise ValueError(
+                f"unknown mesh.context_parallel {self.context_parallel!r}; allowed: {', '.join(CONTEXT_PARALLEL)}"
+            )
+        if self.load_balance not in LOAD_BALANCE:
+            raise ValueError(
+                f"unknown mesh.load_balance {self.load_balance!r}; allowed: {', '.join(LOAD_BALANCE)}"
+            )
+
+    def size(self, axis: str) -> int:
+        return self.mesh.shape.get(axis, 1)
+
+    @property
+    def sequence(self) -> int:
+        return self.size("sequence")
+
+    @property
+    def batch_shards(self) -> int:
+        return math.prod(self.size(a) for a in BATCH_AXES)
+
+    def sharding(self, *spec) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+    def activations(self) -> NamedSharding:
+        """[batch, seq, ...]: batch over data x fsdp, tokens over sequence."""
+        return self.sharding(BATCH_AXES, "sequence")
+
+    def replicated(self) -> NamedSharding:
+        return self.sharding()
+
+
+def logical_to_spec(
+    names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, where: str
+) -> PartitionSpec:
+    """The PartitionSpec of an array whose axes have these logical names, by PARAM_RULES;
+    a mesh axis of size 1 is left out, and an axis that does not divide is an error naming where."""
+    rules = dict(PARAM_RULES)
+    spec = []
+    for name, size in zip(names, shape):
+        axes = rules.get(name)
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+        shards = math.prod(mesh.shape[a] for a in axes)
+        if size % shards:
+            mesh_text = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)
+            raise ValueError(
+                f"{where} has {name} size {size}, which {mesh_text} cannot split evenly; "
+                f"choose mesh sizes that divide it{_hint(name)}"
+            )
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def _hint(name: str) -> str:
+    return {
+        "vocab": " (or set model.vocab_size to a multiple of mesh.tensor)",
+        "heads": " (model.num_heads)",
+        "kv_heads": " (model.num_kv_heads)",
+        "embed": " (model.d_model)",
+        "mlp": " (model.mlp_ratio x model.d_model)",
+    }.get(name, "")
+
+
+def param_shardings(boxed_params, mesh: Mesh):
+    """NamedShardings for a parameter tree whose leaves are nn.Partitioned boxes (as model.init
+    returns them, or their jax.eval_shape); unboxed leaves are replicated."""
+
+    def one(path, leaf):
+        where = "parameter " + jax.tree_util.keystr(path)
+        if isinstance(leaf, nn.Partitioned):
+            value = leaf.value
+            return NamedSharding(mesh, logical_to_spec(leaf.names, value.shape, mesh, where))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(
+        one, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+    )
+
+
+def like_params(tree, params, shardings, mesh: Mesh):
+    """Shardings for an optimizer state: every subtree shaped like params (AdamW's moments)
+    gets the parameters' shardings, everything else (step counts) is replicated."""
+    structure = jax.tree.structure(params)
+
+    def one(sub):
+        if jax.tree.structure(sub) == structure:
+            return shardings
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: jax.tree.structure(x) == structure)

@@ -1,0 +1,571 @@
+"""Context parallelism: exact attention over a sequence sharded across devices.
+
+Each device of the mesh's `sequence` axis holds one shard of the queries, keys and values.
+Two strategies compute the same function:
+
+- ring: the key/value shards travel around the devices with lax.ppermute, one hop at a
+  time, while each device attends its queries to the shard it holds (the next shard is sent
+  before the current one is used, so the transfer hides behind the compute). The backward
+  sends the key/value shards round again with their dK/dV accumulators, which arrive back
+  home after the last hop. Memory per device: one visiting shard, whatever the ring size.
+- all_gather: every device gathers all key/value shards once (cheap for GQA/MQA models,
+  whose keys and values are small), attends to them shard by shard, and the backward returns
+  each shard's dK/dV to its owner with one reduce-scatter.
+
+Both merge the shards' partial results with their logsumexp in float32 (the merge is exact,
+so the error does not grow with the ring size), and both are one custom_vjp whose backward is
+FlashAttention-2's, given the merged output and logsumexp: each shard's gradient is its share
+of the whole attention's, so no forward is recomputed.
+
+Causal load balance. With shards in natural order the last device's queries see every key
+and the first device's see only their own: the work is unbalanced. The tokens are therefore
+permuted once per batch (layout_permutation) before they are sharded:
+
+- zigzag: the sequence is cut into 2N chunks and device i holds chunks i and 2N-1-i. Every
+  hop then costs the same: a device attends to the visiting shard's first half (the shard
+  comes from a device before it) or with its second half of queries (from one after it).
+- striped: token t goes to device t mod N. A visiting shard from a device before this one is
+  causal with its diagonal, one from after it without. Suits packed documents, whose
+  attention zigzag would not balance.
+- none: contiguous shards (a device skips the hops whose keys all lie after its queries).
+
+Inside a hop the local attention is bpt's flash kernels on GPUs and the blockwise scan
+elsewhere (bpt.ops.kernels.flash_forward/backward, bpt.ops.blockwise_forward/backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from bpt.ops.attention import attention
+from bpt.ops.blockwise import blockwise_backward, blockwise_forward
+from bpt.ops.kernels.flash import flash_backward, flash_forward
+from bpt.ops.reference import check_qkv, split_segment_ids
+
+Array = jax.Array
+LAYOUTS = ("zigzag", "striped", "none")
+STRATEGIES = ("ring", "all_gather")
+LOCAL_IMPLS = ("blockwise", "pallas", "auto")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def layout_permutation(seq_len: int, shards: int, layout: str) -> np.ndarray:
+    """perm such that x[:, perm] puts the tokens in the layout's order: shard i of the result
+    (its i-th contiguous 1/shards) is what device i holds. perm[j] is the position of token j."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown load balance {layout!r}; allowed: {', '.join(LAYOUTS)}")
+    positions = np.arange(seq_len)
+    if layout == "none" or shards == 1:
+        return positions
+    if layout == "zigzag":
+        if seq_len % (2 * shards):
+            raise ValueError(
+                f"zigzag needs a sequence length divisible by 2 x {shards} shards; got {seq_len}"
+            )
+        chunks = positions.reshape(2 * shards, -1)
+        order = [c for i in range(shards) for c in (i, 2 * shards - 1 - i)]
+        return chunks[order].reshape(-1)
+    if seq_len % shards:
+        raise ValueError(f"striped needs a sequence length divisible by {shards} shards; got {seq_len}")
+    return positions.reshape(-1, shards).T.reshape(-1)
+
+
+def to_layout(x: Array, perm: np.ndarray, axis: int = 1) -> Array:
+    return x if _is_identity(perm) else jnp.take(x, jnp.asarray(perm), axis=axis)
+
+
+def from_layout(x: Array, perm: np.ndarray, axis: int = 1) -> Array:
+    return x if _is_identity(perm) else jnp.take(x, jnp.asarray(np.argsort(perm)), axis=axis)
+
+
+def _is_identity(perm: np.ndarray) -> bool:
+    return bool((perm == np.arange(len(perm))).all())
+
+
+# ----------------------------------------------------------------------------- local attention
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """Static settings of one context-parallel attention (a custom_vjp nondiff argument)."""
+
+    axis: str
+    shards: int
+    strategy: str
+    layout: str
+    causal: bool
+    impl: str  # local: blockwise | pallas
+    q_chunk_size: int
+    kv_chunk_size: int
+
+
+def _local_forward(s: _Settings, kind: str, q, k, v, q_seg, kv_seg):
+    """(out, lse) of q over one key/value shard; kind: causal | full | strict (causal without
+    the diagonal). lse is -inf where a query sees no key of this shard."""
+    if s.impl == "pallas":
+        if kind == "strict":
+            k, v, q_seg, kv_seg = _shift_keys(k, v, q_seg, kv_seg)
+        seg = None if q_seg is None else (q_seg, kv_seg)
+        out, lse = flash_forward(q, k, v, causal=kind != "full", segment_ids=seg)
+    else:
+        seg = None if q_seg is None else (q_seg, kv_seg)
+        out, lse = blockwise_forward(
+            q,
+            k,
+            v,
+            causal=kind != "full",
+            q_offset=-1 if kind == "strict" else 0,
+            segment_ids=seg,
+            q_chunk_size=s.q_chunk_size,
+            kv_chunk_size=s.kv_chunk_size,
+        )
+    return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def _local_backward(s: _Settings, kind: str, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+    """(dq, dk, dv), float32: this shard's share of the gradient of the merged attention
+    (out, lse are the merged results; lse is +inf where a query sees no key at all)."""
+    if s.impl == "pallas":
+        shifted = kind == "strict"
+        if shifted:
+            k, v, q_seg, kv_seg = _shift_keys(k, v, q_seg, kv_seg)
+        seg = None if q_seg is None else (q_seg, kv_seg)
+        dq, dk, dv = flash_backward(q, k, v, out, lse, d_out, d_lse, causal=kind != "full", segment_ids=seg)
+        if shifted:  # key slot j + 1 held key j
+            dk, dv = (jnp.pad(d[:, 1:], ((0, 0), (0, 1), (0, 0), (0, 0))) for d in (dk, dv))
+        return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+    seg = None if q_seg is None else (q_seg, kv_seg)
+    return blockwise_backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        causal=kind != "full",
+        q_offset=-1 if kind == "strict" else 0,
+        segment_ids=seg,
+        q_chunk_size=s.q_chunk_size,
+        kv_chunk_size=s.kv_chunk_size,
+    )
+
+
+def _shift_keys(k, v, q_seg, kv_seg):
+    """Causal without the diagonal as causal with the diagonal, for kernels without an offset:
+    key j moves to slot j + 1 and slot 0 gets a segment no query has (the last key, which no
+    query may see, drops out)."""
+    shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+    if q_seg is None:
+        q_seg = jnp.zeros(k.shape[:2], jnp.int32)
+        kv_seg = jnp.zeros(k.shape[:2], jnp.int32)
+    q_seg = q_seg.astype(jnp.int32)
+    nobody = jnp.min(q_seg) - 1
+    kv_seg = jnp.concatenate(
+        [jnp.full((k.shape[0], 1), nobody, jnp.int32), kv_seg[:, :-1].astype(jnp.int32)], 1
+    )
+    return shift(k), shift(v), q_seg, kv_seg
+
+
+# ----------------------------------------------------------------------------- one hop
+
+
+def _hop_forward(s: _Settings, own: bool, before, q, k, v, q_seg, kv_seg):
+    """(out, lse) of the local queries over a key/value shard: the device's own (static), or
+    one from another device, whose index is lower than this one's where `before` (traced)."""
+    if not s.causal:
+        return _local_forward(s, "full", q, k, v, q_seg, kv_seg)
+    if own:  # causal in its local order, in every layout
+        return _local_forward(s, "causal", q, k, v, q_seg, kv_seg)
+    if s.layout == "striped":
+        return lax.cond(
+            before,
+            lambda: _local_forward(s, "causal", q, k, v, q_seg, kv_seg),
+            lambda: _local_forward(s, "strict", q, k, v, q_seg, kv_seg),
+        )
+    if s.layout == "none":
+        return lax.cond(
+            before, lambda: _local_forward(s, "full", q, k, v, q_seg, kv_seg), lambda: _nothing(q)
+        )
+    half = q.shape[1] // 2  # zigzag
+
+    def first_half_of_keys():
+        return _local_forward(s, "full", q, k[:, :half], v[:, :half], q_seg, _rows(kv_seg, 0, half))
+
+    def second_half_of_queries():
+        out, lse = _local_forward(s, "full", q[:, half:], k, v, _rows(q_seg, half, None), kv_seg)
+        return _pad_rows(out, half, 1), _pad_rows(lse, half, 2, -jnp.inf)
+
+    return lax.cond(before, first_half_of_keys, second_half_of_queries)
+
+
+def _hop_backward(s: _Settings, own: bool, before, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+    """(dq, dk, dv) float32 of one hop (see _hop_forward)."""
+    local = functools.partial(_local_backward, s)
+    if not s.causal:
+        return local("full", q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse)
+    if own:
+        return local("causal", q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse)
+    if s.layout == "striped":
+        return lax.cond(
+            before,
+            lambda: local("causal", q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse),
+            lambda: local("strict", q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse),
+        )
+    if s.layout == "none":
+        zeros = lambda: tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))  # noqa: E731
+        return lax.cond(before, lambda: local("full", q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse), zeros)
+    half = q.shape[1] // 2
+
+    def first_half_of_keys():
+        dq, dk, dv = local(
+            "full", q, k[:, :half], v[:, :half], q_seg, _rows(kv_seg, 0, half), out, lse, d_out, d_lse
+        )
+        return dq, _pad_rows(dk, half, 1, after=True), _pad_rows(dv, half, 1, after=True)
+
+    def second_half_of_queries():
+        rows = slice(half, None)
+        dq, dk, dv = local(
+            "full",
+            q[:, rows],
+            k,
+            v,
+            _rows(q_seg, half, None),
+            kv_seg,
+            out[:, rows],
+            lse[..., rows],
+            d_out[:, rows],
+            d_lse[..., rows],
+        )
+        return _pad_rows(dq, half, 1), dk, dv
+
+    return lax.cond(before, first_half_of_keys, second_half_of_queries)
+
+
+def _rows(seg, start, stop):
+    return None if seg is None else seg[:, start:stop]
+
+
+def _pad_rows(x, n: int, axis: int, value=0.0, *, after: bool = False):
+    """x with n rows of value added before (or after) it along axis."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n) if after else (n, 0)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _nothing(q):
+    b, sq, h, _ = q.shape
+    return jnp.zeros(q.shape, q.dtype), jnp.full((b, h, sq), -jnp.inf, jnp.float32)
+
+
+def _merge(out, lse, out_t, lse_t):
+    """Online-softmax merge of two partial attentions; out float32 [b, s, h, d], lse [b, h, s]."""
+    new = jnp.logaddexp(lse, lse_t)
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    weight = lambda stats: jnp.swapaxes(jnp.exp(stats - safe), 1, 2)[..., None]  # noqa: E731
+    return out * weight(lse) + out_t.astype(jnp.float32) * weight(lse_t), new
+
+
+# ----------------------------------------------------------------------------- the custom_vjp
+
+
+def _source(s: _Settings, index, t):
+    """The device whose shard is visiting at hop t (t >= 1), and whether it comes before this one."""
+    src = (index - t) % s.shards
+    return src, src < index
+
+
+def _send(s: _Settings, x):
+    """x to the next device of the ring."""
+    return lax.ppermute(x, s.axis, perm=[(i, (i + 1) % s.shards) for i in range(s.shards)])
+
+
+def _gather(s: _Settings, x):
+    return None if x is None else lax.all_gather(x, s.axis)
+
+
+def _take(x, src):
+    return None if x is None else lax.dynamic_index_in_dim(x, src, 0, keepdims=False)
+
+
+def _hops(s: _Settings, visit, carry, shard, gathered):
+    """carry after visit(t, shard, carry) for hops t = 1 .. shards - 1, in a loop (its buffers
+    are reused hop after hop: memory stays one shard whatever the ring size).
+
+    ring: shard arrives from the previous device; the next one is sent on before this hop's
+    compute, so the transfer overlaps it (the last hop sends nothing). all_gather: hop t
+    reads the gathered shard of device index - t.
+    """
+    index = lax.axis_index(s.axis)
+    if s.strategy == "all_gather":
+        body = lambda t, c: visit(t, tuple(_take(x, _source(s, index, t)[0]) for x in gathered), c)  # noqa: E731
+        return lax.fori_loop(1, s.shards, body, carry)
+
+    def body(t, state):
+        shard, c = state
+        following = _send(s, shard)
+        return following, visit(t, shard, c)
+
+    shard, carry = lax.fori_loop(1, s.shards - 1, body, (_send(s, shard), carry))
+    return visit(s.shards - 1, shard, carry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(s: _Settings, q, k, v, q_seg, kv_seg):
+    return _attend_fwd(s, q, k, v, q_seg, kv_seg)[0]
+
+
+def _attend_fwd(s: _Settings, q, k, v, q_seg, kv_seg):
+    index = lax.axis_index(s.axis)
+    b, sq, h, d = q.shape
+    empty = (jnp.zeros(q.shape, jnp.float32), jnp.full((b, h, sq), -jnp.inf, jnp.float32))
+    own = _merge(*empty, *_hop_forward(s, True, None, q, k, v, q_seg, kv_seg))
+
+    def visit(t, shard, carry):
+        before = _source(s, index, t)[1]
+        return _merge(*carry, *_hop_forward(s, False, before, q, shard[0], shard[1], q_seg, shard[2]))
+
+    shard = (k, v, kv_seg)
+    gathered = tuple(_gather(s, x) for x in shard) if s.strategy == "all_gather" else None
+    out, lse = _hops(s, visit, own, shard, gathered)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _attend_bwd(s: _Settings, residuals, d_out):
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    index = lax.axis_index(s.axis)
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see nothing: zero probabilities
+    d_lse = jnp.zeros(lse.shape, jnp.float32)
+    grads = functools.partial(_hop_backward, s, q=q, q_seg=q_seg, out=out, lse=lse, d_out=d_out, d_lse=d_lse)
+    dq, dk, dv = grads(True, None, k=k, v=v, kv_seg=kv_seg)
+    shard = (k, v, kv_seg)
+    if s.strategy == "all_gather":
+        gathered = tuple(_gather(s, x) for x in shard)
+        zeros = lambda x: jnp.zeros((s.shards, *x.shape), jnp.float32)  # noqa: E731
+        dk_all = lax.dynamic_update_index_in_dim(zeros(k), dk, index, 0)
+        dv_all = lax.dynamic_update_index_in_dim(zeros(v), dv, index, 0)
+
+        def visit(t, shard, carry):
+            dq, dk_all, dv_all = carry
+            src, before = _source(s, index, t)
+            dq_t, dk_t, dv_t = grads(False, before, k=shard[0], v=shard[1], kv_seg=shard[2])
+            put = lambda all_, d: lax.dynamic_update_index_in_dim(all_, d, src, 0)  # noqa: E731
+            return dq + dq_t, put(dk_all, dk_t), put(dv_all, dv_t)
+
+        dq, dk_all, dv_all = _hops(s, visit, (dq, dk_all, dv_all), shard, gathered)
+        dk = lax.psum_scatter(dk_all, s.axis, scatter_dimension=0)
+        dv = lax.psum_scatter(dv_all, s.axis, scatter_dimension=0)
+    else:
+        # dK/dV accumulators travel with their shard, one hop behind it: after the last hop's
+        # send they are home.
+        def visit(t, shard, carry):
+            dq, dkv = carry
+            dq_t, dk_t, dv_t = grads(False, _source(s, index, t)[1], k=shard[0], v=shard[1], kv_seg=shard[2])
+            return dq + dq_t, _send(s, (dkv[0] + dk_t, dkv[1] + dv_t))
+
+        dq, (dk, dv) = _hops(s, visit, (dq, _send(s, (dk, dv))), shard, None)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+# ----------------------------------------------------------------------------- public functions
+
+
+def local_impl(impl: str, dtype) -> str:
+    """The attention a hop runs: bpt's flash kernels on a GPU for 16-bit inputs (impl 'auto',
+    'pallas' or 'cudnn'), else the blockwise scan."""
+    allowed = LOCAL_IMPLS + ("reference", "cudnn")
+    if impl not in allowed:
+        raise ValueError(f"unknown attention impl {impl!r}; allowed: {', '.join(allowed)}")
+    if impl == "pallas":
+        return "pallas"
+    on_gpu = jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+    return "pallas" if impl in ("auto", "cudnn") and on_gpu else "blockwise"
+
+
+def _mesh_axes(mesh: Mesh, names) -> tuple[str, ...] | None:
+    present = tuple(n for n in names if n in mesh.axis_names and mesh.shape[n] > 1)
+    return present or None
+
+
+def context_parallel_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    mesh: Mesh,
+    causal: bool = True,
+    segment_ids: Array | None = None,
+    strategy: str = "ring",
+    layout: str = "zigzag",
+    impl: str = "auto",
+    q_chunk_size: int = 512,
+    kv_chunk_size: int = 512,
+    axis: str = "sequence",
+    batch_axes: tuple[str, ...] = ("data", "fsdp"),
+    head_axis: str = "tensor",
+) -> Array:
+    """Exact attention of inputs already in `layout` order, sequence sharded over mesh[axis].
+
+    q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim] (GQA/MQA),
+    segment_ids [batch, seq] or None, all permuted by layout_permutation(seq, shards, layout).
+    The batch is sharded over batch_axes and the heads over head_axis where the mesh has them.
+    Returns the output in the same (layout) order. Differentiable (a custom_vjp).
+    """
+    check_qkv(q, k, v)
+    for name, value, allowed in (("strategy", strategy, STRATEGIES), ("layout", layout, LAYOUTS)):
+        if value not in allowed:
+            raise ValueError(f"unknown context-parallel {name} {value!r}; allowed: {', '.join(allowed)}")
+    shards = mesh.shape[axis] if axis in mesh.axis_names else 1
+    seq = q.shape[1]
+    if k.shape[1] != seq:
+        raise ValueError(
+            f"context-parallel attention needs equal query and key lengths; got {seq} and {k.shape[1]}"
+        )
+    if seq % (shards * (2 if layout == "zigzag" and causal else 1)):
+        raise ValueError(f"sequence length {seq} does not split into {shards} {layout} shards")
+    q_seg, kv_seg = split_segment_ids(segment_ids, seq, seq)
+    local = seq // shards
+    chunk = lambda c: min(c, local // 2 if layout == "zigzag" and causal and shards > 1 else local)  # noqa: E731
+    settings = _Settings(
+        axis,
+        shards,
+        strategy,
+        layout,
+        causal,
+        local_impl(impl, q.dtype),
+        chunk(q_chunk_size),
+        chunk(kv_chunk_size),
+    )
+    batch = _mesh_axes(mesh, batch_axes)
+    heads = _mesh_axes(mesh, (head_axis,))
+    seq_axis = axis if shards > 1 else None
+    rows = PartitionSpec(batch, seq_axis, heads, None)
+    segs = PartitionSpec(batch, seq_axis)
+
+    if shards == 1:  # nothing to send: one device's attention (sharded over batch and heads)
+
+        def body(q, k, v, q_seg, kv_seg):
+            seg = None if q_seg is None else (q_seg, kv_seg)
+            return attention(
+                q,
+                k,
+                v,
+                impl=impl,
+                causal=causal,
+                segment_ids=seg,
+                q_chunk_size=settings.q_chunk_size,
+                kv_chunk_size=settings.kv_chunk_size,
+            )
+    else:
+        body = functools.partial(_attend, settings)
+    seg_specs = (None, None) if q_seg is None else (segs, segs)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(rows, rows, rows, *seg_specs), out_specs=rows, check_vma=False
+    )(q, k, v, q_seg, kv_seg)
+
+
+def _natural_order(fn, q, k, v, *, mesh, causal, segment_ids, layout, axis, **kwargs):
+    shards = mesh.shape[axis] if axis in mesh.axis_names else 1
+    if layout == "auto":
+        layout = "striped" if segment_ids is not None else "zigzag"
+    if not causal:
+        layout = "none"
+    perm = layout_permutation(q.shape[1], shards, layout)
+    seg = None if segment_ids is None else to_layout(segment_ids, perm)
+    out = fn(
+        to_layout(q, perm),
+        to_layout(k, perm),
+        to_layout(v, perm),
+        mesh=mesh,
+        causal=causal,
+        segment_ids=seg,
+        layout=layout,
+        axis=axis,
+        **kwargs,
+    )
+    return from_layout(out, perm)
+
+
+def ring_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    mesh: Mesh,
+    causal: bool = True,
+    segment_ids: Array | None = None,
+    layout: str = "auto",
+    impl: str = "auto",
+    q_chunk_size: int = 512,
+    kv_chunk_size: int = 512,
+    axis: str = "sequence",
+) -> Array:
+    """Exact attention by ring attention over mesh[axis]; equal to reference_attention.
+
+    Takes and returns global arrays in natural token order ([batch, seq, heads, head_dim];
+    k and v may have fewer heads). Inside, the tokens are permuted into `layout` ('auto':
+    striped with segment_ids, else zigzag; non-causal attention needs none), sharded over
+    `axis` (and the batch over the mesh's data/fsdp axes, the heads over tensor), and the key/
+    value shards travel around the ring. impl: the local attention of each hop ('auto': bpt's
+    flash kernels on a GPU for bf16/fp16, else the blockwise scan; 'blockwise'; 'pallas').
+    """
+    return _natural_order(
+        context_parallel_attention,
+        q,
+        k,
+        v,
+        mesh=mesh,
+        causal=causal,
+        segment_ids=segment_ids,
+        layout=layout,
+        axis=axis,
+        strategy="ring",
+        impl=impl,
+        q_chunk_size=q_chunk_size,
+        kv_chunk_size=kv_chunk_size,
+    )
+
+
+def all_gather_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    mesh: Mesh,
+    causal: bool = True,
+    segment_ids: Array | None = None,
+    layout: str = "auto",
+    impl: str = "auto",
+    q_chunk_size: int = 512,
+    kv_chunk_size: int = 512,
+    axis: str = "sequence",
+) -> Array:
+    """As ring_attention, with the key/value shards gathered once instead of passed around."""
+    return _natural_order(
+        context_parallel_attention,
+        q,
+        k,
+        v,
+        mesh=mesh,
+        causal=causal,
+        segment_ids=segment_ids,
+        layout=layout,
+        axis=axis,
+        strategy="all_gather",
+        impl=impl,
+        q_chunk_size=q_chunk_size,
+        kv_chunk_size=kv_chunk_size,
+    )

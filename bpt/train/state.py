@@ -1,0 +1,71 @@
+"""The train state (parameters + AdamW state) and where each of its arrays lives on the mesh.
+
+Parameters are created boxed with their logical axis names (nn.with_logical_partitioning);
+the names give each array its NamedSharding (bpt.parallel.PARAM_RULES), AdamW's moments take
+their parameter's, and the state is created inside jit with those shardings as outputs, so
+no device ever holds a whole sharded array. The state itself is stored unboxed.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.training.train_state import TrainState
+from ml_collections import ConfigDict
+
+from bpt.config import check_mesh
+from bpt.models.gpt import GPT
+from bpt.parallel.mesh import Parallelism, like_params, make_mesh, param_shardings
+from bpt.train.optimizer import make_optimizer
+
+
+def make_parallelism(config: ConfigDict, devices=None) -> Parallelism | None:
+    """The mesh config.mesh describes over `devices` (default: all, over all hosts); None when
+    that is one device (everything then runs as it always has on one)."""
+    m = config.mesh
+    mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, sequence=m.sequence, devices=devices)
+    check_mesh(config, mesh.size)
+    if mesh.size == 1:
+        return None
+    return Parallelism(mesh, context_parallel=m.context_parallel, load_balance=m.load_balance)
+
+
+def _boxed_params(model: GPT, rng):
+    # One token is enough: parameters depend on the shapes in the config, not on the input's
+    # length, and a long dummy sequence would cost a whole forward pass at initialization.
+    return model.clone(parallel=None).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def state_initializer(config: ConfigDict, model: GPT):
+    """rng -> initial parameters and optimizer state, to be jit-ed (no host round trip). Every
+    state it makes shares one optimizer object, so one compiled step takes them all."""
+    tx = make_optimizer(config.train)
+
+    def init(rng) -> TrainState:
+        params = nn.meta.unbox(_boxed_params(model, rng))
+        return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    return init
+
+
+def state_shardings(config: ConfigDict, model: GPT, parallel: Parallelism, init=None):
+    """A TrainState of NamedShardings: parameters by their logical names, AdamW's moments like
+    their parameters, the step count replicated."""
+    init = init or state_initializer(config, model)
+    rng = jax.random.PRNGKey(0)
+    params = param_shardings(jax.eval_shape(lambda r: _boxed_params(model, r), rng), parallel.mesh)
+    abstract = jax.eval_shape(init, rng)
+    return abstract.replace(
+        step=parallel.replicated(),
+        params=params,
+        opt_state=like_params(abstract.opt_state, abstract.params, params, parallel.mesh),
+    )
+
+
+def create_state(config: ConfigDict, model: GPT, rng, parallel: Parallelism | None = None) -> TrainState:
+    """Initial parameters and optimizer state, built inside jit (sharded on the mesh if any)."""
+    init = state_initializer(config, model)
+    if parallel is None:
+        return jax.jit(init)(rng)
+    return jax.jit(init, out_shardings=state_shardings(config, model, parallel, init))(rng)

@@ -1,0 +1,276 @@
+"""Scale-out on the GPUs of one host: ring attention against local attention, and training
+throughput per GPU for data, FSDP and sequence parallelism against one GPU.
+
+    python scripts/bench_scaling.py --out results/scaling                 # both parts
+    python scripts/bench_scaling.py --parts ring --tokens 32768,65536
+    python scripts/bench_scaling.py --parts train --config configs/gpt_1b.py --tokens 16384,65536
+
+ring: forward+backward of context-parallel attention (bf16, causal, batch 1, 16 heads of
+128; the inputs already in the zigzag layout) with T tokens per device over all N devices,
+ring and all-gather, against what a device computes without any communication: one
+non-causal attention of T queries over N*T/2 keys, which is the same number of score pairs
+as a device's share of the causal ring (its own causal block plus N-1 half blocks). The
+ratio ring / local is the cost of the communication the ring does not hide.
+
+train: one real training step (median of --steps after a warm-up) of --config at T tokens
+per device: one GPU (context T), data parallel and FSDP over all N GPUs (context T, batch
+N), sequence parallel over N GPUs (context N*T, batch 1; ring and all-gather). Each runs in
+a fresh process. Reported: tokens/s per GPU, MFU (counting attention at the run's context)
+and the ratio to one GPU.
+
+Prints markdown tables last; --out writes results.json, table.md and scaling.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+from benchlib import human_tokens, parse_choices  # noqa: E402  (after the environment)
+
+PARTS = ("ring", "train")
+TRAIN_SETUPS = {  # name -> (mesh settings, context as a multiple of T, batch as a multiple of N)
+    "1 GPU": ({"data": 1}, 1, 0),
+    "data": ({"data": -1}, 1, 1),
+    "fsdp": ({"data": 1, "fsdp": -1}, 1, 1),
+    "sequence (ring)": ({"data": 1, "sequence": -1, "context_parallel": "ring"}, -1, 0),
+    "sequence (all-gather)": ({"data": 1, "sequence": -1, "context_parallel": "all_gather"}, -1, 0),
+}
+
+
+def seconds_per_call(fn, *args, repeats: int = 10) -> float:
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ring_part(args) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from bpt.ops.kernels.flash import flash_attention
+    from bpt.parallel import context_parallel_attention, make_mesh
+
+    n = jax.device_count()
+    mesh = make_mesh(sequence=n)
+    heads, head_dim = args.heads, 128
+    rows = []
+    for tokens in args.tokens:
+        seq = n * tokens
+        key = jax.random.split(jax.random.PRNGKey(0), 4)
+        shape = (1, seq, heads, head_dim)
+        sharded = NamedSharding(mesh, PartitionSpec(None, "sequence"))
+        q, k, v, cot = (jax.device_put(jax.random.normal(kk, shape, jnp.bfloat16), sharded) for kk in key)
+        row = {"devices": n, "tokens_per_device": tokens, "context": seq}
+        for strategy in ("ring", "all_gather"):
+
+            def loss(q, k, v, cot, strategy=strategy):
+                out = context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, layout="zigzag")
+                return jnp.sum(out.astype(jnp.float32) * cot)
+
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            row[strategy] = seconds_per_call(step, q, k, v, cot)
+        # The same score pairs on one device, no communication: T queries over N*T/2 keys.
+        device = jax.devices()[0]
+        local_q = jax.device_put(
+            jax.random.normal(key[0], (1, tokens, heads, head_dim), jnp.bfloat16), device
+        )
+        local_kv = jax.device_put(
+            jax.random.normal(key[1], (1, max(n * tokens // 2, tokens), heads, head_dim), jnp.bfloat16),
+            device,
+        )
+
+        def local_loss(q, k, v):
+            return jnp.sum(flash_attention(q, k, v, causal=n == 1).astype(jnp.float32))
+
+        row["local"] = seconds_per_call(
+            jax.jit(jax.grad(local_loss, argnums=(0, 1, 2))), local_q, local_kv, local_kv
+        )
+        row["ring_over_local"] = row["ring"] / row["local"]
+        row["all_gather_over_local"] = row["all_gather"] / row["local"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def train_one(args) -> None:
+    """One setup in this process; reports its measurement."""
+    from benchlib import benchmark_config, report
+
+    from bpt.train.probe import measure
+
+    mesh, context, batch = TRAIN_SETUPS[args.train_one]
+    import jax
+
+    n = jax.device_count()
+    seq_len = args.one_tokens * (n if context == -1 else context)
+    batch_size = n * batch if batch else 1
+    overrides = [f"mesh.{k}={v}" for k, v in mesh.items()] + list(args.set)
+    config = benchmark_config(args.config, seq_len=seq_len, batch_size=batch_size, overrides=overrides)
+    devices = jax.devices()[:1] if args.train_one == "1 GPU" else None
+    result = measure(config, steps=args.steps, warmup=1, devices=devices)
+    report(
+        dict(
+            setup=args.train_one,
+            tokens_per_device=args.one_tokens,
+            seq_len=seq_len,
+            batch=batch_size,
+            **result,
+        )
+    )
+
+
+def train_part(args) -> list[dict]:
+    from benchlib import run_in_subprocess
+
+    rows = []
+    for tokens in args.tokens:
+        for setup in args.setups:
+            cmd = [sys.executable, __file__, "--train_one", setup, f"--one_tokens={tokens}"]
+            cmd += [f"--config={args.config}", f"--steps={args.steps}", *(f"--set={s}" for s in args.set)]
+            result = run_in_subprocess(cmd)
+            result.setdefault("setup", setup)
+            result.setdefault("tokens_per_device", tokens)
+            if result.get("ok"):
+                result["tokens_per_second_per_gpu"] = result["tokens_per_second"] / result["devices"]
+            print(json.dumps(result), flush=True)
+            rows.append(result)
+    return rows
+
+
+def tables(ring_rows: list[dict], train_rows: list[dict]) -> str:
+    out = []
+    if ring_rows:
+        out += [
+            f"Ring attention, {ring_rows[0]['devices']} GPUs (fwd+bwd ms; local: the same score pairs on one GPU)",
+            "",
+            "| tokens / GPU | context | local | ring | all-gather | ring / local | all-gather / local |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in ring_rows:
+            out.append(
+                f"| {human_tokens(r['tokens_per_device'])} | {human_tokens(r['context'])} | {r['local'] * 1e3:.1f} | "
+                f"{r['ring'] * 1e3:.1f} | {r['all_gather'] * 1e3:.1f} | {r['ring_over_local']:.3f} | "
+                f"{r['all_gather_over_local']:.3f} |"
+            )
+        out.append("")
+    if train_rows:
+        out += [
+            "Training throughput (tokens/s per GPU, MFU; ratio to one GPU at the same tokens per GPU)",
+            "",
+            "| tokens / GPU | setup | context | GPUs | tokens/s/GPU | MFU | vs 1 GPU | peak GiB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        base = {r["tokens_per_device"]: r for r in train_rows if r["setup"] == "1 GPU" and r.get("ok")}
+        for r in train_rows:
+            if not r.get("ok"):
+                out.append(
+                    f"| {human_tokens(r['tokens_per_device'])} | {r['setup']} | | | failed: {r.get('error', '')[:80]} | | | |"
+                )
+                continue
+            one = base.get(r["tokens_per_device"])
+            ratio = r["tokens_per_second_per_gpu"] / one["tokens_per_second_per_gpu"] if one else None
+            mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "–"
+            peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "–"
+            out.append(
+                f"| {human_tokens(r['tokens_per_device'])} | {r['setup']} | {human_tokens(r['seq_len'])} | "
+                f"{r['devices']} | {r['tokens_per_second_per_gpu']:,.0f} | {mfu} | "
+                f"{'–' if ratio is None else f'{ratio:.3f}'} | {peak} |"
+            )
+    return "\n".join(out)
+
+
+def plot(ring_rows: list[dict], train_rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if ring_rows:
+        x = [r["tokens_per_device"] for r in ring_rows]
+        for name in ("ring", "all_gather"):
+            axes[0].plot(x, [r[f"{name}_over_local"] for r in ring_rows], marker="o", label=name)
+        axes[0].axhline(1.0, color="gray", lw=0.8)
+        axes[0].set(
+            xscale="log",
+            xlabel="tokens per GPU",
+            ylabel="time / local time",
+            title="context-parallel attention",
+        )
+        axes[0].legend()
+    ok = [r for r in train_rows if r.get("ok")]
+    for setup in dict.fromkeys(r["setup"] for r in ok):
+        rows = [r for r in ok if r["setup"] == setup]
+        axes[1].plot(
+            [r["tokens_per_device"] for r in rows],
+            [r["tokens_per_second_per_gpu"] for r in rows],
+            marker="o",
+            label=setup,
+        )
+    axes[1].set(xscale="log", xlabel="tokens per GPU", ylabel="tokens/s per GPU", title="training step")
+    if ok:
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--parts", default="ring,train", help=f"comma-separated: {', '.join(PARTS)}")
+    parser.add_argument("--tokens", default="16384,65536", help="tokens per GPU, comma-separated")
+    parser.add_argument("--heads", type=int, default=16, help="ring part: attention heads (head_dim 128)")
+    parser.add_argument("--config", default="configs/gpt_1b.py", help="train part: the model's config file")
+    parser.add_argument("--setups", default=",".join(TRAIN_SETUPS), help="train part: comma-separated setups")
+    parser.add_argument("--steps", type=int, default=2, help="train part: timed steps after one warm-up")
+    parser.add_argument(
+        "--set", action="append", default=[], help="train part: section.name=value, repeatable"
+    )
+    parser.add_argument("--out", default="", help="folder for results.json, table.md and scaling.png")
+    parser.add_argument("--train_one", help=argparse.SUPPRESS)
+    parser.add_argument("--one_tokens", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.train_one:
+        train_one(args)
+        return
+    parts = parse_choices(parser, args.parts, PARTS, "part")
+    args.setups = parse_choices(parser, args.setups, TRAIN_SETUPS, "setup")
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+
+    from benchlib import run_meta
+
+    meta = run_meta(parts=parts, settings=args.set)
+    print(json.dumps(meta), flush=True)
+    ring_rows = ring_part(args) if "ring" in parts else []
+    train_rows = train_part(args) if "train" in parts else []
+    text = tables(ring_rows, train_rows)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(
+            json.dumps({"meta": meta, "ring": ring_rows, "train": train_rows}, indent=2)
+        )
+        (out / "table.md").write_text(text + "\n")
+        plot(ring_rows, train_rows, out / "scaling.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

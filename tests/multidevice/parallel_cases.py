@@ -1,0 +1,327 @@
+"""Multi-device tests, run on 8 CPU devices in their own process by tests/test_parallel.py
+(XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax starts)."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest's helpers
+from conftest import rel_err  # noqa: E402
+
+from bpt.config import base_config  # noqa: E402
+from bpt.data.datasets import put_batch  # noqa: E402
+from bpt.ops import reference_attention  # noqa: E402
+from bpt.parallel import (  # noqa: E402
+    all_gather_attention,
+    from_layout,
+    layout_permutation,
+    make_mesh,
+    ring_attention,
+    to_layout,
+)
+from bpt.train.loop import jit_steps, setup, train  # noqa: E402
+from bpt.train.probe import TrainingStep  # noqa: E402
+
+TOL = 1e-5  # fp32 relative error, outputs and gradients
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 devices (run by tests/test_parallel.py)"
+)
+
+
+def sequence_mesh(n: int):
+    return make_mesh(sequence=n, devices=jax.devices()[:n])
+
+
+def qkv(key, batch=2, seq=64, heads=4, kv_heads=2, head_dim=16):
+    kq, kk, kv, kc = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (batch, seq, heads, head_dim), jnp.float32)
+    k = jax.random.normal(kk, (batch, seq, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(kv, (batch, seq, kv_heads, head_dim), jnp.float32)
+    return q, k, v, jax.random.normal(kc, q.shape, jnp.float32)
+
+
+def packed_segments(key, batch, seq):
+    return jnp.cumsum(jax.random.bernoulli(key, 0.1, (batch, seq)), axis=1).astype(jnp.int32)
+
+
+def assert_equals_reference(fn, q, k, v, cot, *, causal, segment_ids):
+    out, vjp = jax.vjp(jax.jit(fn), q, k, v)
+    out_r, vjp_r = jax.vjp(
+        lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=segment_ids), q, k, v
+    )
+    assert rel_err(out, out_r) < TOL
+    for name, g, g_r in zip("qkv", vjp(cot), vjp_r(cot)):
+        assert np.isfinite(np.asarray(g)).all(), f"d{name}"
+        assert rel_err(g, g_r) < TOL, f"d{name}"
+
+
+CASES = [  # (strategy, layout, shards): every layout and size for the ring, a few for all-gather
+    *((ring_attention, "zigzag", n) for n in (2, 4, 8)),
+    *((ring_attention, "striped", n) for n in (2, 8)),
+    (ring_attention, "none", 4),
+    (all_gather_attention, "zigzag", 4),
+    (all_gather_attention, "striped", 8),
+    (all_gather_attention, "none", 2),
+]
+
+
+@pytest.mark.parametrize(
+    "strategy,layout,shards", CASES, ids=[f"{s.__name__.split('_')[0]}-{lay}-{n}" for s, lay, n in CASES]
+)
+def test_context_parallel_attention_equals_the_reference(key, strategy, layout, shards):
+    q, k, v, cot = qkv(key)  # GQA: 4 query heads share 2 key/value heads
+    fn = lambda q, k, v: strategy(  # noqa: E731
+        q, k, v, mesh=sequence_mesh(shards), causal=True, layout=layout, q_chunk_size=4, kv_chunk_size=4
+    )
+    assert_equals_reference(fn, q, k, v, cot, causal=True, segment_ids=None)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+@pytest.mark.parametrize("strategy", [ring_attention, all_gather_attention], ids=["ring", "all_gather"])
+def test_packed_documents_and_non_causal(key, strategy, layout):
+    k1, k2, k3 = jax.random.split(key, 3)
+    q, k, v, cot = qkv(k1, kv_heads=1)  # MQA
+    seg = packed_segments(k2, 2, 64)
+    mesh = sequence_mesh(4)
+    causal_fn = lambda q, k, v: strategy(q, k, v, mesh=mesh, segment_ids=seg, layout=layout, q_chunk_size=8)  # noqa: E731
+    assert_equals_reference(causal_fn, q, k, v, cot, causal=True, segment_ids=seg)
+    full_fn = lambda q, k, v: strategy(q, k, v, mesh=mesh, causal=False, segment_ids=seg)  # noqa: E731
+    assert_equals_reference(full_fn, q, k, v, cot, causal=False, segment_ids=seg)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_ring_with_the_pallas_kernels_in_interpret_mode(key, layout):
+    q, k, v, cot = qkv(key, batch=1, seq=64, heads=2, kv_heads=1)
+    fn = lambda q, k, v: ring_attention(q, k, v, mesh=sequence_mesh(2), layout=layout, impl="pallas")  # noqa: E731
+    assert_equals_reference(fn, q, k, v, cot, causal=True, segment_ids=None)
+
+
+def test_ring_over_a_mesh_with_batch_and_head_axes(key):
+    q, k, v, cot = qkv(key, batch=4, seq=32, heads=4, kv_heads=2)
+    mesh = make_mesh(data=2, sequence=2, tensor=2)
+    fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, q_chunk_size=8, kv_chunk_size=8)  # noqa: E731
+    assert_equals_reference(fn, q, k, v, cot, causal=True, segment_ids=None)
+
+
+@pytest.mark.parametrize("layout,shards", [("zigzag", 4), ("striped", 4), ("none", 4), ("zigzag", 1)])
+def test_layouts_are_permutations_that_round_trip(layout, shards):
+    perm = layout_permutation(48, shards, layout)
+    assert sorted(perm.tolist()) == list(range(48))
+    x = jnp.arange(2 * 48).reshape(2, 48)
+    assert (from_layout(to_layout(x, perm), perm) == x).all()
+    if layout == "zigzag" and shards > 1:  # device 0 holds the first and the last chunk
+        assert perm[:6].tolist() == list(range(6)) and perm[6:12].tolist() == list(range(42, 48))
+    if layout == "striped" and shards > 1:
+        assert perm[:12].tolist() == list(range(0, 48, 4))
+
+
+# ----------------------------------------------------------------------------- training on meshes
+
+
+def tiny_config(mode="blockwise_parallel", **mesh):
+    c = base_config("tiny")
+    c.data.name = "copy"
+    c.data.seq_len = 64
+    c.data.copy_symbols = 8
+    c.model.vocab_size = 16
+    c.model.attention_mode = mode
+    c.model.attention_impl = "blockwise"
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 8
+    c.train.batch_size = 8
+    c.train.learning_rate = 3e-3
+    c.train.warmup_steps = 2
+    c.mesh.data = 1
+    c.mesh.update(mesh)
+    return c
+
+
+def losses(c, steps=3):
+    dataset, model, state = setup(c)
+    train_step, _, batch_sharding = jit_steps(c, model, state)
+    out = []
+    for s in range(steps):
+        state, metrics = train_step(
+            state,
+            put_batch(dataset.train_batch(s, c.train.batch_size), batch_sharding),
+            jax.random.PRNGKey(s),
+        )
+        out.append(float(metrics["loss"]))
+    return out, state, model
+
+
+@pytest.fixture(scope="module")
+def one_device_losses():
+    import bpt.train.loop as loop
+    from bpt.train.state import make_parallelism
+
+    results = {}
+    for mode in ("blockwise_parallel", "memory_efficient"):
+        c = tiny_config(mode)
+        original = loop.make_parallelism
+        loop.make_parallelism = lambda config: make_parallelism(config, jax.devices()[:1])
+        try:
+            results[mode] = losses(c)[0]
+        finally:
+            loop.make_parallelism = original
+    return results
+
+
+MESHES = [
+    ("blockwise_parallel", dict(data=2, fsdp=2, sequence=2)),
+    ("blockwise_parallel", dict(tensor=2, sequence=4)),
+    ("blockwise_parallel", dict(fsdp=8)),
+    ("blockwise_parallel", dict(fsdp=2, sequence=4, context_parallel="all_gather", load_balance="striped")),
+    ("memory_efficient", dict(data=2, sequence=2, tensor=2)),
+]
+
+
+@pytest.mark.parametrize(
+    "mode,mesh", MESHES, ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items())
+)
+def test_training_on_a_mesh_logs_the_one_device_losses(one_device_losses, mode, mesh):
+    found, state, model = losses(tiny_config(mode, **mesh))
+    np.testing.assert_allclose(found, one_device_losses[mode], rtol=1e-4)
+    sizes = model.parallel.mesh.shape
+    fsdp = tuple(a for a in ("fsdp", "sequence") if sizes[a] > 1)
+    fsdp = None if not fsdp else fsdp[0] if len(fsdp) == 1 else fsdp
+    tensor = "tensor" if sizes["tensor"] > 1 else None
+    params = state.params
+    expected = {  # by the rules: embed over fsdp x sequence, heads/mlp/vocab over tensor
+        "wq": (None, fsdp, tensor, None),
+        "wo": (None, tensor, None, fsdp),
+        "w1": (None, fsdp, tensor),
+        "w2": (None, tensor, fsdp),
+        "bq": (None, tensor, None),
+    }
+    for name, spec in expected.items():
+        assert tuple(params["layers"][name].sharding.spec) == spec, name
+    assert tuple(params["embedding"].sharding.spec) == (tensor, fsdp)
+    mu = state.opt_state[1][0].mu  # AdamW's first moment: sharded like its parameter
+    assert mu["layers"]["w1"].sharding == params["layers"]["w1"].sharding
+    # Each device holds only its shard.
+    w1 = params["layers"]["w1"]
+    shards = (sizes["fsdp"] * sizes["sequence"]) * sizes["tensor"]
+    assert w1.addressable_shards[0].data.size == w1.size // shards
+
+
+def test_resume_on_another_mesh_logs_the_same_losses(tmp_path):
+    c = tiny_config(fsdp=8)
+    c.train.steps, c.train.log_every, c.train.checkpoint_every = 6, 1, 3
+    c.train.eval_every, c.train.eval_batches, c.train.sample_tokens = 0, 1, 0
+    train(c, tmp_path / "whole")
+    c.train.steps = 3
+    train(c, tmp_path / "split")
+    c.train.steps = 6
+    c.mesh.fsdp, c.mesh.data, c.mesh.sequence = 1, 2, 4  # saved on fsdp 8, resumed on data 2 x sequence 4
+    train(c, tmp_path / "split")
+    read = lambda run: [
+        json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+    ]  # noqa: E731
+    np.testing.assert_allclose(read("split"), read("whole"), rtol=1e-4)
+
+
+def test_sequence_sharding_divides_the_activation_memory_per_device():
+    """BPT keeps its memory property under sharding: what a device's compiled step needs grows
+    with the tokens it holds, so with them over 8 devices it grows 4 times slower than over 2."""
+
+    def temp_bytes(seq_len, shards):
+        c = tiny_config(sequence=shards)
+        c.data.seq_len, c.train.batch_size = seq_len, 1
+        c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 64
+        c.model.vocab_size = 256
+        return TrainingStep(c, devices=jax.devices()[:shards]).memory().temp
+
+    growth = {n: temp_bytes(4096, n) - temp_bytes(2048, n) for n in (2, 8)}
+    assert growth[2] > 0 and growth[8] < growth[2] / 3, growth  # measured: 3.6x
+
+
+@pytest.mark.parametrize(
+    "mesh,message",
+    [
+        (dict(data=3), "needs 3 devices and there are 8"),
+        (dict(data=-1, fsdp=-1), "only one mesh size may be -1"),
+        (dict(tensor=8), "mesh.tensor=8 must divide model.num_heads=4"),
+        (dict(sequence=8, load_balance="zigzag", seq_len=24), "data.seq_len=24 does not split"),
+        (dict(data=8, batch_size=4), "do not split over mesh.data x mesh.fsdp = 8"),
+        (dict(sequence=-1, context_parallel="tree"), "unknown mesh.context_parallel"),
+    ],
+)
+def test_bad_mesh_settings_are_clear_errors(mesh, message):
+    c = tiny_config()
+    c.data.seq_len = mesh.pop("seq_len", c.data.seq_len)
+    c.train.batch_size = mesh.pop("batch_size", c.train.batch_size)
+    c.mesh.update(mesh)
+    with pytest.raises(ValueError, match=message):
+        setup(c)
+
+
+def test_vocab_that_tensor_parallelism_cannot_split_names_the_setting():
+    c = tiny_config(tensor=2, data=-1)
+    c.model.vocab_size = 17
+    with pytest.raises(ValueError, match="model.vocab_size to a multiple of mesh.tensor"):
+        setup(c)
+
+
+def test_two_processes_train_as_one(tmp_path):
+    """bpt-train as two processes (jax.distributed on localhost, two CPU devices each, CPU
+    collectives) logs the losses of one process with four devices; only process 0 writes."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = [
+        "--config=configs/tiny.py",
+        "--config.data.name=copy",
+        "--config.data.seq_len=64",
+        "--config.data.copy_symbols=8",
+        "--config.model.vocab_size=16",
+        "--config.model.attention_impl=blockwise",
+        "--config.model.q_chunk_size=8",
+        "--config.model.kv_chunk_size=8",
+        "--config.model.loss_chunk_size=8",
+        "--config.train.steps=4",
+        "--config.train.batch_size=8",
+        "--config.train.log_every=1",
+        "--config.train.eval_every=0",
+        "--config.train.eval_batches=1",
+        "--config.train.sample_tokens=0",
+        "--config.mesh.data=2",
+        "--config.mesh.sequence=2",
+    ]
+    root = Path(__file__).resolve().parents[2]
+
+    def launch(workdir, devices, process_id=None):
+        env = dict(
+            os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
+        )
+        if process_id is not None:
+            env.update(
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES="2",
+                JAX_PROCESS_ID=str(process_id),
+            )
+        cmd = [sys.executable, "-m", "bpt.cli.train", f"--workdir={workdir}", *flags]
+        return subprocess.Popen(
+            cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    procs = [launch(tmp_path / "two", 2, i) for i in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    one = launch(tmp_path / "one", 4)
+    out = one.communicate(timeout=600)[0]
+    assert one.returncode == 0, out[-3000:]
+    read = lambda run: [
+        json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+    ]  # noqa: E731
+    np.testing.assert_allclose(read("two"), read("one"), rtol=1e-4)
+    assert "model:" in outputs[0] and "model:" not in outputs[1]  # process 0 speaks for the run
