@@ -191,9 +191,9 @@ def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int) -> GPTConf
     return GPTConfig(**fields)
 
 
-def check_mesh(c: ConfigDict, device_count: int) -> None:
-    """Raises ValueError naming the first mesh setting that cannot work with this config on
-    device_count devices (the mesh itself is checked by bpt.parallel.make_mesh)."""
+def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
+    """Raises ValueError naming the first mesh setting that cannot work with this config on a
+    mesh of these sizes (bpt.parallel.make_mesh resolves -1 and checks the device count)."""
     from bpt.parallel.mesh import CONTEXT_PARALLEL, LOAD_BALANCE
 
     m = c.mesh
@@ -203,16 +203,9 @@ def check_mesh(c: ConfigDict, device_count: int) -> None:
         )
     if m.load_balance not in LOAD_BALANCE:
         raise ValueError(f"unknown mesh.load_balance {m.load_balance!r}; allowed: {', '.join(LOAD_BALANCE)}")
-    sizes = {name: m[name] for name in ("data", "fsdp", "sequence", "tensor")}
-    free = [name for name, size in sizes.items() if size == -1]
-    fixed = 1
-    for size in sizes.values():
-        fixed *= size if size != -1 else 1
-    if len(free) == 1 and device_count % fixed == 0:
-        sizes[free[0]] = device_count // fixed
     batch_shards, seq, tensor = sizes["data"] * sizes["fsdp"], sizes["sequence"], sizes["tensor"]
     micro = c.train.batch_size // c.train.grad_accum_steps
-    if batch_shards > 0 and micro % batch_shards:
+    if micro % batch_shards:
         raise ValueError(
             f"train.batch_size / train.grad_accum_steps = {micro} sequences a micro-batch do not split over "
             f"mesh.data x mesh.fsdp = {batch_shards} devices; make it a multiple"

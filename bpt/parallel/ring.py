@@ -326,9 +326,8 @@ def _attend(s: _Settings, q, k, v, q_seg, kv_seg):
 
 def _attend_fwd(s: _Settings, q, k, v, q_seg, kv_seg):
     index = lax.axis_index(s.axis)
-    b, sq, h, d = q.shape
-    empty = (jnp.zeros(q.shape, jnp.float32), jnp.full((b, h, sq), -jnp.inf, jnp.float32))
-    own = _merge(*empty, *_hop_forward(s, True, None, q, k, v, q_seg, kv_seg))
+    out, lse = _hop_forward(s, True, None, q, k, v, q_seg, kv_seg)
+    own = (out.astype(jnp.float32), lse)
 
     def visit(t, shard, carry):
         before = _source(s, index, t)[1]

@@ -22,8 +22,7 @@ from bpt.sample import generate
 from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.optimizer import learning_rate_schedule
-from bpt.train.state import create_state, make_parallelism
-from bpt.train.step import eval_step, make_train_step
+from bpt.train.state import create_state, jit_steps, make_parallelism
 
 
 def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:
@@ -159,37 +158,19 @@ def setup(config: ConfigDict) -> tuple[object, GPT, TrainState]:
         model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len),
         parallel=parallel,
     )
-    state = create_state(config, model, jax.random.fold_in(jax.random.PRNGKey(config.seed), 0), parallel)
+    state = create_state(config, model, jax.random.fold_in(jax.random.PRNGKey(config.seed), 0))
     return dataset, model, state
 
 
-def jit_steps(config: ConfigDict, model: GPT, state: TrainState):
-    """(train_step, eval_step, batch_sharding), jit-ed with the state's and the batch's shardings
-    on the model's mesh (batch_sharding None on one device)."""
-    tc, parallel = config.train, model.parallel
-    if parallel is None:
-        train_step = make_train_step(tc.grad_accum_steps, skip_nonfinite=tc.skip_nonfinite)
-        return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step), None
-    batch = parallel.activations()
-    shardings = jax.tree.map(lambda x: x.sharding, state)  # as create_state laid it out
-    train_step = make_train_step(tc.grad_accum_steps, skip_nonfinite=tc.skip_nonfinite, batch_sharding=batch)
-    replicated = parallel.replicated()
-    return (
-        jax.jit(
-            train_step,
-            in_shardings=(shardings, batch, replicated),
-            out_shardings=(shardings, replicated),
-            donate_argnums=0,
-        ),
-        jax.jit(eval_step, in_shardings=(shardings, batch), out_shardings=replicated),
-        batch,
-    )
+def shardings_of(state: TrainState):
+    """The state's layout, as create_state made it (restored checkpoints keep it)."""
+    return jax.tree.map(lambda x: x.sharding, state)
 
 
 def evaluate_checkpoint(workdir: str | Path, *, eval_batches: int = 0, batch_size: int = 0) -> dict:
     """Validation loss, perplexity and accuracy of a run's latest checkpoint."""
     config, dataset, model, state = restore_run(workdir)
-    _, eval_fn, batch_sharding = jit_steps(config, model, state)
+    _, eval_fn, batch_sharding = jit_steps(config, model, shardings_of(state))
     batches = dataset.eval_batches(
         eval_batches or config.train.eval_batches, batch_size or config.train.batch_size
     )
@@ -252,7 +233,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         start = int(state.step)
         meta = {"config": json.loads(config.to_json_best_effort()), "seed": config.seed}
 
-        train_step, eval_fn, batch_sharding = jit_steps(config, model, state)
+        train_step, eval_fn, batch_sharding = jit_steps(config, model, shardings_of(state))
         step_rng = jax.random.fold_in(rng, 1)
         batches = iter(
             Prefetcher(

@@ -21,8 +21,7 @@ from ml_collections import ConfigDict
 from bpt.config import check_config, model_config
 from bpt.models.gpt import GPT
 from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
-from bpt.train.state import make_parallelism, state_initializer, state_shardings
-from bpt.train.step import make_train_step
+from bpt.train.state import jit_initializer, jit_steps, make_parallelism
 
 GPT2_VOCAB = 50257  # the paper's tokenizer (OpenWebText through GPT-2's BPE)
 
@@ -87,23 +86,9 @@ class TrainingStep:
             parallel=self.parallel,
         )
         self.shape = (config.train.batch_size, config.data.seq_len)
-        init = state_initializer(config, self.model)  # one state tree for all uses
-        train_step = make_train_step(config.train.grad_accum_steps)
-        if self.parallel is None:
-            self.init = jax.jit(init)
-            self.step = jax.jit(train_step, donate_argnums=0)
-            self._batch = jax.jit(self._random_batch)
-        else:
-            shardings = state_shardings(config, self.model, self.parallel, init)
-            batch, replicated = self.parallel.activations(), self.parallel.replicated()
-            self.init = jax.jit(init, out_shardings=shardings)
-            self.step = jax.jit(
-                make_train_step(config.train.grad_accum_steps, batch_sharding=batch),
-                in_shardings=(shardings, batch, replicated),
-                out_shardings=(shardings, replicated),
-                donate_argnums=0,
-            )
-            self._batch = jax.jit(self._random_batch, out_shardings=batch)
+        self.init, shardings = jit_initializer(config, self.model)  # one state tree for all uses
+        self.step, _, batch = jit_steps(config, self.model, shardings)
+        self._batch = jax.jit(self._random_batch, out_shardings=batch)
         self.state_shapes = jax.eval_shape(self.init, jax.random.PRNGKey(0))
         self._compiled = None
 

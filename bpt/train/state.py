@@ -18,6 +18,7 @@ from bpt.config import check_mesh
 from bpt.models.gpt import GPT
 from bpt.parallel.mesh import Parallelism, like_params, make_mesh, param_shardings
 from bpt.train.optimizer import make_optimizer
+from bpt.train.step import eval_step, make_train_step
 
 
 def make_parallelism(config: ConfigDict, devices=None) -> Parallelism | None:
@@ -25,7 +26,7 @@ def make_parallelism(config: ConfigDict, devices=None) -> Parallelism | None:
     that is one device (everything then runs as it always has on one)."""
     m = config.mesh
     mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, sequence=m.sequence, devices=devices)
-    check_mesh(config, mesh.size)
+    check_mesh(config, dict(mesh.shape))
     if mesh.size == 1:
         return None
     return Parallelism(mesh, context_parallel=m.context_parallel, load_balance=m.load_balance)
@@ -63,9 +64,38 @@ def state_shardings(config: ConfigDict, model: GPT, parallel: Parallelism, init=
     )
 
 
-def create_state(config: ConfigDict, model: GPT, rng, parallel: Parallelism | None = None) -> TrainState:
-    """Initial parameters and optimizer state, built inside jit (sharded on the mesh if any)."""
+def jit_initializer(config: ConfigDict, model: GPT):
+    """(init, shardings): init is rng -> the initial TrainState, jit-ed to create it already
+    laid out on model's mesh; shardings is that layout (a TrainState of NamedShardings), or
+    None on one device."""
     init = state_initializer(config, model)
+    if model.parallel is None:
+        return jax.jit(init), None
+    shardings = state_shardings(config, model, model.parallel, init)
+    return jax.jit(init, out_shardings=shardings), shardings
+
+
+def create_state(config: ConfigDict, model: GPT, rng) -> TrainState:
+    """Initial parameters and optimizer state, built inside jit (sharded on the model's mesh if any)."""
+    return jit_initializer(config, model)[0](rng)
+
+
+def jit_steps(config: ConfigDict, model: GPT, shardings):
+    """(train_step, eval_step, batch_sharding), jit-ed with the state's shardings (from
+    jit_initializer) and the batch's on the model's mesh (batch_sharding None on one device)."""
+    tc, parallel = config.train, model.parallel
+    batch = None if parallel is None else parallel.activations()
+    train_step = make_train_step(tc.grad_accum_steps, skip_nonfinite=tc.skip_nonfinite, batch_sharding=batch)
     if parallel is None:
-        return jax.jit(init)(rng)
-    return jax.jit(init, out_shardings=state_shardings(config, model, parallel, init))(rng)
+        return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step), None
+    replicated = parallel.replicated()
+    return (
+        jax.jit(
+            train_step,
+            in_shardings=(shardings, batch, replicated),
+            out_shardings=(shardings, replicated),
+            donate_argnums=0,
+        ),
+        jax.jit(eval_step, in_shardings=(shardings, batch), out_shardings=replicated),
+        batch,
+    )

@@ -24,8 +24,9 @@ from bpt.parallel import (  # noqa: E402
     ring_attention,
     to_layout,
 )
-from bpt.train.loop import jit_steps, setup, train  # noqa: E402
+from bpt.train.loop import setup, shardings_of, train  # noqa: E402
 from bpt.train.probe import TrainingStep  # noqa: E402
+from bpt.train.state import jit_steps  # noqa: E402
 
 TOL = 1e-5  # fp32 relative error, outputs and gradients
 pytestmark = pytest.mark.skipif(
@@ -142,7 +143,7 @@ def tiny_config(mode="blockwise_parallel", **mesh):
 
 def losses(c, steps=3):
     dataset, model, state = setup(c)
-    train_step, _, batch_sharding = jit_steps(c, model, state)
+    train_step, _, batch_sharding = jit_steps(c, model, shardings_of(state))
     out = []
     for s in range(steps):
         state, metrics = train_step(
