@@ -7,6 +7,7 @@ a config file (it has get_config()): bpt-train uses it when no --config is given
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 from pathlib import Path
 
@@ -29,6 +30,27 @@ MODEL_SIZES: dict[str, dict] = {
     "70b": dict(num_layers=80, d_model=8192, num_heads=64),
 }
 DATASETS = ("shakespeare", "text", "hf", "prepared", "copy")
+# The numeric settings' ranges: (key, (low, inclusive) or None, (high, inclusive) or None).
+# GPTConfig checks the model's own.
+RANGES = (
+    ("train.learning_rate", (0.0, False), None),
+    ("train.min_lr_ratio", (0.0, True), (1.0, True)),
+    ("train.weight_decay", (0.0, True), None),
+    ("train.b1", (0.0, True), (1.0, False)),
+    ("train.b2", (0.0, True), (1.0, False)),
+    ("train.eps", (0.0, False), None),
+    ("train.grad_clip", (0.0, False), None),
+    ("train.peak_flops", (0.0, True), None),
+    ("train.memory_fraction", (0.0, False), (1.0, True)),
+    ("train.warmup_steps", (0, True), None),
+    ("train.eval_every", (0, True), None),
+    ("train.sample_tokens", (0, True), None),
+    ("train.sample_temperature", (0.0, True), None),
+    ("train.sample_top_k", (0, True), None),
+    ("train.sample_top_p", (0.0, False), (1.0, True)),
+    ("data.num_workers", (0, True), None),
+    ("data.prefetch", (0, True), None),
+)
 
 
 def base_config(size: str = "small") -> ConfigDict:
@@ -90,6 +112,10 @@ def base_config(size: str = "small") -> ConfigDict:
     c.train.log_every = 10
     c.train.skip_nonfinite = False  # skip a step whose loss or gradient is NaN/inf instead of stopping
     c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0: bf16 peak of the device kind
+    # The share of each GPU's memory the run's pool takes (set before jax starts; the
+    # environment's XLA_PYTHON_CLIENT_MEM_FRACTION wins). XLA's own default, 0.75, cuts the
+    # longest contexts short.
+    c.train.memory_fraction = 0.95
     c.train.eval_every = 200  # 0: evaluate only at the end
     c.train.eval_batches = 8
     c.train.checkpoint_every = 1000
@@ -103,6 +129,9 @@ def base_config(size: str = "small") -> ConfigDict:
 
     c.init = ConfigDict()
     c.init.params_from = ""  # a run's workdir or checkpoint: start from its parameters (fine-tuning)
+    # interpolate | tile: how params_from's learned position table grows to a longer
+    # model.max_seq_len (bpt.models.hf.extend_positions)
+    c.init.extend_positions = "interpolate"
 
     # The device mesh (bpt.parallel): the product of the four sizes is the number of devices
     # (all of them, over all hosts); one size may be -1, the devices left over.
@@ -124,35 +153,55 @@ def load_config_file(path) -> ConfigDict:
     spec = importlib.util.spec_from_file_location(f"bpt_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise ValueError(f"config file {path} has no get_config() function")
     return module.get_config()
 
 
-def override(c: ConfigDict, setting: str) -> ConfigDict:
-    """Sets one field from "section.name=value" (as bpt-train's --config.section.name=value);
-    the value is read as the field's type (bools: true/false). Returns c."""
-    key, sep, text = setting.partition("=")
-    *path, name = key.strip().split(".")
-    section = c
-    for part in path:
-        section = section.get(part) if isinstance(section, ConfigDict) else None
-    if not sep or not isinstance(section, ConfigDict) or name not in section:
-        raise ValueError(f"cannot set {setting!r}: expected section.name=value naming an existing field")
-    current = section[name]
-    kind = type(current) if current is not None else section.get_type(name)
-    text = text.strip()
-    try:
-        if kind is bool:
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(text)
-            value = text.lower() in ("true", "1")
-        elif kind in (int, float):
-            value = kind(text)
+def config_keys(c: ConfigDict, prefix: str = "") -> list[str]:
+    """Every setting of a config as a dotted path ("train.steps", ...)."""
+    keys = []
+    for name, value in c.items():
+        if isinstance(value, ConfigDict):
+            keys += config_keys(value, f"{prefix}{name}.")
         else:
-            value = text
-    except ValueError:
-        raise ValueError(f"cannot set {key}={text!r}: {key} takes {kind.__name__}") from None
-    section[name] = value
-    return c
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def check_keys(c: ConfigDict, keys) -> None:
+    """Raises ValueError for the first dotted key that names no setting of c, with the
+    closest existing ones ("unknown key train.stepz; did you mean train.steps?")."""
+    known = config_keys(c)
+    for key in keys:
+        if key in known:
+            continue
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in known if k.rsplit(".", 1)[-1] == leaf]  # the right name, another section
+        close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(close)}?" if close else "; bpt/config.py lists the settings"
+        raise ValueError(f"unknown key {key}{hint}")
+
+
+def override(c: ConfigDict, *settings: str) -> ConfigDict:
+    """Sets fields from "section.name=value" strings, parsed exactly as bpt-train parses
+    --config.section.name=value (ml_collections' config flags: the field's type decides).
+    Returns c, changed in place."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    for setting in settings:
+        if "=" not in setting:
+            raise ValueError(f"cannot set {setting!r}: expected section.name=value")
+    check_keys(c, [setting.split("=", 1)[0].strip() for setting in settings])
+    argv = ["bpt", *(f"--config.{setting.strip()}" for setting in settings)]
+    values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_dict("config", c, flag_values=values, lock_config=True, sys_argv=argv)
+    try:
+        values(argv)
+    except flags.Error as error:
+        raise ValueError(str(error)) from None
+    return holder.value
 
 
 def get_config() -> ConfigDict:
@@ -247,6 +296,12 @@ def check_config(c: ConfigDict) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{prefix}.{name} must be a positive integer; got {value!r}")
 
+    from bpt.models.hf import EXTEND_METHODS
+
+    if c.init.extend_positions not in EXTEND_METHODS:
+        raise ValueError(
+            f"unknown init.extend_positions {c.init.extend_positions!r}; allowed: {', '.join(EXTEND_METHODS)}"
+        )
     if c.data.name not in DATASETS:
         raise ValueError(f"unknown data.name {c.data.name!r}; allowed: {', '.join(DATASETS)}")
     if c.data.name == "text" and not c.data.path:
@@ -255,8 +310,6 @@ def check_config(c: ConfigDict) -> None:
         raise ValueError("data.name='prepared' needs data.path: a folder written by bpt-prepare-data")
     if c.data.val_fraction is not None and not 0.0 < c.data.val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {c.data.val_fraction}")
-    if c.data.num_workers < 0 or c.data.prefetch < 0:
-        raise ValueError("data.num_workers and data.prefetch must be >= 0")
     positive(c.data, "data", "seq_len", "copy_symbols")
     positive(
         c.train,
@@ -283,7 +336,21 @@ def check_config(c: ConfigDict) -> None:
                 "choose a chunk size that divides the sequence length"
             )
     check_state_dtype(c.train)
-    if c.train.warmup_steps < 0 or c.train.eval_every < 0 or c.train.sample_tokens < 0:
-        raise ValueError("train.warmup_steps, train.eval_every and train.sample_tokens must be >= 0")
+    for key, low, high in RANGES:
+        section, name = key.split(".")
+        value = c[section][name]
+        low_ok = low is None or (value >= low[0] if low[1] else value > low[0])
+        high_ok = high is None or (value <= high[0] if high[1] else value < high[0])
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low_ok and high_ok):
+            where = " and ".join(
+                part
+                for part in (
+                    low and f"{'>=' if low[1] else '>'} {low[0]}",
+                    high and f"{'<=' if high[1] else '<'} {high[0]}",
+                )
+                if part
+            )
+            raise ValueError(f"{key} must be {where}; got {value!r}")
     if c.data.name == "copy" and c.data.seq_len % 2:
         raise ValueError(f"data.name='copy' needs an even data.seq_len; got {c.data.seq_len}")
+    model_config(c.model, vocab_size=1, seq_len=c.data.seq_len)  # GPTConfig checks the model's settings

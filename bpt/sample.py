@@ -55,6 +55,11 @@ def prefill_length(prompt_len: int, chunk_size: int) -> int:
     return prompt_len if prompt_len <= chunk_size else -(-prompt_len // chunk_size) * chunk_size
 
 
+def context_window(max_len: int) -> int:
+    """Tokens of context kept when generation runs past the cache (max_len): the last half."""
+    return max(1, max_len // 2)
+
+
 def generate(
     model,
     params,
@@ -69,14 +74,33 @@ def generate(
 ) -> np.ndarray:
     """Extends a 1-D prompt of token ids by num_tokens sampled tokens; returns the new ones.
 
-    max_len: the cache length, normally the context the model was trained at. A prompt too
-    long to leave room for num_tokens keeps only its last tokens.
+    max_len: the cache length, normally the context the model was trained at. Text longer
+    than that is generated with a sliding window: when the cache is full, decoding restarts
+    from a prefill of the last context_window(max_len) tokens. A prompt of max_len tokens or
+    more is read from its last context_window(max_len) tokens only (callers say so).
     """
-    if not 0 < num_tokens < max_len:
-        raise ValueError(f"num_tokens must be in [1, max_len={max_len}); got {num_tokens}")
-    prompt = np.asarray(prompt, np.int32)[-(max_len - num_tokens) :]
-    if len(prompt) == 0:
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be at least 1; got {num_tokens}")
+    if max_len < 2:
+        raise ValueError(f"max_len must be at least 2; got {max_len}")
+    text = np.asarray(prompt, np.int32).reshape(-1)
+    if len(text) == 0:
         raise ValueError("the prompt must hold at least one token")
+    if len(text) >= max_len:
+        text = text[-context_window(max_len) :]
+    new: list[np.ndarray] = []
+    made = 0
+    while made < num_tokens:
+        context = text if not made else np.concatenate([text, *new])[-context_window(max_len) :]
+        count = min(num_tokens - made, max_len - len(context))
+        new.append(_segment(model, params, context, count, max_len, jax.random.fold_in(rng, made),
+                            temperature, top_k, top_p))  # fmt: skip
+        made += count
+    return np.concatenate(new)
+
+
+def _segment(model, params, prompt, num_tokens, max_len, rng, temperature, top_k, top_p) -> np.ndarray:
+    """num_tokens tokens after prompt, decoded in one cache of max_len."""
     padded_len = prefill_length(len(prompt), model.config.q_chunk_size)
     if padded_len > max_len:
         raise ValueError(
@@ -85,20 +109,10 @@ def generate(
         )
     padded = np.zeros((1, padded_len), np.int32)
     padded[0, : len(prompt)] = prompt
-    return np.asarray(
-        _generate(
-            model,
-            params,
-            jnp.asarray(padded),
-            len(prompt),
-            num_tokens,
-            max_len,
-            rng,
-            temperature,
-            top_k,
-            top_p,
-        )
-    )[0]
+    tokens = _generate(
+        model, params, jnp.asarray(padded), len(prompt), num_tokens, max_len, rng, temperature, top_k, top_p
+    )
+    return np.asarray(tokens)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 7, 8, 9))

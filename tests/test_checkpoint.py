@@ -14,7 +14,7 @@ from test_train import copy_config
 from bpt.config import model_config
 from bpt.data.datasets import CopyTask
 from bpt.models.gpt import GPT
-from bpt.train.checkpoint import Checkpoints, ModelMismatch, load_params
+from bpt.train.checkpoint import CheckpointError, Checkpoints, ModelMismatch, load_params
 from bpt.train.loop import create_state, evaluate_checkpoint, train
 
 
@@ -112,19 +112,113 @@ def test_an_interrupted_save_leaves_the_last_good_checkpoint(tmp_path):
     assert not partial.exists()  # leftovers of the interrupted save are cleaned up
 
 
-def test_a_damaged_checkpoint_is_skipped_with_a_warning(tmp_path):
-    train(run_config(steps=8), tmp_path)
-    ckpt = tmp_path / "checkpoints"
-    for f in (ckpt / "8" / "opt_state").rglob("*"):
-        if f.is_file() and f.stat().st_size > 0:
-            f.unlink()
-    c = run_config(steps=8)
+def trained_run(tmp_path_factory, name="run"):
+    """A finished 8-step run with checkpoints at steps 4 and 8 (copied per test: they damage it)."""
+    folder = tmp_path_factory.getbasetemp() / "shared_run"
+    if not folder.exists():
+        train(run_config(steps=8), folder)
+    return folder
+
+
+@pytest.fixture
+def run8(tmp_path_factory, tmp_path):
+    shutil.copytree(trained_run(tmp_path_factory), tmp_path / "run")
+    return tmp_path / "run"
+
+
+def fresh_state(steps=8):
+    c = run_config(steps=steps)
     model = GPT(model_config(c.model, vocab_size=9, seq_len=c.data.seq_len))
-    with Checkpoints(ckpt, keep=3, async_save=False) as checkpoints:
-        with pytest.warns(UserWarning, match="checkpoint at step 8 cannot be loaded"):
-            state, _ = checkpoints.restore_latest(create_state(c, model, jax.random.PRNGKey(0)))
-        assert int(state.step) == 4
-        assert (ckpt / "8.damaged").is_dir() and checkpoints.steps() == [4]
+    return create_state(c, model, jax.random.PRNGKey(0))
+
+
+def largest_file(folder):
+    return max((f for f in folder.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+def folders(ckpt):
+    return sorted(p.name for p in ckpt.iterdir())
+
+
+def test_a_truncated_checkpoint_is_set_aside_by_training_and_only_reported_by_readers(run8, capsys):
+    ckpt = run8 / "checkpoints"
+    truncate(largest_file(ckpt / "8" / "params"))
+
+    # A reader (bpt-eval, bpt-sample) falls back to step 4 and moves nothing.
+    with Checkpoints(ckpt, read_only=True) as checkpoints:
+        state, _ = checkpoints.restore_latest(fresh_state())
+    assert int(state.step) == 4 and folders(ckpt) == ["4", "8"]
+    assert "checkpoint at step 8 is damaged" in capsys.readouterr().out
+    assert evaluate_checkpoint(run8)["step"] == 4 and folders(ckpt) == ["4", "8"]
+
+    # Training sets it aside, says so in one line, and resumes from step 4.
+    last = train(run_config(steps=8), run8)
+    out = capsys.readouterr().out
+    assert "checkpoint at step 8 is damaged" in out and "8.damaged" in out and "TensorStore" not in out
+    assert "resuming from the checkpoint at step 4" in out
+    assert last["step"] == 8 and folders(ckpt) == ["4", "8", "8.damaged"]
+    steps = [json.loads(line)["step"] for line in (run8 / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # resuming at 4 dropped the old rows of steps 5-8
+
+
+def test_when_no_checkpoint_loads_readers_say_why_and_training_announces_a_restart(run8, capsys):
+    ckpt = run8 / "checkpoints"
+    for step in ("4", "8"):
+        largest_file(ckpt / step / "opt_state").unlink()
+    with pytest.raises(FileNotFoundError, match="no checkpoint .* loads .damaged: step 8: .*step 4"):
+        evaluate_checkpoint(run8)
+    assert folders(ckpt) == ["4", "8"]
+    capsys.readouterr()
+    train(run_config(steps=2), run8)
+    out = capsys.readouterr().out
+    assert "starts again from step 0" in out
+    steps = [json.loads(line)["step"] for line in (run8 / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # the rows of the lost run are gone, not duplicated
+
+
+def test_a_read_error_once_is_retried_and_a_lasting_one_stops_without_moving_anything(run8, monkeypatch):
+    ckpt = run8 / "checkpoints"
+    real = Checkpoints._read
+    failures = {"left": 1}
+
+    def flaky(self, step, state):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(5, "Input/output error")
+        return real(self, step, state)
+
+    monkeypatch.setattr(Checkpoints, "_read", flaky)
+    with Checkpoints(ckpt) as checkpoints:
+        state, _ = checkpoints.restore_latest(fresh_state())
+    assert int(state.step) == 8 and folders(ckpt) == ["4", "8"]
+
+    failures["left"] = 10**6
+    with Checkpoints(ckpt) as checkpoints, pytest.raises(CheckpointError, match="Input/output error.*left as it is"):
+        checkpoints.restore_latest(fresh_state())
+    assert folders(ckpt) == ["4", "8"]
+
+
+def test_a_checkpoint_of_another_model_or_optimizer_stops_the_run_naming_what_differs(run8):
+    before = (run8 / "config.json").read_text()
+    c = run_config(steps=12)
+    c.model.d_model = 64
+    with pytest.raises(ModelMismatch, match=r"parameters of another shape.*\['embedding'\] \[9, 128\] vs \[9, 64\]"):
+        train(c, run8)
+    c = run_config(steps=12)
+    c.model.tie_embeddings = False
+    with pytest.raises(ModelMismatch, match=r"not in the checkpoint: \['lm_head'\]"):
+        train(c, run8)
+    assert folders(run8 / "checkpoints") == ["4", "8"]
+    assert (run8 / "config.json").read_text() == before  # a rejected run writes nothing
+    with pytest.raises(ModelMismatch, match="do not fit the configured model"):
+        c = run_config(steps=12)
+        c.model.d_model = 64
+        model = GPT(model_config(c.model, vocab_size=9, seq_len=64))
+        load_params(run8, create_state(c, model, jax.random.PRNGKey(0)).params)
 
 
 def test_params_only_init_into_another_dtype(tmp_path):
@@ -148,17 +242,6 @@ def test_params_only_init_into_another_dtype(tmp_path):
     c.train.steps = 2
     train(c, tmp_path / "finetune")
     assert sorted(losses(tmp_path / "finetune")) == [1, 2]
-
-
-def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
-    train(run_config(steps=4), tmp_path)
-    c = run_config(steps=8)
-    c.model.d_model = 64
-    with pytest.raises(ModelMismatch, match="other parameter shapes"):
-        train(c, tmp_path)
-    with pytest.raises(ModelMismatch, match="do not fit the configured model"):
-        model = GPT(model_config(c.model, vocab_size=9, seq_len=64))
-        load_params(tmp_path, create_state(c, model, jax.random.PRNGKey(0)).params)
 
 
 def test_no_checkpoint_with_nan_is_written(tmp_path):

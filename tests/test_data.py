@@ -427,12 +427,14 @@ def test_missing_and_empty_text_are_clear_errors(tmp_path):
 def test_tokenizer_and_prepare_commands_on_a_local_jsonl(tmp_path):
     write_jsonl(tmp_path / "docs.jsonl", [PLAYS[i % 4][i:] for i in range(30)])
     run = lambda *args: (
-        subprocess.run(
-            [sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True, check=True
-        ).stdout
+        subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True, check=True)
     )
     out = run("bpt.cli.train_tokenizer", "--source=docs.jsonl", "--vocab_size=320", "--out=tok")
-    assert "320 tokens" in out and (tmp_path / "tok" / "tokenizer.json").is_file()
+    assert "320 tokens" in out.stdout and (tmp_path / "tok" / "tokenizer.json").is_file()
+    assert "warning" not in out.stderr
+    # A vocabulary the corpus cannot fill is said, with the flag to change.
+    small = run("bpt.cli.train_tokenizer", "--source=docs.jsonl", "--vocab_size=16384", "--out=tok_big")
+    assert "warning: the corpus gave only" in small.stderr and "--vocab_size=16384" in small.stderr
     out = run(
         "bpt.cli.prepare_data",
         "--source=docs.jsonl",
@@ -441,7 +443,8 @@ def test_tokenizer_and_prepare_commands_on_a_local_jsonl(tmp_path):
         "--val_fraction=0.1",
         "--num_workers=2",
     )
-    assert "--config.data.name=prepared --config.data.path=data" in out
+    assert "--config.data.name=prepared --config.data.path=data" in out.stdout
+    assert "warning: the validation split holds only" in out.stderr and "--val_fraction" in out.stderr
     data = prep.load_prepared(tmp_path / "data", verify_checksums=True)
     assert data.manifest["splits"]["train"]["documents"] == 27 and data.vocab_size == 320
     assert data.manifest["source"]["split"] == "train_test_split(test_size=3, seed=2357)"
@@ -458,4 +461,5 @@ def test_tokenizer_and_prepare_commands_on_a_local_jsonl(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert again.returncode != 0 and "already holds a prepared dataset" in again.stderr
+    assert again.returncode == 1 and "already holds a prepared dataset" in again.stderr
+    assert "Traceback" not in again.stderr and len(again.stderr.strip().splitlines()) == 2

@@ -95,8 +95,8 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
 def test_generation_arguments_are_checked():
     model = GPT(BASE)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.zeros((1, 64), jnp.int32))["params"])
-    with pytest.raises(ValueError, match="num_tokens must be in"):
-        generate(model, params, np.array([1]), num_tokens=64, max_len=64, rng=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="num_tokens must be at least 1"):
+        generate(model, params, np.array([1]), num_tokens=0, max_len=64, rng=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="at least one token"):
         generate(model, params, np.array([], np.int32), num_tokens=4, max_len=64, rng=jax.random.PRNGKey(0))
 
@@ -119,3 +119,24 @@ def test_sample_command_continues_a_prompt(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("Friends,") and len(result.stdout) > len("Friends,")
+
+
+def test_generation_past_the_context_slides_a_window():
+    model = GPT(BASE)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.zeros((1, 64), jnp.int32))["params"])
+    prompt = np.arange(1, 20, dtype=np.int32)
+    greedy = dict(max_len=32, rng=jax.random.PRNGKey(0), temperature=0.0)
+    new = generate(model, params, prompt, num_tokens=40, **greedy)
+    assert len(new) == 40
+    # The first window fills the cache (32 - 19 = 13 tokens); then each window continues from
+    # the last 16 tokens, exactly as a fresh generation from them would.
+    np.testing.assert_array_equal(new[:13], generate(model, params, prompt, num_tokens=13, **greedy))
+    text = np.concatenate([prompt, new])
+    window = text[len(prompt) + 13 - 16 : len(prompt) + 13]
+    np.testing.assert_array_equal(new[13:29], generate(model, params, window, num_tokens=16, **greedy))
+    # A prompt longer than the context is read from its last 16 tokens.
+    long_prompt = np.arange(1, 50, dtype=np.int32) % 7 + 1
+    np.testing.assert_array_equal(
+        generate(model, params, long_prompt, num_tokens=5, **greedy),
+        generate(model, params, long_prompt[-16:], num_tokens=5, **greedy),
+    )

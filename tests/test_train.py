@@ -109,11 +109,13 @@ def test_override_reads_the_fields_type():
     assert c.model.remat_group == 2 and c.model.offload_layer_inputs is True
     assert c.train.learning_rate == 1e-3 and c.model.vocab_size == 300
     assert c.train.optimizer_state_dtype == "bfloat16"
-    with pytest.raises(ValueError, match="naming an existing field"):
+    with pytest.raises(ValueError, match="unknown key model.remat_groups; did you mean model.remat_group"):
         override(c, "model.remat_groups=2")
-    with pytest.raises(ValueError, match="model.remat_group takes int"):
+    with pytest.raises(ValueError, match="unknown key model.steps; did you mean train.steps"):
+        override(c, "model.steps=2")
+    with pytest.raises(ValueError, match="config.model.remat_group=two: invalid literal for int"):
         override(c, "model.remat_group=two")
-    with pytest.raises(ValueError, match="model.scan_layers takes bool"):
+    with pytest.raises(ValueError, match="config.model.scan_layers=maybe"):
         override(c, "model.scan_layers=maybe")
 
 
@@ -126,6 +128,13 @@ def test_override_reads_the_fields_type():
         ("train.batch_size", 6, "train.batch_size=6 is not divisible by train.grad_accum_steps=4"),
         ("model.kv_chunk_size", 0, "model.kv_chunk_size must be a positive integer"),
         ("train.steps", 0, "train.steps must be a positive integer"),
+        ("train.learning_rate", -1e-3, "train.learning_rate must be > 0.0; got -0.001"),
+        ("train.b2", 1.0, "train.b2 must be >= 0.0 and < 1.0; got 1.0"),
+        ("train.memory_fraction", 0.0, "train.memory_fraction must be > 0.0 and <= 1.0"),
+        ("train.sample_top_p", 0.0, "train.sample_top_p must be > 0.0"),
+        ("train.grad_clip", 0.0, "train.grad_clip must be > 0.0"),
+        ("model.dropout", 1.0, r"model.dropout must be in \[0, 1\)"),
+        ("model.mlp_ratio", -2.0, "model.mlp_ratio must be > 0"),
     ],
 )
 def test_bad_config_is_a_clear_error(field, value, message):
@@ -174,7 +183,7 @@ def test_command_line_runs_and_rejects_unknown_keys(tmp_path):
     assert saved["model"]["attention_mode"] == "memory_efficient"
 
 
-def test_ctrl_c_stops_after_the_step_with_a_log_line_and_a_checkpoint(tmp_path, monkeypatch):
+def test_ctrl_c_stops_after_the_step_with_a_log_line_and_a_checkpoint(tmp_path, monkeypatch, capsys):
     original = CopyTask.train_batch
 
     def press_ctrl_c_during_step_7(self, step, batch_size):
@@ -190,6 +199,9 @@ def test_ctrl_c_stops_after_the_step_with_a_log_line_and_a_checkpoint(tmp_path, 
     assert [r["step"] for r in records] == [5, 7]
     assert last["step"] == 7 and "eval_loss" in last
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["7"]
+    out = capsys.readouterr()
+    assert "stopped after step 7" in out.out
+    assert out.err.replace("\r", "\n").strip().splitlines()[-1].split("|")[-1].strip().startswith("7/20")
 
 
 def nan_at(monkeypatch, bad_step):
@@ -221,17 +233,23 @@ def test_skip_nonfinite_skips_the_update_and_counts_it(tmp_path, monkeypatch):
     state = create_state(c, model, jax.random.PRNGKey(0))
     batch = CopyTask(64, 8, 0).train_batch(0, 8)
     batch["loss_mask"][0, -1] = np.inf
-    step = jax.jit(make_train_step(1, skip_nonfinite=True))
+    step = jax.jit(make_train_step(1))
     new, metrics = step(state, batch, jax.random.PRNGKey(1))
     assert not bool(metrics["finite"]) and int(new.step) == int(state.step) + 1
+    assert int(metrics["skipped_steps"]) == 1
     assert tree_rel_err(new.params, state.params) == 0.0
-    assert tree_rel_err(new.opt_state, state.opt_state) == 0.0
+    assert tree_rel_err(new.opt_state.inner_state, state.opt_state.inner_state) == 0.0
     batch["loss_mask"][0, -1] = 1.0
     new, metrics = step(state, batch, jax.random.PRNGKey(1))
-    assert bool(metrics["finite"]) and tree_rel_err(new.opt_state, state.opt_state) > 0  # lr is 0 at step 0
+    assert bool(metrics["finite"]) and int(metrics["skipped_steps"]) == 0
+    assert tree_rel_err(new.opt_state.inner_state, state.opt_state.inner_state) > 0  # lr is 0 at step 0
 
     nan_at(monkeypatch, 7)
-    c = copy_config(steps=15)
+    c = copy_config(steps=10)
     c.train.skip_nonfinite = True
+    c.train.checkpoint_every = 10
     last = train(c, tmp_path)
-    assert last["step"] == 15 and last["skipped_steps"] == 1 and np.isfinite(last["loss"])
+    assert last["step"] == 10 and last["skipped_steps"] == 1 and np.isfinite(last["loss"])
+    c.train.steps = 15  # the count lives in the optimizer state: it survives the resume
+    last = train(c, tmp_path)
+    assert last["step"] == 15 and last["skipped_steps"] == 1

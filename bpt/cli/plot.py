@@ -69,7 +69,10 @@ def run() -> None:
     parser.add_argument("workdirs", nargs="+", help="bpt-train workdirs")
     parser.add_argument("--out", default="curves.png", help="PNG to write")
     args = parser.parse_args()
-    print(plot_runs(args.workdirs, args.out))
+    try:
+        print(plot_runs(args.workdirs, args.out))
+    except (FileNotFoundError, ValueError) as error:
+        parser.exit(1, f"bpt-plot: error: {error}\n")
 
 
 if __name__ == "__main__":

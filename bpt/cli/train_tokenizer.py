@@ -11,34 +11,50 @@ from __future__ import annotations
 
 import itertools
 
-from absl import app, flags, logging
+import sys
+from types import SimpleNamespace
 
-from bpt.cli.corpus_flags import open_source
+from absl import flags
 
-_SOURCE = flags.DEFINE_string("source", "shakespeare", "The corpus (see bpt-prepare-data).")
-_OUT = flags.DEFINE_string("out", None, "A folder, or a .json file path.", required=True)
-_VOCAB = flags.DEFINE_integer("vocab_size", 8192, "Tokens in the vocabulary, end-of-text included.")
-_MIN_FREQ = flags.DEFINE_integer("min_frequency", 2, "Merges must occur at least this often.")
-_MAX_DOCS = flags.DEFINE_integer("max_documents", 0, "Train on at most this many documents (0: all).")
+from bpt.cli import common
+from bpt.cli.corpus_flags import define_corpus_flags, open_source
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    logging.set_verbosity(logging.WARNING)
+def define_flags() -> SimpleNamespace:
+    return SimpleNamespace(
+        source=flags.DEFINE_string("source", "shakespeare", "The corpus (see bpt-prepare-data)."),
+        out=flags.DEFINE_string("out", None, "A folder, or a .json file path.", required=True),
+        vocab=flags.DEFINE_integer("vocab_size", 8192, "Tokens in the vocabulary, end-of-text included.", lower_bound=2),
+        min_freq=flags.DEFINE_integer("min_frequency", 2, "Merges must occur at least this often.", lower_bound=1),
+        max_docs=flags.DEFINE_integer(
+            "max_documents", 0, "Train on at most this many documents (0: all).", lower_bound=0
+        ),
+        corpus=define_corpus_flags(),
+    )
+
+
+def main(f: SimpleNamespace, argv: list[str]) -> None:
     from bpt.data.tokenizers import train_bpe_tokenizer
 
-    corpus = open_source(_SOURCE.value)
+    print(f"reading {f.source.value} ...", flush=True)
+    corpus = open_source(f.corpus, f.source.value)
     texts, count = iter(corpus.train), len(corpus.train)
-    if _MAX_DOCS.value:
-        texts, count = itertools.islice(texts, _MAX_DOCS.value), min(count, _MAX_DOCS.value)
-    tok = train_bpe_tokenizer(texts, _VOCAB.value, _OUT.value, num_texts=count, min_frequency=_MIN_FREQ.value)
+    if f.max_docs.value:
+        texts, count = itertools.islice(texts, f.max_docs.value), min(count, f.max_docs.value)
+    tok = train_bpe_tokenizer(texts, f.vocab.value, f.out.value, num_texts=count, min_frequency=f.min_freq.value)
     print(f"{tok.spec}: {tok.vocab_size} tokens, end-of-text id {tok.eot_id}, trained on {count} documents")
     print(f"use it with --config.data.tokenizer={tok.spec}")
+    if tok.vocab_size < f.vocab.value:
+        print(
+            f"warning: the corpus gave only {tok.vocab_size} of the --vocab_size={f.vocab.value} tokens "
+            f"asked for: its training split is too small for more merges that occur at least "
+            f"--min_frequency={f.min_freq.value} times; use more text or a smaller --vocab_size",
+            file=sys.stderr,
+        )
 
 
 def run() -> None:
-    app.run(main)
+    common.run_command(sys.modules[__name__])
 
 
 if __name__ == "__main__":

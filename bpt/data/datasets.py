@@ -40,6 +40,12 @@ class _Windows:
             raise ValueError(
                 f"the {split} split has {total} tokens (longest shard {longest}), too few to fill "
                 f"one window of data.seq_len + 1 = {length}; use a shorter data.seq_len or more data"
+                + (
+                    ", or hold out more text for validation (data.val_fraction; for prepared data, "
+                    "bpt-prepare-data --val_fraction)"
+                    if split == "validation"
+                    else ""
+                )
             )
         counts = [len(s) - length + 1 for s in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)

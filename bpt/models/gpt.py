@@ -104,6 +104,15 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+        for name in ("num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"model.{name} must be a positive integer or None; got {value!r}")
+        for name in ("mlp_ratio", "rope_theta", "layer_norm_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name} must be > 0; got {getattr(self, name)!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout!r}")
         if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "

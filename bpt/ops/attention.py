@@ -118,5 +118,8 @@ def attention(
         return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     reason = cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids)
     if reason is not None:
-        raise ValueError(f"attention impl='cudnn' cannot run here: {reason}; use impl='blockwise' or 'auto'")
+        raise ValueError(
+            f"model.attention_impl='cudnn' cannot run here: {reason}; use model.attention_impl=auto, "
+            "pallas or blockwise"
+        )
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")

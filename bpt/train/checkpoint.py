@@ -2,19 +2,28 @@
 
 Layout: <workdir>/checkpoints/<step>/{params, opt_state, meta}. Orbax writes each save into
 a temporary folder and renames it when complete, so an interrupted save leaves the previous
-checkpoints as they were; its leftovers are removed when the next manager opens. A
-finalized checkpoint that fails to load is renamed to <step>.damaged, reported, and never
-loaded or counted again.
+checkpoints as they were; its leftovers are removed when the next manager opens.
+
+Restoring tells three failures apart:
+- the checkpoint belongs to another model or optimizer (a code or config change): the meta
+  record lists every array's shape, and any difference stops the run with the differing
+  keys (ModelMismatch); nothing is moved;
+- damage (missing, truncated or undecodable files) that a second read still meets: the
+  training run renames the folder <step>.damaged, says so, and tries the previous one;
+  read-only users (bpt-eval, bpt-sample) only report it;
+- any other error (permissions, a flaky file system) after a second try: the run stops
+  with the error (CheckpointError); nothing is moved.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
-import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax.training.train_state import TrainState
 
@@ -26,11 +35,58 @@ def _abstract(tree):
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
 
-def param_shapes(params) -> dict[str, list[int]]:
-    """{parameter path: shape}, recorded with each checkpoint to detect a changed model."""
-    return {
-        jax.tree_util.keystr(path): list(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(params)
-    }
+def param_shapes(tree) -> dict[str, list[int]]:
+    """{array path: shape}, recorded with each checkpoint to detect a changed model or optimizer."""
+    return {jax.tree_util.keystr(path): list(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def describe_difference(saved: dict, expected: dict, limit: int = 4) -> str:
+    """What differs between two param_shapes records, in a few words."""
+    parts = []
+    missing = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    shapes = [f"{k} {saved[k]} vs {expected[k]}" for k in expected if k in saved and saved[k] != expected[k]]
+    for label, keys in (("not in the checkpoint", missing), ("not in the model", extra), ("shape", shapes)):
+        if keys:
+            more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+            parts.append(f"{label}: {', '.join(keys[:limit])}{more}")
+    return "; ".join(parts)
+
+
+# Words of the errors Orbax and TensorStore raise for files that are missing, cut short or
+# undecodable: a checkpoint that still fails with one of them on a second read is damaged.
+DAMAGE_MARKERS = (
+    "DATA_LOSS",
+    "NOT_FOUND",
+    "OUT_OF_RANGE",
+    "Error reading",
+    "Error decoding",
+    "No such file",
+    "Expecting value",
+    "Unterminated string",
+    "truncated",
+)
+
+
+def _error_text(error: BaseException) -> str:
+    texts = []
+    while error is not None and len(texts) < 8:
+        texts.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    return "\n".join(texts)
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether error (or an error it was raised from) says the checkpoint's files are damaged."""
+    text = _error_text(error)
+    return isinstance(error, FileNotFoundError) or any(marker in text for marker in DAMAGE_MARKERS)
+
+
+def short_reason(error: BaseException) -> str:
+    """The innermost line of an error chain that names the problem, cut to a sentence's length."""
+    lines = [line.strip() for line in _error_text(error).splitlines() if line.strip()]
+    line = next((line for line in reversed(lines) if any(m in line for m in DAMAGE_MARKERS)), lines[0])
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 @jax.jit
@@ -42,23 +98,35 @@ def _all_finite(tree) -> jax.Array:
 
 
 class ModelMismatch(ValueError):
-    """A checkpoint's parameters do not fit the configured model."""
+    """A checkpoint's parameters or optimizer state do not fit the configured model."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be read for a reason other than damage (it is left in place)."""
 
 
 class Checkpoints:
     """Saves every few steps (asynchronously), keeps the newest `keep`, restores the latest good one."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+    def __init__(
+        self, directory: str | Path, *, keep: int = 3, async_save: bool = True, read_only: bool = False
+    ):
+        """read_only: never create, clean up or move anything (bpt-eval, bpt-sample)."""
         self.directory = Path(directory).absolute()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
-        self._remove_unfinished()
-        self._open()
+        self.read_only = read_only
+        self.damaged: list[tuple[int, str]] = []  # (step, reason) of the checkpoints that did not load
+        self._options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=False, read_only=read_only
+        )
+        self.manager = None
+        if self.directory.is_dir():
+            self._remove_unfinished()
+            self._open()
 
     def _remove_unfinished(self):
         # Done here, before the manager opens, rather than by Orbax's own cleanup, which runs in the
         # background and may still be deleting when the first restore or listing happens.
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and not self.read_only:
             for leftover in self.directory.glob(UNFINISHED):
                 shutil.rmtree(leftover)
 
@@ -66,14 +134,22 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=self._options, item_names=ITEMS)
 
     def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        return [] if self.manager is None else sorted(self.manager.all_steps())
 
     def save(self, state: TrainState, meta: dict) -> None:
         """Saves state at its step. Refuses parameters or optimizer state with NaN or inf."""
         step = int(state.step)
         if not bool(_all_finite((state.params, state.opt_state))):
             raise FloatingPointError(f"refusing to write a checkpoint with NaN or inf values at step {step}")
-        meta = {**meta, "step": step, "param_shapes": param_shapes(state.params)}
+        meta = {
+            **meta,
+            "step": step,
+            "param_shapes": param_shapes(state.params),
+            "opt_state_shapes": param_shapes(state.opt_state),
+        }
+        if self.manager is None:  # the first save of a new run creates the folder
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._open()
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -83,39 +159,69 @@ class Checkpoints:
             ),
         )
 
-    def _set_aside(self, step: int, error: Exception) -> None:
+    def _set_aside(self, step: int, reason: str) -> None:
+        self.damaged.append((step, reason))
+        if self.read_only or jax.process_index() != 0:
+            print(f"warning: the checkpoint at step {step} is damaged ({reason}); skipped", flush=True)
+            return
         damaged = self.directory / f"{step}.damaged"
         (self.directory / str(step)).rename(damaged)
-        warnings.warn(
-            f"checkpoint at step {step} cannot be loaded ({type(error).__name__}: {str(error)[:300]}); "
-            f"moved to {damaged} and skipped",
-            stacklevel=3,
-        )
+        print(f"warning: the checkpoint at step {step} is damaged ({reason}); moved to {damaged}", flush=True)
         self._open()
 
-    def restore_latest(self, state: TrainState) -> tuple[TrainState, dict] | None:
-        """The newest checkpoint that loads, restored into state's structure; None if none."""
-        expected = param_shapes(state.params)
-        for step in reversed(self.steps()):
-            try:
-                meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-                if meta.get("param_shapes") != expected:
-                    raise ModelMismatch(
-                        f"the checkpoint at {self.directory / str(step)} belongs to a model with other "
-                        "parameter shapes; start a new workdir, or load only matching parameters with "
-                        "config.init.params_from"
-                    )
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        params=ocp.args.StandardRestore(_abstract(state.params)),
-                        opt_state=ocp.args.StandardRestore(_abstract(state.opt_state)),
-                    ),
+    def _read(self, step: int, state: TrainState):
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        if meta is None:
+            raise FileNotFoundError(f"the checkpoint at step {step} has no meta record")
+        for name, tree in (("param_shapes", state.params), ("opt_state_shapes", state.opt_state)):
+            saved, expected = meta.get(name), param_shapes(tree)
+            if saved is not None and saved != expected:
+                what = "parameters" if name == "param_shapes" else "optimizer state"
+                raise ModelMismatch(
+                    f"the checkpoint at {self.directory / str(step)} holds {what} of another shape than "
+                    f"the configured run ({describe_difference(saved, expected)}); start a new workdir, or "
+                    "load only its parameters with config.init.params_from"
                 )
-            except ModelMismatch:
-                raise
-            except Exception as error:  # noqa: BLE001  (Orbax and TensorStore raise many types)
-                self._set_aside(step, error)
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(_abstract(state.params)),
+                opt_state=ocp.args.StandardRestore(_abstract(state.opt_state)),
+            ),
+        )
+        return restored, meta
+
+    def restore_latest(self, state: TrainState) -> tuple[TrainState, dict] | None:
+        """The newest checkpoint that loads, restored into state's structure; None if none.
+
+        A read that fails is tried once more (a passing I/O error heals); what still fails is
+        damage (set aside, the previous checkpoint tried) or an error that stops the run.
+        """
+        for step in reversed(self.steps()):
+            for attempt in (1, 2):
+                try:
+                    restored, meta = self._read(step, state)
+                    break
+                except ModelMismatch:
+                    raise
+                except Exception as error:  # noqa: BLE001  (Orbax and TensorStore raise many types)
+                    if "tree structures do not match" in _error_text(error):
+                        raise ModelMismatch(
+                            f"the checkpoint at {self.directory / str(step)} holds another optimizer state "
+                            "than the configured run (it was saved by another version of the optimizer "
+                            "settings); start a new workdir, or load only its parameters with "
+                            "config.init.params_from"
+                        ) from None
+                    if attempt == 1:
+                        continue
+                    if not is_damage(error):
+                        raise CheckpointError(
+                            f"cannot read the checkpoint at {self.directory / str(step)} ({short_reason(error)}); "
+                            "it was left as it is"
+                        ) from error
+                    self._set_aside(step, short_reason(error))
+                    restored = None
+            if restored is None:
                 continue
             step_array = jax.device_put(jnp.asarray(step, state.step.dtype), state.step.sharding)
             state = state.replace(step=step_array, params=restored.params, opt_state=restored.opt_state)
@@ -123,11 +229,13 @@ class Checkpoints:
         return None
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        if self.manager is not None:
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+            self.manager.close()
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -136,10 +244,12 @@ class Checkpoints:
         self.close()
 
 
-def load_params(path: str | Path, like):
+def load_params(path: str | Path, like, *, extend_positions: str = "interpolate"):
     """Parameters of a saved run for fine-tuning, cast to the dtypes of `like`.
 
-    path: a run's workdir, its checkpoints folder, or one <step> folder in it.
+    path: a run's workdir, its checkpoints folder, or one <step> folder in it. A learned
+    position table shorter than like's (a model fine-tuned at a longer context than it was
+    trained or imported at) grows by extend_positions (bpt.models.hf.extend_positions).
     """
     path = Path(path).expanduser().absolute()
     if (path / "checkpoints").is_dir():
@@ -154,6 +264,19 @@ def load_params(path: str | Path, like):
             raise FileNotFoundError(f"no checkpoint found under config.init.params_from={str(path)!r}")
         step_dir = path / str(steps[-1])
     target = _abstract(like)
+    positions = _saved_positions(step_dir)
+    grow = (
+        isinstance(like, dict)
+        and "position_embedding" in like
+        and positions is not None
+        and positions < like["position_embedding"].shape[0]
+    )
+    if grow:
+        table = like["position_embedding"]
+        target = {
+            **target,
+            "position_embedding": jax.ShapeDtypeStruct((positions, *table.shape[1:]), table.dtype, sharding=table.sharding),
+        }
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             params = checkpointer.restore(step_dir / "params", target)
@@ -161,4 +284,20 @@ def load_params(path: str | Path, like):
             raise ModelMismatch(
                 f"the parameters at {step_dir} do not fit the configured model: {str(error)[:500]}"
             ) from error
+    if grow:
+        from bpt.models.hf import extend_positions as extend
+
+        table = like["position_embedding"]
+        grown = extend(np.asarray(jax.device_get(params["position_embedding"])), table.shape[0], extend_positions)
+        params = {**params, "position_embedding": jax.device_put(grown.astype(table.dtype), table.sharding)}
     return params
+
+
+def _saved_positions(step_dir: Path) -> int | None:
+    """Rows of the learned position table a checkpoint holds, from its meta record."""
+    try:
+        meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
+    shape = meta.get("param_shapes", {}).get("['position_embedding']")
+    return shape[0] if shape else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -22,6 +23,7 @@ from bpt.sample import generate
 from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.optimizer import learning_rate_schedule
+from bpt.train.probe import StepMemory, is_out_of_memory, memory_budget
 from bpt.train.state import create_state, jit_steps, make_parallelism
 
 
@@ -50,7 +52,7 @@ class Reporter:
         self.peak_flops = peak * self.num_devices if peak else None  # the devices the step runs on
         self.tokens_per_step = config.train.batch_size * config.data.seq_len
         self.timer = None  # (time, step) when timing began
-        self.skipped = 0  # steps skipped for a non-finite loss or gradient (train.skip_nonfinite)
+        self.skipped = 0  # steps skipped for a non-finite loss or gradient, over the whole run
 
     def start_timer(self, step: int) -> None:
         """Call once the first (compiling) step has finished: throughput is timed from here."""
@@ -71,7 +73,7 @@ class Reporter:
                 f"norm {float(bad['grad_norm'])}; the run stops before saving it. Lower train.learning_rate, check the data, or set "
                 "train.skip_nonfinite=True to skip such steps"
             )
-        self.skipped += len(fetched) - len(finite)
+        self.skipped = int(fetched[-1]["skipped_steps"])  # counted in the optimizer state
         if not finite:
             raise FloatingPointError(
                 f"all {len(fetched)} steps up to step {step} had a non-finite loss or gradient "
@@ -194,24 +196,97 @@ def restore_run(workdir: str | Path):
         say(f"the run's mesh {sizes} does not fit {jax.device_count()} devices; using data parallelism")
         config.mesh.update(data=-1, fsdp=1, sequence=1, tensor=1)
     dataset, model, state = setup(config)
-    with Checkpoints(workdir / "checkpoints", async_save=False) as checkpoints:
+    with Checkpoints(workdir / "checkpoints", read_only=True) as checkpoints:
         restored = checkpoints.restore_latest(state)
     if restored is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}")
+        damaged = "; ".join(f"step {step}: {reason}" for step, reason in checkpoints.damaged)
+        raise FileNotFoundError(
+            f"no checkpoint in {workdir / 'checkpoints'} loads"
+            + (f" (damaged: {damaged})" if damaged else "")
+        )
     return config, dataset, model, restored[0]
+
+
+def preflight(config: ConfigDict, train_step, state: TrainState, batch: dict, rng) -> None:
+    """Compiles the train step (the loop's first call then reuses it) and checks that its
+    memory fits the device: a step that cannot fit stops here, with both numbers and the
+    settings that would make it fit, instead of in an allocator error minutes later."""
+    compiled = train_step.lower(state, batch, rng).compile()
+    budget = memory_budget()
+    if not budget:  # a CPU: the backend sets no limit
+        return
+    need = StepMemory.of(compiled).peak
+    if need > budget:
+        raise MemoryError(out_of_memory_message(config, need, budget))
+
+
+def out_of_memory_message(config: ConfigDict, need: int | None = None, budget: int | None = None) -> str:
+    """One sentence: what the step needs, what the device has, what would make it fit."""
+    m = config.model
+    hints = []
+    if m.remat_group == 1 and m.scan_layers and m.num_layers % 4 == 0 and not m.offload_layer_inputs:
+        hints.append("model.remat_group=4")
+    if not m.offload_layer_inputs:
+        hints.append("model.offload_layer_inputs=True" + (" with model.remat_group=1" if m.remat_group > 1 else ""))
+    if m.attention_mode != "blockwise_parallel":
+        hints.append("model.attention_mode=blockwise_parallel")
+    if max(m.q_chunk_size, m.kv_chunk_size, m.loss_chunk_size) > 512:
+        hints.append("smaller model.q_chunk_size / kv_chunk_size / loss_chunk_size")
+    if config.train.optimizer_state_dtype == "float32":
+        hints.append("train.optimizer_state_dtype=bfloat16")
+    if config.train.batch_size // config.train.grad_accum_steps > 1:
+        hints.append("a larger train.grad_accum_steps")
+    hints.append(f"a shorter data.seq_len (now {config.data.seq_len})")
+    if jax.device_count() > 1:
+        hints.append("more devices over mesh.sequence or mesh.fsdp")
+    device = jax.local_devices()[0].device_kind
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    pool = f" (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction})" if fraction else ""
+    if need is not None:
+        what = f"needs {need / 2**30:.1f} GiB per device but the {device} has {budget / 2**30:.1f} GiB for it{pool}"
+    else:
+        what = f"ran out of memory on the {device}{pool}"
+    return f"the train step {what}; to fit, try {', '.join(hints)}"
+
+
+def _latest_metrics(path: Path, last_step: int) -> tuple[dict, int]:
+    """(the last row of metrics.jsonl at or before last_step, rows dropped): rows past
+    last_step (logged after the checkpoint the run resumes from, or by a run that restarts)
+    are removed, so the file never holds two rows for one step."""
+    if not path.is_file():
+        return {}, 0
+    kept, dropped, last = [], 0, {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            dropped += 1
+            continue
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
+            last = record
+        else:
+            dropped += 1
+    if dropped:
+        temporary = path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(line + "\n" for line in kept))
+        temporary.replace(path)
+    return last, dropped
 
 
 def train(config: ConfigDict, workdir: str | Path) -> dict:
     """Trains config's model on config's data; returns the last logged metrics.
 
     A workdir that holds checkpoints is resumed from the latest good one: the run then logs
-    exactly what an uninterrupted run would have logged after that step.
+    exactly what an uninterrupted run would have logged after that step. Nothing is written
+    to workdir until the config, the data, the checkpoint and the step's memory have passed
+    their checks.
     """
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     tc = config.train
+    say("preparing the run: config, data, model ...", flush=True)
     dataset, model, state = setup(config)
     rng = jax.random.PRNGKey(config.seed)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
@@ -227,14 +302,50 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         if restored is not None:
             state, _ = restored
             say(f"resuming from the checkpoint at step {int(state.step)}")
-        elif config.init.params_from:
-            state = state.replace(params=load_params(config.init.params_from, state.params))
+        elif checkpoints.damaged:
+            say(f"no checkpoint of {workdir} loads: the run starts again from step 0")
+        if restored is None and config.init.params_from:
+            params = load_params(
+                config.init.params_from, state.params, extend_positions=config.init.extend_positions
+            )
+            state = state.replace(params=params)
             say(f"parameters loaded from {config.init.params_from}")
         start = int(state.step)
+        if start >= tc.steps:
+            last, _ = _latest_metrics(workdir / "metrics.jsonl", start)
+            say(
+                f"the run in {workdir} is already at step {start} of train.steps={tc.steps}; raise "
+                "train.steps to train it further (bpt-eval and bpt-sample read it as it is)"
+            )
+            return last
         meta = {"config": json.loads(config.to_json_best_effort()), "seed": config.seed}
 
         train_step, eval_fn, batch_sharding = jit_steps(config, model, shardings_of(state))
         step_rng = jax.random.fold_in(rng, 1)
+        say("compiling the train step ...", flush=True)
+        first = put_batch(dataset.train_batch(start, tc.batch_size), batch_sharding)
+        try:
+            preflight(config, train_step, state, first, jax.random.fold_in(step_rng, start))
+        except Exception as error:
+            if is_out_of_memory(error):
+                raise MemoryError(out_of_memory_message(config)) from error
+            if "cudnn" in str(error).lower() and "model.attention_impl" not in str(error):
+                first = (str(error).strip().splitlines() or [""])[0][:200]
+                raise ValueError(
+                    f"cuDNN failed to compile this run's attention ({first}); with "
+                    f"model.attention_impl={model.config.attention_impl!r} it was chosen for you: set "
+                    "model.attention_impl=pallas or blockwise"
+                ) from error
+            raise
+        del first
+
+        # Every check has passed: only now does the run write anything.
+        if jax.process_index() == 0:
+            workdir.mkdir(parents=True, exist_ok=True)
+            (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+            _, dropped = _latest_metrics(workdir / "metrics.jsonl", start)
+            if dropped:
+                say(f"metrics.jsonl: {dropped} rows past step {start} removed (they are logged again)")
         batches = iter(
             Prefetcher(
                 lambda s: dataset.train_batch(s, tc.batch_size),
@@ -243,8 +354,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
                 sharding=batch_sharding,
             )
         )
-        bar = tqdm(
-            batches,
+        bar = tqdm(  # counted by hand: a Ctrl-C leaves the loop with the bar on the last step
             desc="train",
             unit="step",
             dynamic_ncols=True,
@@ -260,10 +370,20 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         pending, last, done = [], {}, start
         with StopRequest() as stop:
             try:
-                for step, batch in bar:
-                    state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
+                for step, batch in batches:
+                    try:
+                        state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
+                        if pending:
+                            # One step in flight at most: the bar and a Ctrl-C see the step the
+                            # device is on, not one the host queued far ahead of it.
+                            jax.block_until_ready(pending[-1])
+                    except Exception as error:
+                        if is_out_of_memory(error):
+                            raise MemoryError(out_of_memory_message(config)) from error
+                        raise
                     pending.append(metrics)
                     done = step + 1
+                    bar.update(1)
                     if reporter.timer is None:  # the first step compiles; time from its end
                         jax.block_until_ready(metrics)
                         reporter.start_timer(done)
@@ -289,13 +409,14 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
 
     summary = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float))
     say(f"step {last['step']}: {summary}")
+    say(f"metrics: {workdir / 'metrics.jsonl'}; checkpoints: {workdir / 'checkpoints'}")
     tokenizer = getattr(dataset, "tokenizer", None)
     if tc.sample_tokens and tokenizer is not None:
         new = generate(
             model,
             state.params,
             tokenizer.encode(tc.sample_prompt),
-            num_tokens=min(tc.sample_tokens, config.data.seq_len - 1),
+            num_tokens=tc.sample_tokens,
             max_len=config.data.seq_len,
             rng=jax.random.fold_in(rng, 2),
             temperature=tc.sample_temperature,

@@ -37,9 +37,23 @@ def peak_flops_per_device(device: jax.Device, override: float = 0.0) -> float | 
 
 
 def peak_memory_bytes(device: jax.Device) -> int | None:
-    """Peak bytes in use on the device since the process started, where the backend says."""
+    """Peak bytes in use on the device since the process started; on a CPU, whose backend
+    keeps no such count, the process's peak resident memory (the arrays live there)."""
     stats = device.memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+    if "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"]
+    if device.platform == "cpu":
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return None
+
+
+def strict_json(record: dict) -> str:
+    """record as one line of standard JSON: NaN and infinities (which json.dumps would write
+    as the non-standard NaN / Infinity) become null."""
+    clean = {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
 
 
 class MetricsWriter:
@@ -54,9 +68,9 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         record = {k: _plain(v) for k, v in record.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
+            if key != "step" and isinstance(value, (int, float)) and np.isfinite(value):
                 self.tensorboard.add_scalar(key, value, record["step"])
         self.tensorboard.flush()
 

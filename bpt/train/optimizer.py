@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -74,6 +76,47 @@ def make_optimizer(train: ConfigDict) -> optax.GradientTransformation:
             mask=decay_mask,
         ),
     )
+    # An update whose gradient holds NaN or inf is skipped and counted in the state (so the
+    # count survives a resume); whether the run stops at one is train.skip_nonfinite's call
+    # (bpt.train.loop). The state has this shape either way: a run stopped by a NaN resumes
+    # with skip_nonfinite=True from its last checkpoint.
+    optimizer = skip_nonfinite_updates(optimizer)
     if train.optimizer_state_dtype == "float32":
         return optimizer
     return with_state_dtype(optimizer, jnp.dtype(train.optimizer_state_dtype))
+
+
+class SkipState(NamedTuple):
+    skipped_steps: jax.Array  # int32: updates skipped so far
+    inner_state: Any
+
+
+def skip_nonfinite_updates(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """inner, except that a gradient holding NaN or inf leaves inner's state as it was, gives
+    zero updates, and adds one to the skipped_steps count. (optax.apply_if_finite does the
+    same through lax.cond, whose branches must agree in dtype: they do not when parameters
+    are bf16 and the updates float32.)"""
+
+    def init(params):
+        return SkipState(jnp.zeros([], jnp.int32), inner.init(params))
+
+    def update(updates, state, params=None):
+        finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(updates)]))
+        new_updates, new_inner = inner.update(updates, state.inner_state, params)
+        inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_inner, state.inner_state)
+        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+        return new_updates, SkipState(state.skipped_steps + (~finite).astype(jnp.int32), inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def skipped_steps(opt_state) -> jax.Array:
+    """How many updates make_optimizer's state has skipped for a non-finite gradient."""
+    found = [
+        s.skipped_steps
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SkipState))
+        if isinstance(s, SkipState)
+    ]
+    if len(found) != 1:
+        raise ValueError("the optimizer state holds no skipped-step count (not made by make_optimizer)")
+    return found[0]

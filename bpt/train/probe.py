@@ -29,7 +29,7 @@ GPT2_VOCAB = 50257  # the paper's tokenizer (OpenWebText through GPT-2's BPE)
 def memory_budget(memory_gib: float = 0.0) -> int:
     """Bytes a step may use: memory_gib when given, else the device allocator's limit (0
     where the backend reports none, a CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return int(memory_gib * 2**30) or stats.get("bytes_limit", 0)
 
 

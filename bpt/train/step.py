@@ -11,6 +11,7 @@ import optax
 from flax.training.train_state import TrainState
 
 from bpt.ops.chunked import CrossEntropy
+from bpt.train.optimizer import skipped_steps
 
 
 def _loss(apply_fn: Callable, params, batch: dict, rng, deterministic: bool) -> CrossEntropy:
@@ -26,16 +27,18 @@ def _loss(apply_fn: Callable, params, batch: dict, rng, deterministic: bool) -> 
 
 
 def make_train_step(
-    grad_accum_steps: int, *, skip_nonfinite: bool = False, batch_sharding=None
+    grad_accum_steps: int, *, batch_sharding=None
 ) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
     """A step that splits the batch into grad_accum_steps micro-batches and applies one update.
 
     Gradients are summed token-weighted, so the update equals the one a single batch of the
     whole size would give: grad(sum of token losses) / number of tokens.
 
-    skip_nonfinite: when the loss or the gradient norm is not finite, keep the parameters and
-    the optimizer state as they were (the step counter still advances, so the data position
-    and the checkpoint's step stay in line). metrics["finite"] says what happened.
+    A step whose loss or gradient is not finite keeps the parameters and the optimizer's
+    moments as they were (the step counter still advances, so the data position and the
+    checkpoint's step stay in line); metrics["finite"] says what happened and
+    metrics["skipped_steps"] counts such steps over the whole run (it lives in the optimizer
+    state). Whether the run then stops is the loop's call (train.skip_nonfinite).
 
     batch_sharding: the NamedSharding of the [batch, seq] inputs on a mesh. Micro-batch m takes
     rows m, m + grad_accum_steps, ...: the split keeps the (sharded) batch axis whole on every
@@ -68,22 +71,20 @@ def make_train_step(
             accumulate, (zeros, jnp.zeros(3)), (jnp.arange(grad_accum_steps), micro)
         )
         tokens = jnp.maximum(totals[1], 1.0)
-        grads = jax.tree.map(lambda g: g / tokens, grads)
+        loss = totals[0] / tokens
+        # A non-finite loss poisons the gradient too, so the optimizer (make_optimizer's
+        # skip_nonfinite_updates) skips the update and counts it in its state.
+        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g / tokens, jnp.nan), grads)
         new_state = state.apply_gradients(grads=grads)
-        loss, grad_norm = totals[0] / tokens, optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if skip_nonfinite:
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-            new_state = new_state.replace(
-                params=keep(new_state.params, state.params),
-                opt_state=keep(new_state.opt_state, state.opt_state),
-            )
         metrics = {
             "loss": loss,
             "accuracy": totals[2] / tokens,
             "grad_norm": grad_norm,
             "tokens": totals[1],
             "finite": finite,
+            "skipped_steps": skipped_steps(new_state.opt_state),
         }
         return new_state, metrics
 

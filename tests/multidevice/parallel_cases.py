@@ -202,7 +202,7 @@ def test_training_on_a_mesh_logs_the_one_device_losses(one_device_losses, mode, 
     for name, spec in expected.items():
         assert tuple(params["layers"][name].sharding.spec) == spec, name
     assert tuple(params["embedding"].sharding.spec) == (tensor, fsdp)
-    mu = state.opt_state[1][0].mu  # AdamW's first moment: sharded like its parameter
+    mu = state.opt_state.inner_state[1][0].mu  # AdamW's first moment: sharded like its parameter
     assert mu["layers"]["w1"].sharding == params["layers"]["w1"].sharding
     # Each device holds only its shard.
     w1 = params["layers"]["w1"]

@@ -1,0 +1,108 @@
+"""Hugging Face GPT-2 folders as bpt runs and back (bpt-import-hf, bpt-export-hf)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+from ml_collections import ConfigDict
+
+from bpt.config import check_config, model_config
+from bpt.models.gpt import GPT
+from bpt.models.hf import load_hf_gpt2, read_hf_config, save_hf_gpt2
+from bpt.train.checkpoint import Checkpoints
+from bpt.train.state import create_state
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(source: Path, target: Path) -> Path | None:
+    """Copies the Hugging Face tokenizer files of folder source into target; None if it has none."""
+    files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not any(f.name in ("tokenizer.json", "vocab.json") for f in files):
+        return None
+    target.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy2(f, target / f.name)
+    return target
+
+
+def import_run(
+    path: str | Path,
+    workdir: str | Path,
+    config: ConfigDict,
+    *,
+    seq_len: int = 0,
+    extend: str = "interpolate",
+    overwrite: bool = False,
+) -> Path:
+    """Writes the GPT-2 folder at path as a bpt run in workdir: config.json (config, with
+    the checkpoint's model shape and data.seq_len = seq_len or its n_positions), a step-0
+    checkpoint, and the folder's tokenizer (data.tokenizer points at it)."""
+    path, workdir = Path(path), Path(workdir).absolute()
+    if (workdir / "config.json").exists() and not overwrite:
+        raise FileExistsError(f"{workdir} already holds a run; choose another --workdir or pass --overwrite")
+    hf = read_hf_config(path)
+    seq_len = seq_len or hf["n_positions"]
+    cfg, params = load_hf_gpt2(path, max_seq_len=max(seq_len, hf["n_positions"]), extend=extend)
+
+    c = ConfigDict(config.to_dict())  # unlocked copy
+    shape = dict(
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.num_layers,
+        d_model=cfg.d_model,
+        num_heads=cfg.num_heads,
+        num_kv_heads=None,
+        head_dim=None,
+        mlp_ratio=cfg.mlp_ratio,
+        max_seq_len=cfg.max_seq_len,
+        position_embedding="learned",
+        tie_embeddings=cfg.tie_embeddings,
+        layer_norm_epsilon=cfg.layer_norm_epsilon,
+    )
+    c.model.update(shape)
+    c.data.seq_len = seq_len
+    for name in ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
+        c.model[name] = min(c.model[name], seq_len)
+    c.init.extend_positions = extend
+    c.init.params_from = ""
+    check_config(c)
+
+    tokenizer_dir = workdir / "tokenizer"
+    if overwrite and workdir.exists():
+        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+        shutil.rmtree(tokenizer_dir, ignore_errors=True)
+    if copy_tokenizer(path, tokenizer_dir) is not None:
+        c.data.tokenizer = str(tokenizer_dir)
+    else:
+        print(f"note: {path} has no tokenizer files; the run keeps data.tokenizer={c.data.tokenizer!r}")
+
+    model = GPT(model_config(c.model, vocab_size=cfg.vocab_size, seq_len=seq_len))
+    state = create_state(c, model, jax.random.PRNGKey(c.seed))
+    dtype = np.dtype(c.model.param_dtype) if c.model.param_dtype != "bfloat16" else jax.numpy.bfloat16
+    loaded = jax.tree.map(lambda x, like: jax.device_put(np.asarray(x).astype(dtype), like.sharding), params, state.params)
+    state = state.replace(params=loaded)
+    meta = {"config": json.loads(c.to_json_best_effort()), "seed": c.seed, "data_step": 0, "imported_from": str(path)}
+    with Checkpoints(workdir / "checkpoints", async_save=False) as checkpoints:
+        checkpoints.save(state, meta)
+    (workdir / "config.json").write_text(c.to_json_best_effort(indent=2))
+    return workdir
+
+
+def export_run(workdir: str | Path, out: str | Path) -> Path:
+    """The latest checkpoint of a GPT-2-shaped run as a Hugging Face GPT-2 folder at out."""
+    from bpt.train.loop import restore_run
+
+    config, dataset, model, state = restore_run(workdir)
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), state.params)
+    tokenizer = getattr(dataset, "tokenizer", None)
+    out = save_hf_gpt2(model.config, params, out, eot_id=getattr(tokenizer, "eot_id", None))
+    source = Path(config.data.tokenizer)
+    if source.is_file():
+        source = source.parent
+    if source.is_dir():
+        copy_tokenizer(source, Path(out))
+    return Path(out)

@@ -1,0 +1,163 @@
+"""The commands as a new user meets them: --help, one-sentence errors, nothing written by a
+run that never starts, README commands that run as written, and the run's bookkeeping
+(one compile on resume, strict JSON, a finished run, a step too large for the device)."""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from test_data import text_config, write_corpus
+from test_train import copy_config
+
+import bpt.train.loop as loop
+from bpt.train.loop import train
+from bpt.train.metrics import MetricsWriter, strict_json
+
+REPO = Path(__file__).resolve().parents[1]
+COMMANDS = {
+    "train": ["--workdir", "--config", "--coordinator_address"],
+    "eval": ["--workdir", "--eval_batches"],
+    "sample": ["--workdir", "--num_tokens", "--top_p"],
+    "prepare_data": ["--source", "--out", "--overwrite", "--val_fraction"],
+    "train_tokenizer": ["--source", "--vocab_size", "--val_fraction"],
+}
+
+
+def command(name, *args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", f"bpt.cli.{name}", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_help_lists_the_commands_own_flags(name):
+    result = command(name, "--help")
+    assert result.returncode == 0, result.stderr[-1000:]
+    for flag in COMMANDS[name]:
+        assert flag in result.stdout.replace("--[no]", "--"), (name, flag)
+
+
+@pytest.mark.parametrize(
+    "args,sentence",
+    [
+        (["--config.train.stepz=5"], "unknown key train.stepz; did you mean train.steps?"),
+        (["--config.model.steps=5"], "unknown key model.steps; did you mean train.steps?"),
+        (["--config", "configs/nothere.py"], "config file configs/nothere.py not found"),
+        (["--config.train.learning_rate=-0.1"], "train.learning_rate must be > 0.0; got -0.1"),
+        (["--config.data.name=owt"], "unknown data.name 'owt'; allowed: shakespeare"),
+    ],
+)
+def test_a_bad_setting_is_one_sentence_and_writes_nothing(tmp_path, args, sentence):
+    result = command("train", "--workdir", str(tmp_path / "run"), *args, cwd=REPO)
+    assert result.returncode == 1
+    assert sentence in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 2  # the sentence and where the traceback is
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rejected_run_leaves_an_existing_run_as_it_was(tmp_path):
+    c = copy_config(steps=2)
+    train(c, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    c.train.learning_rate = -1.0
+    with pytest.raises(ValueError, match="train.learning_rate must be > 0.0"):
+        train(c, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def readme_commands(program: str, workdir: str) -> list[list[str]]:
+    """The README's lines that run `program` on `workdir`, as argv lists."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    commands = [shlex.split(line.split("#")[0]) for line in lines if line.startswith(program + " ")]
+    return [argv for argv in commands if f"--workdir={workdir}" in argv or workdir in argv]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """A short byte-level run at runs/default, where the README's commands look for it."""
+    root = tmp_path_factory.mktemp("readme")
+    corpus = write_corpus(root / "corpus", ["Friends, Romans, countrymen, lend me your ears. " * 40])
+    c = text_config(corpus, root, seq_len=64)
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 16
+    c.train.steps, c.train.log_every, c.train.sample_tokens = 2, 2, 0
+    train(c, root / "runs" / "default")
+    return root
+
+
+@pytest.mark.parametrize("program", ["bpt-eval", "bpt-sample"])
+def test_the_readmes_commands_on_a_run_run_as_written(default_run, program):
+    commands = readme_commands(program, "runs/default")
+    assert commands, f"the README shows no {program} command on runs/default"
+    for argv in commands:
+        module = program.removeprefix("bpt-").replace("-", "_")
+        result = command(module, *argv[1:], cwd=default_run)
+        assert result.returncode == 0, (argv, result.stderr[-2000:])
+    if program == "bpt-sample":  # 300 tokens from a 64-token context: several windows
+        assert len(result.stdout) > 3 * 64
+
+
+def test_resuming_compiles_the_train_step_once(tmp_path):
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(kw.get("fun_name"))
+        if event == "/jax/core/compile/backend_compile_duration"
+        else None
+    )
+    c = copy_config(steps=4)
+    c.train.checkpoint_every = 2
+    train(c, tmp_path)
+    c.train.steps = 8
+    compiles.clear()
+    last = train(c, tmp_path)
+    assert compiles.count("jit(train_step)") == 1, compiles
+    assert last["step"] == 8 and last["peak_memory_gib"] > 0  # the process's peak on a CPU
+
+
+def test_a_finished_run_says_so_and_a_step_too_large_stops_before_writing(tmp_path, monkeypatch, capsys):
+    c = copy_config(steps=2)
+    first = train(c, tmp_path / "done")
+    capsys.readouterr()
+    assert train(c, tmp_path / "done") == first
+    assert "already at step 2 of train.steps=2; raise train.steps" in capsys.readouterr().out
+
+    monkeypatch.setattr(loop, "memory_budget", lambda: 2**20)  # a 1 MiB device
+    with pytest.raises(MemoryError, match=r"the train step needs .* GiB per device but the .* has 0.0 GiB.*try "):
+        train(c, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_metrics_are_strict_json(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.write({"step": 1, "loss": float("inf"), "grad_norm": float("nan"), "tokens_per_sec": None})
+    writer.close()
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    assert json.loads(line, parse_constant=lambda name: pytest.fail(f"non-standard JSON {name}")) == {
+        "step": 1,
+        "loss": None,
+        "grad_norm": None,
+        "tokens_per_sec": None,
+    }
+    assert strict_json({"x": -float("inf")}) == '{"x": null}'
+
+
+def test_running_out_of_memory_during_a_step_reads_as_the_preflight_message(tmp_path, monkeypatch):
+    real = loop.jit_steps
+
+    def jit_steps(*args):
+        train_step, eval_fn, sharding = real(*args)
+
+        class OutOfMemoryAtRunTime:
+            lower = train_step.lower  # the preflight compiles and passes
+
+            def __call__(self, *a):
+                raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 50.46GiB")
+
+        return OutOfMemoryAtRunTime(), eval_fn, sharding
+
+    monkeypatch.setattr(loop, "jit_steps", jit_steps)
+    with pytest.raises(MemoryError, match="the train step ran out of memory on the .*; to fit, try .*data.seq_len"):
+        train(copy_config(steps=2), tmp_path)
