@@ -128,3 +128,14 @@ def precheck_config_flags(argv: list[str], default_path: str) -> None:
             overrides.append(arg.split("config.", 1)[1].split("=", 1)[0])
     config = load_config_file(path)
     check_keys(config, overrides)
+
+
+def define_config_flag(help_text: str):
+    """--config FILE (default: bpt's default config) with its --config.<section>.<name>=value
+    overrides, checked by precheck_config_flags first."""
+    from ml_collections import config_flags
+
+    import bpt.config
+
+    precheck_config_flags(sys.argv, bpt.config.__file__)
+    return config_flags.DEFINE_config_file("config", bpt.config.__file__, help_text, lock_config=True)

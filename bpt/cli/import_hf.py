@@ -24,15 +24,8 @@ ARGUMENTS = ("PATH",)  # the Hugging Face folder
 
 
 def define_flags() -> SimpleNamespace:
-    from ml_collections import config_flags
-
-    import bpt.config
-
-    common.precheck_config_flags(sys.argv, bpt.config.__file__)
     return SimpleNamespace(
-        config=config_flags.DEFINE_config_file(
-            "config", bpt.config.__file__, "Config file for the run's data and training settings.", lock_config=True
-        ),
+        config=common.define_config_flag("Config file for the run's data and training settings."),
         workdir=flags.DEFINE_string("workdir", None, "The run folder to write.", required=True),
         seq_len=flags.DEFINE_integer(
             "seq_len", 0, "The run's context, data.seq_len (0: the checkpoint's n_positions).", lower_bound=0

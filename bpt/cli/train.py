@@ -19,17 +19,9 @@ from bpt.cli import common
 
 
 def define_flags() -> SimpleNamespace:
-    from ml_collections import config_flags
-
-    import bpt.config
-
-    common.precheck_config_flags(sys.argv, bpt.config.__file__)
     return SimpleNamespace(
-        config=config_flags.DEFINE_config_file(
-            "config",
-            bpt.config.__file__,
-            "Config file (a .py with get_config()); override settings with --config.<section>.<name>=value.",
-            lock_config=True,
+        config=common.define_config_flag(
+            "Config file (a .py with get_config()); override settings with --config.<section>.<name>=value."
         ),
         workdir=flags.DEFINE_string("workdir", "runs/default", "The run's folder: checkpoints, metrics.jsonl, samples."),
         coordinator=flags.DEFINE_string(

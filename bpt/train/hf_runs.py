@@ -82,8 +82,7 @@ def import_run(
 
     model = GPT(model_config(c.model, vocab_size=cfg.vocab_size, seq_len=seq_len))
     state = create_state(c, model, jax.random.PRNGKey(c.seed))
-    dtype = np.dtype(c.model.param_dtype) if c.model.param_dtype != "bfloat16" else jax.numpy.bfloat16
-    loaded = jax.tree.map(lambda x, like: jax.device_put(np.asarray(x).astype(dtype), like.sharding), params, state.params)
+    loaded = jax.tree.map(lambda x, like: jax.device_put(x.astype(like.dtype), like.sharding), params, state.params)
     state = state.replace(params=loaded)
     meta = {"config": json.loads(c.to_json_best_effort()), "seed": c.seed, "data_step": 0, "imported_from": str(path)}
     with Checkpoints(workdir / "checkpoints", async_save=False) as checkpoints:

@@ -52,7 +52,6 @@ class Reporter:
         self.peak_flops = peak * self.num_devices if peak else None  # the devices the step runs on
         self.tokens_per_step = config.train.batch_size * config.data.seq_len
         self.timer = None  # (time, step) when timing began
-        self.skipped = 0  # steps skipped for a non-finite loss or gradient, over the whole run
 
     def start_timer(self, step: int) -> None:
         """Call once the first (compiling) step has finished: throughput is timed from here."""
@@ -73,7 +72,6 @@ class Reporter:
                 f"norm {float(bad['grad_norm'])}; the run stops before saving it. Lower train.learning_rate, check the data, or set "
                 "train.skip_nonfinite=True to skip such steps"
             )
-        self.skipped = int(fetched[-1]["skipped_steps"])  # counted in the optimizer state
         if not finite:
             raise FloatingPointError(
                 f"all {len(fetched)} steps up to step {step} had a non-finite loss or gradient "
@@ -94,8 +92,9 @@ class Reporter:
         peak_memory = peak_memory_bytes(self.device)
         if peak_memory is not None:
             record["peak_memory_gib"] = peak_memory / 2**30
-        if self.skipped:
-            record["skipped_steps"] = self.skipped
+        skipped = int(fetched[-1]["skipped_steps"])  # over the whole run: it lives in the optimizer state
+        if skipped:
+            record["skipped_steps"] = skipped
         eval_every = self.config.train.eval_every
         if evaluate_now or (eval_every and step % eval_every == 0):
             record.update(evaluate(state, self.eval_data, self.eval_fn))
