@@ -49,6 +49,7 @@ RANGES = (
     ("train.sample_top_k", (0, True), None),
     ("train.sample_top_p", (0.0, False), (1.0, True)),
     ("data.num_workers", (0, True), None),
+    ("data.val_documents", (0, True), None),
     ("data.prefetch", (0, True), None),
 )
 
@@ -89,6 +90,9 @@ def base_config(size: str = "small") -> ConfigDict:
     c.data.val_split = ""  # hf: a split to validate on instead of holding out part of train
     c.data.val_fraction = config_dict.placeholder(float)  # None: 0.05 of each text, 0.0005 of hf docs
     c.data.split_seed = 2357  # hf: the seed of train_test_split, as in the paper's code
+    # shakespeare/text: hold out this many whole documents (picked with split_seed) instead of
+    # the tail of every one; long unseen documents for evaluations by position
+    c.data.val_documents = 0
     c.data.segment_ids = False  # attention stays inside documents of a packed window
     c.data.num_workers = 0  # tokenization processes; 0: one per CPU core
     c.data.verify_checksums = True  # check every shard's sha256 when a run opens prepared data
@@ -146,7 +150,10 @@ def base_config(size: str = "small") -> ConfigDict:
 
 
 def load_config_file(path) -> ConfigDict:
-    """The ConfigDict of a config file (a Python file with get_config()), by its path."""
+    """The ConfigDict of a config file (a Python file with get_config()), by its path.
+
+    As with ml_collections' --config flag, "file.py:ARG" calls get_config("ARG")."""
+    path, *args = str(path).split(":", 1)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} not found")
@@ -155,7 +162,7 @@ def load_config_file(path) -> ConfigDict:
     spec.loader.exec_module(module)
     if not callable(getattr(module, "get_config", None)):
         raise ValueError(f"config file {path} has no get_config() function")
-    return module.get_config()
+    return module.get_config(*args)
 
 
 def config_keys(c: ConfigDict, prefix: str = "") -> list[str]:

@@ -26,7 +26,9 @@ MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", default="124m", choices=sorted(SIZES))
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=2)
@@ -64,7 +66,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
-    print(f"GPT-2 {args.size} shape, random weights, {args.batch} x {args.seq_len} tokens, fp32, {results['device']}")
+    print(
+        f"GPT-2 {args.size} shape, random weights, {args.batch} x {args.seq_len} tokens, fp32, {results['device']}"
+    )
     print(f"{'mode':20s} {'rel. error':>12s} {'max |diff| / max |logit|':>26s}")
     for mode in MODES:
         r = results[mode]

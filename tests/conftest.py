@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,9 @@ def key():
     seed = int(np.random.SeedSequence().entropy % (2**31))
     print(f"random seed: {seed}")
     return jax.random.PRNGKey(seed)
+
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def rel_err(a, b) -> float:

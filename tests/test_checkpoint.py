@@ -197,7 +197,10 @@ def test_a_read_error_once_is_retried_and_a_lasting_one_stops_without_moving_any
     assert int(state.step) == 8 and folders(ckpt) == ["4", "8"]
 
     failures["left"] = 10**6
-    with Checkpoints(ckpt) as checkpoints, pytest.raises(CheckpointError, match="Input/output error.*left as it is"):
+    with (
+        Checkpoints(ckpt) as checkpoints,
+        pytest.raises(CheckpointError, match="Input/output error.*left as it is"),
+    ):
         checkpoints.restore_latest(fresh_state())
     assert folders(ckpt) == ["4", "8"]
 
@@ -206,7 +209,9 @@ def test_a_checkpoint_of_another_model_or_optimizer_stops_the_run_naming_what_di
     before = (run8 / "config.json").read_text()
     c = run_config(steps=12)
     c.model.d_model = 64
-    with pytest.raises(ModelMismatch, match=r"parameters of another shape.*\['embedding'\] \[9, 128\] vs \[9, 64\]"):
+    with pytest.raises(
+        ModelMismatch, match=r"parameters of another shape.*\['embedding'\] \[9, 128\] vs \[9, 64\]"
+    ):
         train(c, run8)
     c = run_config(steps=12)
     c.model.tie_embeddings = False

@@ -103,9 +103,11 @@ def test_the_readmes_commands_on_a_run_run_as_written(default_run, program):
 def test_resuming_compiles_the_train_step_once(tmp_path):
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(kw.get("fun_name"))
-        if event == "/jax/core/compile/backend_compile_duration"
-        else None
+        lambda event, duration, **kw: (
+            compiles.append(kw.get("fun_name"))
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
     )
     c = copy_config(steps=4)
     c.train.checkpoint_every = 2
@@ -125,7 +127,9 @@ def test_a_finished_run_says_so_and_a_step_too_large_stops_before_writing(tmp_pa
     assert "already at step 2 of train.steps=2; raise train.steps" in capsys.readouterr().out
 
     monkeypatch.setattr(loop, "memory_budget", lambda: 2**20)  # a 1 MiB device
-    with pytest.raises(MemoryError, match=r"the train step needs .* GiB per device but the .* has 0.0 GiB.*try "):
+    with pytest.raises(
+        MemoryError, match=r"the train step needs .* GiB per device but the .* has 0.0 GiB.*try "
+    ):
         train(c, tmp_path / "new")
     assert not (tmp_path / "new").exists()
 
@@ -159,5 +163,7 @@ def test_running_out_of_memory_during_a_step_reads_as_the_preflight_message(tmp_
         return OutOfMemoryAtRunTime(), eval_fn, sharding
 
     monkeypatch.setattr(loop, "jit_steps", jit_steps)
-    with pytest.raises(MemoryError, match="the train step ran out of memory on the .*; to fit, try .*data.seq_len"):
+    with pytest.raises(
+        MemoryError, match="the train step ran out of memory on the .*; to fit, try .*data.seq_len"
+    ):
         train(copy_config(steps=2), tmp_path)

@@ -134,6 +134,21 @@ def test_text_corpus_holds_out_the_tail_of_every_document(tmp_path):
     assert detect_kind(str(tmp_path / "x.jsonl")) == detect_kind("openwebtext") == "hf"
 
 
+def test_whole_documents_can_be_held_out_instead(tmp_path):
+    texts = [f"document {i} " * (i + 3) for i in range(6)]
+    path = str(write_corpus(tmp_path / "c", texts))
+    corpus = open_corpus("text", path, val_documents=2, split_seed=5)
+    assert len(corpus.train) == 4 and len(corpus.val) == 2
+    assert sorted([*corpus.train, *corpus.val]) == sorted(texts)  # every document whole, once
+    again = open_corpus("text", path, val_documents=2, split_seed=5)
+    assert list(again.val) == list(corpus.val)  # the seed decides which
+    for bad in (6, 9):
+        with pytest.raises(ValueError, match="data.val_documents"):
+            open_corpus("text", path, val_documents=bad)
+    with pytest.raises(ValueError, match="data.val_documents"):
+        open_corpus("hf", "openwebtext", val_documents=1)
+
+
 def test_hf_datasets_source_on_a_local_jsonl(tmp_path):
     texts = [f"document {i}: " + PLAYS[i % 4][: 50 + i] for i in range(40)]
     path = write_jsonl(tmp_path / "docs.jsonl", texts)
@@ -426,8 +441,8 @@ def test_missing_and_empty_text_are_clear_errors(tmp_path):
 
 def test_tokenizer_and_prepare_commands_on_a_local_jsonl(tmp_path):
     write_jsonl(tmp_path / "docs.jsonl", [PLAYS[i % 4][i:] for i in range(30)])
-    run = lambda *args: (
-        subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True, check=True)
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     out = run("bpt.cli.train_tokenizer", "--source=docs.jsonl", "--vocab_size=320", "--out=tok")
     assert "320 tokens" in out.stdout and (tmp_path / "tok" / "tokenizer.json").is_file()

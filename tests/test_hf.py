@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import REPO, rel_err
 
 from bpt.models.gpt import GPT
 from bpt.models.hf import HFFormatError, extend_positions, load_hf_gpt2, save_hf_gpt2
@@ -24,7 +24,12 @@ def write_gpt2_folder(folder, *, seed=0, prefix="transformer.", sharded=False, *
     d, v, p, f = cfg["n_embd"], cfg["vocab_size"], cfg["n_positions"], cfg.get("n_inner") or 4 * cfg["n_embd"]
     rng = np.random.default_rng(seed)
     normal = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
-    tensors = {"wte.weight": normal(v, d), "wpe.weight": normal(p, d), "ln_f.weight": 1 + normal(d), "ln_f.bias": normal(d)}
+    tensors = {
+        "wte.weight": normal(v, d),
+        "wpe.weight": normal(p, d),
+        "ln_f.weight": 1 + normal(d),
+        "ln_f.bias": normal(d),
+    }
     for i in range(cfg["n_layer"]):
         h = f"h.{i}."
         tensors.update({
@@ -40,14 +45,19 @@ def write_gpt2_folder(folder, *, seed=0, prefix="transformer.", sharded=False, *
     folder.mkdir(parents=True, exist_ok=True)
     if sharded:
         keys = sorted(tensors)
-        halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+        halves = {
+            "model-00001-of-00002.safetensors": keys[::2],
+            "model-00002-of-00002.safetensors": keys[1::2],
+        }
         for name, part in halves.items():
             save_file({k: tensors[k] for k in part}, folder / name, metadata={"format": "pt"})
         weight_map = {k: name for name, part in halves.items() for k in part}
         (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     else:
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "activation_function": "gelu_new", **cfg}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "activation_function": "gelu_new", **cfg})
+    )
     return {k.removeprefix(prefix): x for k, x in tensors.items()}, cfg
 
 
@@ -146,7 +156,9 @@ def test_bad_folders_are_clear_errors(tmp_path):
 
     write_gpt2_folder(tmp_path / "shape")
     (tmp_path / "shape" / "config.json").write_text(json.dumps({**cfg, "n_positions": 64}))
-    with pytest.raises(HFFormatError, match=r"'wpe.weight' .* shape \(48, 32\); its config.json implies \(64, 32\)"):
+    with pytest.raises(
+        HFFormatError, match=r"'wpe.weight' .* shape \(48, 32\); its config.json implies \(64, 32\)"
+    ):
         load_hf_gpt2(tmp_path / "shape")
 
 
@@ -156,7 +168,7 @@ def test_import_sample_eval_finetune_at_a_longer_context_and_export(tmp_path):
 
     from test_data import text_config, write_corpus
 
-    from bpt.config import base_config
+    from bpt.config import load_config_file
     from bpt.data.tokenizers import train_bpe_tokenizer
     from bpt.train.loop import train
 
@@ -173,20 +185,41 @@ def test_import_sample_eval_finetune_at_a_longer_context_and_export(tmp_path):
         return result.stdout
 
     run = tmp_path / "run"
-    data_flags = [f"--config.data.name=text", f"--config.data.path={corpus}", f"--config.data.cache_dir={data.data.cache_dir}",
+    data_flags = ["--config.data.name=text", f"--config.data.path={corpus}", f"--config.data.cache_dir={data.data.cache_dir}",
                   "--config.model.q_chunk_size=8", "--config.model.kv_chunk_size=8", "--config.model.loss_chunk_size=8"]  # fmt: skip
     command("import_hf", str(tmp_path / "gpt2"), "--workdir", str(run), *data_flags)
     assert "Friends" in command("sample", "--workdir", str(run), "--prompt", "Friends", "--num_tokens", "40")
-    evaluated = json.loads(command("eval", "--workdir", str(run), "--eval_batches", "1", "--batch_size", "2"))
+    evaluated = json.loads(
+        command(
+            "eval",
+            "--workdir",
+            str(run),
+            "--eval_batches",
+            "1",
+            "--batch_size",
+            "2",
+            "--by_position",
+            "--first_bucket",
+            "8",
+        )
+    )
     assert evaluated["step"] == 0 and np.isfinite(evaluated["eval_loss"])
+    rows = evaluated["by_position"]  # [0, 8), [8, 16), [16, 32): every position counted once
+    assert [(r["start"], r["end"]) for r in rows] == [(0, 8), (8, 16), (16, 32)]
+    assert sum(r["tokens"] for r in rows) == 2 * 32
+    mean = sum(r["loss"] * r["tokens"] for r in rows) / 64
+    np.testing.assert_allclose(mean, evaluated["eval_loss"], rtol=1e-5)
+    assert (run / "loss_by_position.png").stat().st_size > 0
 
-    # Fine-tuning at twice the checkpoint's 32 positions: the table grows by tiling.
-    c = base_config()
-    c.update(json.loads((run / "config.json").read_text()))
-    c.data.seq_len = c.model.max_seq_len = 64
+    # Fine-tuning at twice the checkpoint's 32 positions with the recipe's config: the table
+    # grows by tiling.
+    c = load_config_file(f"{REPO}/configs/finetune_gpt2_long.py:{run}")
+    assert c.model.d_model == cfg["n_embd"] and c.data.tokenizer == str(run / "tokenizer")
+    c.data.update(name="text", path=str(corpus), cache_dir=data.data.cache_dir, seq_len=64, val_documents=0)
     c.data.val_fraction = 0.3  # the validation text must fill a 64-token window
-    c.init.params_from, c.init.extend_positions = str(run), "tile"
-    c.train.steps, c.train.log_every, c.train.batch_size, c.train.sample_tokens = 2, 2, 2, 0
+    c.model.update(dtype="float32", q_chunk_size=8, kv_chunk_size=8, loss_chunk_size=8, dropout=0.0)
+    c.init.extend_positions = "tile"
+    c.train.update(steps=2, log_every=2, batch_size=2, sample_tokens=0, eval_every=0, eval_batches=1)
     c.train.learning_rate = 1e-9  # the parameters stay where the import put them
     train(c, tmp_path / "long")
     _, long_params = load_hf_gpt2(tmp_path / "gpt2", max_seq_len=64, extend="tile")
@@ -197,4 +230,6 @@ def test_import_sample_eval_finetune_at_a_longer_context_and_export(tmp_path):
 
     # import(export(x)) == x exactly, through the commands.
     command("export_hf", "--workdir", str(run), "--out", str(tmp_path / "back"))
-    jax.tree.map(np.testing.assert_array_equal, load_hf_gpt2(tmp_path / "back")[1], load_hf_gpt2(tmp_path / "gpt2")[1])
+    jax.tree.map(
+        np.testing.assert_array_equal, load_hf_gpt2(tmp_path / "back")[1], load_hf_gpt2(tmp_path / "gpt2")[1]
+    )

@@ -20,7 +20,16 @@ def define_corpus_flags() -> SimpleNamespace:
             lower_bound=0.0,
             upper_bound=1.0,
         ),
-        split_seed=flags.DEFINE_integer("split_seed", 2357, "Datasets sources: the train_test_split seed."),
+        val_documents=flags.DEFINE_integer(
+            "val_documents",
+            0,
+            "Local text: hold out this many whole documents (picked with --split_seed) instead of "
+            "the tail of each.",
+            lower_bound=0,
+        ),
+        split_seed=flags.DEFINE_integer(
+            "split_seed", 2357, "The seed of the split (train_test_split, or the held-out documents)."
+        ),
         cache_dir=flags.DEFINE_string("cache_dir", "", "Where the Shakespeare corpus is cached."),
     )
 
@@ -35,6 +44,7 @@ def open_source(f: SimpleNamespace, source: str):
         "" if kind == "shakespeare" else source,
         text_field=f.text_field.value,
         val_fraction=f.val_fraction.value,
+        val_documents=f.val_documents.value,
         split_seed=f.split_seed.value,
         val_split=f.val_split.value,
         hf_subset=f.subset.value,

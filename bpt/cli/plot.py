@@ -1,14 +1,18 @@
 """bpt-plot: loss and throughput curves of one or more runs, to a PNG.
 
     bpt-plot runs/a runs/b --out curves.png
+    bpt-plot --by_position runs/a runs/b --out by_position.png
 
 Reads each run's metrics.jsonl; a resumed run's repeated steps count once (the last line).
+--by_position draws instead the loss by position in the context window that
+`bpt-eval --by_position` wrote to each run's eval.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 
@@ -62,15 +66,68 @@ def plot_runs(workdirs: list[str | Path], out: str | Path) -> Path:
     return out
 
 
+def read_by_position(workdir: str | Path) -> list[dict]:
+    path = Path(workdir) / "eval.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run `bpt-eval --workdir {workdir} --by_position` first")
+    rows = json.loads(path.read_text()).get("by_position")
+    if not rows:
+        raise ValueError(f"{path} has no loss by position: run `bpt-eval --workdir {workdir} --by_position`")
+    return rows
+
+
+def format_by_position(rows: list[dict]) -> str:
+    """The loss by position as a small text table."""
+    lines = [f"{'positions':>17}  {'loss':>7}  {'perplexity':>10}  {'tokens':>9}"]
+    for r in rows:
+        span = f"{r['start']:,}-{r['end']:,}"
+        lines.append(f"{span:>17}  {r['loss']:7.4f}  {r['perplexity']:10.2f}  {r['tokens']:9,}")
+    return "\n".join(lines)
+
+
+def plot_by_position(workdirs: list[str | Path], out: str | Path) -> Path:
+    """Validation loss against position in the window (log scale), one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, workdir in enumerate(workdirs):
+        rows = read_by_position(workdir)
+        # Each range drawn as a step over its positions, marked at its geometric middle.
+        for r in rows:
+            ax.hlines(r["loss"], max(r["start"], 1), r["end"], color=f"C{i}", lw=2)
+        middles = [math.sqrt(max(r["start"], 1) * r["end"]) for r in rows]
+        ax.plot(
+            middles, [r["loss"] for r in rows], "o", color=f"C{i}", label=Path(workdir).name or str(workdir)
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("position in the context window (tokens of context)")
+    ax.set_ylabel("validation loss (nats per token)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def run() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("workdirs", nargs="+", help="bpt-train workdirs")
     parser.add_argument("--out", default="curves.png", help="PNG to write")
+    parser.add_argument(
+        "--by_position", action="store_true", help="plot the loss by position from each run's eval.json"
+    )
     args = parser.parse_args()
     try:
-        print(plot_runs(args.workdirs, args.out))
+        plot = plot_by_position if args.by_position else plot_runs
+        print(plot(args.workdirs, args.out))
     except (FileNotFoundError, ValueError) as error:
         parser.exit(1, f"bpt-plot: error: {error}\n")
 

@@ -28,8 +28,12 @@ def define_flags() -> SimpleNamespace:
         tokenizer=flags.DEFINE_string(
             "tokenizer", "gpt2", "byte | gpt2 | tiktoken:<encoding> | path of a tokenizer.json or folder."
         ),
-        workers=flags.DEFINE_integer("num_workers", 0, "Tokenization processes (0: one per CPU core).", lower_bound=0),
-        shard_tokens=flags.DEFINE_integer("shard_tokens", 100_000_000, "Tokens per shard (about).", lower_bound=1),
+        workers=flags.DEFINE_integer(
+            "num_workers", 0, "Tokenization processes (0: one per CPU core).", lower_bound=0
+        ),
+        shard_tokens=flags.DEFINE_integer(
+            "shard_tokens", 100_000_000, "Tokens per shard (about).", lower_bound=1
+        ),
         overwrite=flags.DEFINE_bool("overwrite", False, "Replace an existing prepared dataset at --out."),
         corpus=define_corpus_flags(),
     )

@@ -18,7 +18,9 @@ from bpt.cli import common
 
 def define_flags() -> SimpleNamespace:
     return SimpleNamespace(
-        workdir=flags.DEFINE_string("workdir", None, "The run's directory (config.json and checkpoints/).", required=True),
+        workdir=flags.DEFINE_string(
+            "workdir", None, "The run's directory (config.json and checkpoints/).", required=True
+        ),
         prompt=flags.DEFINE_string("prompt", "\n", "Text to continue."),
         num_tokens=flags.DEFINE_integer("num_tokens", 200, "Tokens to generate.", lower_bound=1),
         temperature=flags.DEFINE_float(
@@ -26,7 +28,11 @@ def define_flags() -> SimpleNamespace:
         ),
         top_k=flags.DEFINE_integer("top_k", 0, "Keep only the k most likely tokens (0: all).", lower_bound=0),
         top_p=flags.DEFINE_float(
-            "top_p", 1.0, "Keep the most likely tokens up to this probability mass (0, 1].", lower_bound=0.0, upper_bound=1.0
+            "top_p",
+            1.0,
+            "Keep the most likely tokens up to this probability mass (0, 1].",
+            lower_bound=0.0,
+            upper_bound=1.0,
         ),
         max_len=flags.DEFINE_integer(
             "max_len", 0, "Context of one decoding window (0: the run's data.seq_len).", lower_bound=0
@@ -47,7 +53,9 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
     config, dataset, model, state = restore_run(f.workdir.value)
     tokenizer = getattr(dataset, "tokenizer", None)
     if tokenizer is None:
-        raise ValueError(f"the run's data (data.name={config.data.name!r}) has no tokenizer to turn text into tokens")
+        raise ValueError(
+            f"the run's data (data.name={config.data.name!r}) has no tokenizer to turn text into tokens"
+        )
     max_len = f.max_len.value or config.data.seq_len
     if max_len > model.config.max_seq_len and model.config.position_embedding == "learned":
         raise ValueError(

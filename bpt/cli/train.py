@@ -23,12 +23,20 @@ def define_flags() -> SimpleNamespace:
         config=common.define_config_flag(
             "Config file (a .py with get_config()); override settings with --config.<section>.<name>=value."
         ),
-        workdir=flags.DEFINE_string("workdir", "runs/default", "The run's folder: checkpoints, metrics.jsonl, samples."),
-        coordinator=flags.DEFINE_string(
-            "coordinator_address", "", "Several processes: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)."
+        workdir=flags.DEFINE_string(
+            "workdir", "runs/default", "The run's folder: checkpoints, metrics.jsonl, samples."
         ),
-        num_processes=flags.DEFINE_integer("num_processes", 0, "Several processes: how many (or JAX_NUM_PROCESSES)."),
-        process_id=flags.DEFINE_integer("process_id", -1, "Several processes: this one's index (or JAX_PROCESS_ID)."),
+        coordinator=flags.DEFINE_string(
+            "coordinator_address",
+            "",
+            "Several processes: host:port of process 0 (or JAX_COORDINATOR_ADDRESS).",
+        ),
+        num_processes=flags.DEFINE_integer(
+            "num_processes", 0, "Several processes: how many (or JAX_NUM_PROCESSES)."
+        ),
+        process_id=flags.DEFINE_integer(
+            "process_id", -1, "Several processes: this one's index (or JAX_PROCESS_ID)."
+        ),
     )
 
 

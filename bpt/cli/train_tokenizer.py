@@ -10,7 +10,6 @@ validation text stays unseen. Writes <out>/tokenizer.json (or --out itself when 
 from __future__ import annotations
 
 import itertools
-
 import sys
 from types import SimpleNamespace
 
@@ -24,8 +23,12 @@ def define_flags() -> SimpleNamespace:
     return SimpleNamespace(
         source=flags.DEFINE_string("source", "shakespeare", "The corpus (see bpt-prepare-data)."),
         out=flags.DEFINE_string("out", None, "A folder, or a .json file path.", required=True),
-        vocab=flags.DEFINE_integer("vocab_size", 8192, "Tokens in the vocabulary, end-of-text included.", lower_bound=2),
-        min_freq=flags.DEFINE_integer("min_frequency", 2, "Merges must occur at least this often.", lower_bound=1),
+        vocab=flags.DEFINE_integer(
+            "vocab_size", 8192, "Tokens in the vocabulary, end-of-text included.", lower_bound=2
+        ),
+        min_freq=flags.DEFINE_integer(
+            "min_frequency", 2, "Merges must occur at least this often.", lower_bound=1
+        ),
         max_docs=flags.DEFINE_integer(
             "max_documents", 0, "Train on at most this many documents (0: all).", lower_bound=0
         ),
@@ -41,7 +44,9 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
     texts, count = iter(corpus.train), len(corpus.train)
     if f.max_docs.value:
         texts, count = itertools.islice(texts, f.max_docs.value), min(count, f.max_docs.value)
-    tok = train_bpe_tokenizer(texts, f.vocab.value, f.out.value, num_texts=count, min_frequency=f.min_freq.value)
+    tok = train_bpe_tokenizer(
+        texts, f.vocab.value, f.out.value, num_texts=count, min_frequency=f.min_freq.value
+    )
     print(f"{tok.spec}: {tok.vocab_size} tokens, end-of-text id {tok.eot_id}, trained on {count} documents")
     print(f"use it with --config.data.tokenizer={tok.spec}")
     if tok.vocab_size < f.vocab.value:

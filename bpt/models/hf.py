@@ -97,7 +97,9 @@ def gpt_config_from_hf(config: dict, **overrides) -> GPTConfig:
     fields.update(overrides)
     cfg = GPTConfig(**fields)
     if cfg.mlp_dim != inner:
-        raise HFFormatError(f"n_inner={inner} is not a whole multiple bpt's mlp_ratio can express for n_embd={d}")
+        raise HFFormatError(
+            f"n_inner={inner} is not a whole multiple bpt's mlp_ratio can express for n_embd={d}"
+        )
     return cfg
 
 
@@ -241,7 +243,9 @@ def check_gpt2_shaped(cfg: GPTConfig) -> None:
     if cfg.position_embedding != "learned":
         problems.append(f"model.position_embedding={cfg.position_embedding!r} (GPT-2 has learned positions)")
     if cfg.kv_heads != cfg.num_heads:
-        problems.append(f"model.num_kv_heads={cfg.num_kv_heads} (GPT-2 has one key/value head per query head)")
+        problems.append(
+            f"model.num_kv_heads={cfg.num_kv_heads} (GPT-2 has one key/value head per query head)"
+        )
     if cfg.num_heads * cfg.dim_per_head != cfg.d_model:
         problems.append(f"model.head_dim={cfg.head_dim} (GPT-2's heads split d_model)")
     if problems:
@@ -300,7 +304,9 @@ def save_hf_gpt2(cfg: GPTConfig, params: dict, out: str | Path, *, eot_id: int |
                 prefix + "attn.c_attn.weight": np.concatenate(
                     [layer[w].reshape(d, d) for w in ("wq", "wk", "wv")], axis=1
                 ),
-                prefix + "attn.c_attn.bias": np.concatenate([layer[b].reshape(d) for b in ("bq", "bk", "bv")]),
+                prefix + "attn.c_attn.bias": np.concatenate(
+                    [layer[b].reshape(d) for b in ("bq", "bk", "bv")]
+                ),
                 prefix + "attn.c_proj.weight": layer["wo"].reshape(d, d),
                 prefix + "attn.c_proj.bias": layer["bo"],
                 prefix + "ln_2.weight": layer["ln2_scale"],

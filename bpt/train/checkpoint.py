@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from flax.training.train_state import TrainState
 
 ITEMS = ("params", "opt_state", "meta")
@@ -37,7 +38,9 @@ def _abstract(tree):
 
 def param_shapes(tree) -> dict[str, list[int]]:
     """{array path: shape}, recorded with each checkpoint to detect a changed model or optimizer."""
-    return {jax.tree_util.keystr(path): list(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+    return {
+        jax.tree_util.keystr(path): list(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
 def describe_difference(saved: dict, expected: dict, limit: int = 4) -> str:
@@ -116,7 +119,11 @@ class Checkpoints:
         self.read_only = read_only
         self.damaged: list[tuple[int, str]] = []  # (step, reason) of the checkpoints that did not load
         self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=False, read_only=read_only
+            max_to_keep=None if read_only else keep,  # (Orbax warns when a reader sets them)
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=async_save,
+            create=False,
+            read_only=read_only,
         )
         self.manager = None
         if self.directory.is_dir():
@@ -131,7 +138,13 @@ class Checkpoints:
                 shutil.rmtree(leftover)
 
     def _open(self):
-        self.manager = ocp.CheckpointManager(self.directory, options=self._options, item_names=ITEMS)
+        level = absl_logging.get_verbosity()
+        if self.read_only:  # Orbax announces at WARNING that a read-only folder is read-only
+            absl_logging.set_verbosity(absl_logging.ERROR)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=self._options, item_names=ITEMS)
+        finally:
+            absl_logging.set_verbosity(level)
 
     def steps(self) -> list[int]:
         return [] if self.manager is None else sorted(self.manager.all_steps())
@@ -275,7 +288,9 @@ def load_params(path: str | Path, like, *, extend_positions: str = "interpolate"
         table = like["position_embedding"]
         target = {
             **target,
-            "position_embedding": jax.ShapeDtypeStruct((positions, *table.shape[1:]), table.dtype, sharding=table.sharding),
+            "position_embedding": jax.ShapeDtypeStruct(
+                (positions, *table.shape[1:]), table.dtype, sharding=table.sharding
+            ),
         }
     with ocp.StandardCheckpointer() as checkpointer:
         try:
@@ -288,7 +303,9 @@ def load_params(path: str | Path, like, *, extend_positions: str = "interpolate"
         from bpt.models.hf import extend_positions as extend
 
         table = like["position_embedding"]
-        grown = extend(np.asarray(jax.device_get(params["position_embedding"])), table.shape[0], extend_positions)
+        grown = extend(
+            np.asarray(jax.device_get(params["position_embedding"])), table.shape[0], extend_positions
+        )
         params = {**params, "position_embedding": jax.device_put(grown.astype(table.dtype), table.sharding)}
     return params
 

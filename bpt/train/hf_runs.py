@@ -16,7 +16,13 @@ from bpt.models.hf import load_hf_gpt2, read_hf_config, save_hf_gpt2
 from bpt.train.checkpoint import Checkpoints
 from bpt.train.state import create_state
 
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def copy_tokenizer(source: Path, target: Path) -> Path | None:
@@ -82,9 +88,16 @@ def import_run(
 
     model = GPT(model_config(c.model, vocab_size=cfg.vocab_size, seq_len=seq_len))
     state = create_state(c, model, jax.random.PRNGKey(c.seed))
-    loaded = jax.tree.map(lambda x, like: jax.device_put(x.astype(like.dtype), like.sharding), params, state.params)
+    loaded = jax.tree.map(
+        lambda x, like: jax.device_put(x.astype(like.dtype), like.sharding), params, state.params
+    )
     state = state.replace(params=loaded)
-    meta = {"config": json.loads(c.to_json_best_effort()), "seed": c.seed, "data_step": 0, "imported_from": str(path)}
+    meta = {
+        "config": json.loads(c.to_json_best_effort()),
+        "seed": c.seed,
+        "data_step": 0,
+        "imported_from": str(path),
+    }
     with Checkpoints(workdir / "checkpoints", async_save=False) as checkpoints:
         checkpoints.save(state, meta)
     (workdir / "config.json").write_text(c.to_json_best_effort(indent=2))
@@ -99,7 +112,8 @@ def export_run(workdir: str | Path, out: str | Path) -> Path:
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), state.params)
     tokenizer = getattr(dataset, "tokenizer", None)
     out = save_hf_gpt2(model.config, params, out, eot_id=getattr(tokenizer, "eot_id", None))
-    source = Path(config.data.tokenizer)
+    # The tokenizer the data was made with (prepared data names its own in its manifest).
+    source = Path(getattr(tokenizer, "spec", config.data.tokenizer))
     if source.is_file():
         source = source.parent
     if source.is_dir():

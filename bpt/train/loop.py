@@ -168,15 +168,57 @@ def shardings_of(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def evaluate_checkpoint(workdir: str | Path, *, eval_batches: int = 0, batch_size: int = 0) -> dict:
-    """Validation loss, perplexity and accuracy of a run's latest checkpoint."""
+def position_buckets(seq_len: int, first: int = 64) -> list[tuple[int, int]]:
+    """[start, end) ranges of window positions that double in length: [0, first),
+    [first, 2 first), [2 first, 4 first), ... ending at seq_len."""
+    if first <= 0:
+        raise ValueError(f"the first position bucket must hold at least one position; got {first}")
+    edges, edge = [0], min(first, seq_len)
+    while edge < seq_len:
+        edges.append(edge)
+        edge *= 2
+    edges.append(seq_len)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def evaluate_by_position(
+    state: TrainState, batches: list[dict], step_fn, buckets: list[tuple[int, int]], sharding=None
+) -> list[dict]:
+    """Validation loss of the predictions made at each bucket of window positions (position
+    t predicts token t + 1 from t + 1 tokens of context): does the model use a long context?
+    Each bucket is one masked pass over the batches (host arrays), so memory stays that of
+    an ordinary evaluation at any context length."""
+    rows = []
+    for start, end in buckets:
+        sums = 0.0
+        for batch in batches:
+            keep = np.zeros(batch["loss_mask"].shape[-1], np.float32)
+            keep[start:end] = 1.0
+            masked = dict(batch, loss_mask=batch["loss_mask"] * keep)
+            sums = sums + np.asarray(step_fn(state, put_batch(masked, sharding)))
+        loss = float(sums[0] / max(sums[1], 1.0))
+        rows.append(
+            {"start": start, "end": end, "loss": loss, "perplexity": math.exp(loss), "tokens": int(sums[1])}
+        )
+    return rows
+
+
+def evaluate_checkpoint(
+    workdir: str | Path, *, eval_batches: int = 0, batch_size: int = 0, first_bucket: int = 0
+) -> dict:
+    """Validation loss, perplexity and accuracy of a run's latest checkpoint; with
+    first_bucket > 0 also the loss by position (position_buckets) under "by_position"."""
     config, dataset, model, state = restore_run(workdir)
     _, eval_fn, batch_sharding = jit_steps(config, model, shardings_of(state))
-    batches = dataset.eval_batches(
+    host_batches = dataset.eval_batches(
         eval_batches or config.train.eval_batches, batch_size or config.train.batch_size
     )
-    batches = [put_batch(b, batch_sharding) for b in batches]
-    return {"step": int(state.step), **evaluate(state, batches, eval_fn)}
+    batches = [put_batch(b, batch_sharding) for b in host_batches]
+    result = {"step": int(state.step), "seq_len": config.data.seq_len, **evaluate(state, batches, eval_fn)}
+    if first_bucket:
+        buckets = position_buckets(config.data.seq_len, first_bucket)
+        result["by_position"] = evaluate_by_position(state, host_batches, eval_fn, buckets, batch_sharding)
+    return result
 
 
 def restore_run(workdir: str | Path):
@@ -226,7 +268,9 @@ def out_of_memory_message(config: ConfigDict, need: int | None = None, budget: i
     if m.remat_group == 1 and m.scan_layers and m.num_layers % 4 == 0 and not m.offload_layer_inputs:
         hints.append("model.remat_group=4")
     if not m.offload_layer_inputs:
-        hints.append("model.offload_layer_inputs=True" + (" with model.remat_group=1" if m.remat_group > 1 else ""))
+        hints.append(
+            "model.offload_layer_inputs=True" + (" with model.remat_group=1" if m.remat_group > 1 else "")
+        )
     if m.attention_mode != "blockwise_parallel":
         hints.append("model.attention_mode=blockwise_parallel")
     if max(m.q_chunk_size, m.kv_chunk_size, m.loss_chunk_size) > 512:
@@ -285,6 +329,10 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     """
     workdir = Path(workdir)
     tc = config.train
+    source = config.init.params_from
+    if source and not Path(source).expanduser().exists() and not (workdir / "checkpoints").is_dir():
+        # before the data is tokenized: a mistyped path should not cost minutes
+        raise FileNotFoundError(f"config.init.params_from={source!r} does not exist")
     say("preparing the run: config, data, model ...", flush=True)
     dataset, model, state = setup(config)
     rng = jax.random.PRNGKey(config.seed)

