@@ -121,8 +121,9 @@ def test_entry_point_and_bad_inputs(key):
     "dtype, causal, kv_heads, block_k",
     [
         (jnp.bfloat16, True, 2, 64),  # GQA; the forward streams 4 key blocks through 2 slots
-        (jnp.bfloat16, True, 1, 128),  # the forward's first tile needs fewer blocks than the ring holds
-        (jnp.float16, False, 1, 128),  # MQA
+        # MQA; the causal forward's first tile needs fewer blocks than the ring holds (the
+        # non-causal path runs in the GPU tests: each interpreted case costs over a minute)
+        (jnp.float16, True, 1, 128),
     ],
 )
 def test_hopper_kernels_in_the_mosaic_gpu_interpreter(key, dtype, causal, kv_heads, block_k):
