@@ -30,12 +30,29 @@ def read_metrics(workdir: str | Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def plot_runs(workdirs: list[str | Path], out: str | Path) -> Path:
+def _pyplot():
+    """matplotlib.pyplot on the file-only backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, out: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_runs(workdirs: list[str | Path], out: str | Path) -> Path:
+    plt = _pyplot()
     runs = {Path(w).name or str(w): read_metrics(w) for w in workdirs}
     panels = [("loss", "loss (nats per token)"), ("tokens_per_sec", "tokens / s")]
     if any("mfu" in r for records in runs.values() for r in records):
@@ -58,12 +75,7 @@ def plot_runs(workdirs: list[str | Path], out: str | Path) -> Path:
             ax.set_ylim(0, 1.15 * top)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def read_by_position(workdir: str | Path) -> list[dict]:
@@ -87,11 +99,7 @@ def format_by_position(rows: list[dict]) -> str:
 
 def plot_by_position(workdirs: list[str | Path], out: str | Path) -> Path:
     """Validation loss against position in the window (log scale), one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for i, workdir in enumerate(workdirs):
         rows = read_by_position(workdir)
@@ -107,12 +115,7 @@ def plot_by_position(workdirs: list[str | Path], out: str | Path) -> Path:
     ax.set_ylabel("validation loss (nats per token)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def run() -> None:
