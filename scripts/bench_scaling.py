@@ -26,14 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from benchlib import human_tokens, parse_choices  # noqa: E402  (after the environment)
+from benchlib import human_tokens, parse_choices, seconds_per_call  # noqa: E402  (after the environment)
 
 PARTS = ("ring", "train")
 TRAIN_SETUPS = {  # name -> (mesh settings, context as a multiple of T, batch as a multiple of N)
@@ -43,19 +41,6 @@ TRAIN_SETUPS = {  # name -> (mesh settings, context as a multiple of T, batch as
     "sequence (ring)": ({"data": 1, "sequence": -1, "context_parallel": "ring"}, -1, 0),
     "sequence (all-gather)": ({"data": 1, "sequence": -1, "context_parallel": "all_gather"}, -1, 0),
 }
-
-
-def seconds_per_call(fn, *args, repeats: int = 10) -> float:
-    import jax
-
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def ring_part(args) -> list[dict]:
@@ -215,17 +200,26 @@ def plot(ring_rows: list[dict], train_rows: list[dict], path: Path) -> None:
         )
         axes[0].legend()
     ok = [r for r in train_rows if r.get("ok")]
-    for setup in dict.fromkeys(r["setup"] for r in ok):
-        rows = [r for r in ok if r["setup"] == setup]
-        axes[1].plot(
-            [r["tokens_per_device"] for r in rows],
-            [r["tokens_per_second_per_gpu"] for r in rows],
-            marker="o",
-            label=setup,
+    setups = list(dict.fromkeys(r["setup"] for r in ok))
+    if len({r["tokens_per_device"] for r in ok}) == 1:  # one length: a bar per setup
+        axes[1].bar(setups, [r["tokens_per_second_per_gpu"] for r in ok])
+        axes[1].tick_params(axis="x", labelrotation=20)
+        axes[1].set(
+            ylabel="tokens/s per GPU",
+            title=f"training step, {human_tokens(ok[0]['tokens_per_device'])} tokens per GPU",
         )
-    axes[1].set(xscale="log", xlabel="tokens per GPU", ylabel="tokens/s per GPU", title="training step")
-    if ok:
-        axes[1].legend()
+    else:
+        for setup in setups:
+            rows = [r for r in ok if r["setup"] == setup]
+            axes[1].plot(
+                [r["tokens_per_device"] for r in rows],
+                [r["tokens_per_second_per_gpu"] for r in rows],
+                marker="o",
+                label=setup,
+            )
+        axes[1].set(xscale="log", xlabel="tokens per GPU", ylabel="tokens/s per GPU", title="training step")
+        if ok:
+            axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

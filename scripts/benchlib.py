@@ -10,8 +10,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 import jax
@@ -114,3 +116,15 @@ def human_tokens(n: int) -> str:
     if not n:
         return "–"
     return f"{n // 1024}K" if n % 1024 == 0 else (f"{n / 1024:.1f}K" if n > 1024 else str(n))
+
+
+def seconds_per_call(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
+    """The median wall time of fn(*args) over `repeats` calls after `warmup` (compiling) ones."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

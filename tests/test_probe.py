@@ -171,3 +171,23 @@ def test_memory_script_end_to_end(tmp_path):
     assert [r["fits"] for r in vanilla] == [True, True, False]  # quadratic: over it at 2K, then stops
     assert bpt[-1]["compiled_gib"] < vanilla[-1]["compiled_gib"]
     assert (tmp_path / "memory.png").is_file()
+
+
+def test_decode_script_end_to_end(tmp_path):
+    """Every implementation the CPU has, one shape and a one-sequence ragged batch; the table, JSON, PNG."""
+    proc = run_script(
+        "bench_decode.py",
+        "--contexts=256",
+        "--batches=1",
+        "--heads=32/8",
+        "--ragged_batch=1",
+        "--repeats=1",
+        f"--out={tmp_path}",
+        cwd=tmp_path,
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    (row,) = results["kernels"]
+    assert set(row["times"]) == {"bpt pallas", "bpt split_kv", "XLA"} and not row.get("errors")
+    assert row["bytes"] == 2 * 256 * 8 * 128 * 2
+    assert "| 256 | 1 | 32/8 |" in proc.stdout and "stream-K / split" in proc.stdout
+    assert (tmp_path / "decode.png").is_file()

@@ -3,10 +3,12 @@
 from bpt.ops.attention import IMPLS, attention, select_impl
 from bpt.ops.blockwise import attend_query_chunk, blockwise_attention
 from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, blockwise_ffn, cross_entropy
+from bpt.ops.decode import DECODE_IMPLS, decode_attention
 from bpt.ops.reference import reference_attention
 from bpt.ops.remat import POLICIES
 
 __all__ = [
+    "DECODE_IMPLS",
     "IMPLS",
     "POLICIES",
     "CrossEntropy",
@@ -16,6 +18,7 @@ __all__ = [
     "blockwise_cross_entropy",
     "blockwise_ffn",
     "cross_entropy",
+    "decode_attention",
     "reference_attention",
     "select_impl",
 ]

@@ -1,26 +1,178 @@
-"""Attention of new queries over a key/value cache, for autoregressive decoding."""
+"""Attention of new queries over a key/value cache, for autoregressive decoding.
+
+Decoding reads the whole cache for every new token: it is bound by memory bandwidth, not by
+arithmetic. Every implementation here takes the same arguments and returns the same result:
+
+- reference: the scores over every slot materialized, one softmax (XLA).
+- split_kv: flash-decoding in plain JAX. The cache is cut into chunks; each chunk gives a
+  partial softmax (float32 row max, sum and weighted values, kept as a normalized output and
+  its logsumexp), and the partials are merged by logsumexp. Runs anywhere.
+- pallas: bpt's decode kernel (bpt.ops.kernels.decode): split-KV over the SMs, the query
+  heads of a GQA group sharing one read of their K/V head, the cache read in place, ragged
+  batches balanced by a stream-K tile table. On a GPU it lowers through Triton; elsewhere
+  it runs in Pallas interpret mode (slow, for tests).
+- auto: split_kv for now; the pallas kernel is chosen by name until its GPU measurements
+  (docs/benchmarks.md) make it the GPU default.
+
+The partial-softmax pieces (Partial, partial_attention, merge_partials) are shared with tree
+decoding across devices (bpt.parallel.tree), which merges one partial per device.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from bpt.ops.reference import attention_mask, check_qkv, masked_attention
+from bpt.ops.reference import check_qkv, group_heads, masked_attention
 
 Array = jax.Array
+DECODE_IMPLS = ("auto", "reference", "split_kv", "pallas")
 
 
-def decode_attention(q: Array, k_cache: Array, v_cache: Array, q_positions: Array) -> Array:
+class Partial(NamedTuple):
+    """Attention over part of the keys: out [batch, q_len, heads, head_dim] float32, normalized
+    over that part; lse [batch, heads, q_len] float32, -inf for a row that saw no key there."""
+
+    out: Array
+    lse: Array
+
+
+def check_decode_impl(impl: str, setting: str = "impl") -> str:
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"{setting} must be one of {', '.join(DECODE_IMPLS)}; got {impl!r}")
+    return impl
+
+
+def last_visible_slot(q_positions: Array, batch: int, lengths: Array | None = None) -> Array:
+    """[batch, q_len] int32: the last cache slot each query sees (its own position, and below
+    lengths[b] when a sequence holds fewer tokens); -1 where it sees none."""
+    positions = jnp.asarray(q_positions, jnp.int32)
+    if positions.ndim == 1:
+        positions = jnp.broadcast_to(positions[None], (batch, positions.shape[0]))
+    if lengths is not None:
+        positions = jnp.minimum(positions, jnp.asarray(lengths, jnp.int32)[:, None] - 1)
+    return positions
+
+
+def check_decode_args(q, k_cache, v_cache, q_positions, lengths) -> None:
+    check_qkv(q, k_cache, v_cache)
+    batch, q_len = q.shape[:2]
+    positions = jnp.shape(q_positions)
+    if positions not in ((q_len,), (batch, q_len)):
+        raise ValueError(
+            f"q_positions must be [q_len] or [batch, q_len] = {(q_len,)} or {(batch, q_len)}; got {positions}"
+        )
+    if lengths is not None and jnp.shape(lengths) != (batch,):
+        raise ValueError(f"lengths must be [batch] = {(batch,)}; got {jnp.shape(lengths)}")
+
+
+def decode_mask(last: Array, slots: Array) -> Array:
+    """[batch, 1, 1, q_len, len(slots)]: slot positions at or before each query's last visible
+    slot, broadcastable to grouped scores [batch, kv_heads, group, q_len, slots]."""
+    return (slots[None, None, :] <= last[:, :, None])[:, None, None]
+
+
+def partial_attention(q: Array, k: Array, v: Array, mask: Array) -> Partial:
+    """One partial softmax of q over k/v (grouped-query heads, float32 statistics) under a
+    boolean mask broadcastable to [batch, kv_heads, group, q_len, k_len]."""
+    num_kv_heads = k.shape[2]
+    scores = jnp.einsum(
+        "bqhgd,bkhd->bhgqk", group_heads(q, num_kv_heads), k, preferred_element_type=jnp.float32
+    ) / math.sqrt(q.shape[-1])
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(scores - shift)
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    denom = jnp.moveaxis(row_sum, -2, 1)  # [b, q, h_kv, g, 1]
+    out = out / jnp.where(denom == 0, 1.0, denom)
+    lse = jnp.where(row_sum > 0, shift + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), -jnp.inf)
+    b, q_len, h, d = q.shape
+    return Partial(out.reshape(b, q_len, h, d), lse[..., 0].reshape(b, h, q_len))
+
+
+def merge_partials(parts: Partial, axis: int = 0) -> Partial:
+    """The logsumexp merge of partials stacked along `axis` (of both out and lse)."""
+    lse = jax.nn.logsumexp(parts.lse, axis=axis, keepdims=True)
+    lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)  # all parts empty
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weights = jnp.exp(parts.lse - safe)  # [..., b, h, q]; 0 for empty parts
+    out = jnp.sum(parts.out * jnp.swapaxes(weights, -1, -2)[..., None], axis=axis)
+    return Partial(out, jnp.squeeze(lse, axis))
+
+
+def reference_decode(q, k_cache, v_cache, last: Array) -> Array:
+    return masked_attention(q, k_cache, v_cache, decode_mask(last, jnp.arange(k_cache.shape[1])))
+
+
+def split_kv_partial(q, k_cache, v_cache, last: Array, *, chunk_size: int, offset=0) -> Partial:
+    """Flash-decoding over the cache in chunks of chunk_size slots (a last, shorter chunk where
+    the length does not divide); slot i is position offset + i. One merged partial."""
+    b, length, hk, d = k_cache.shape
+    chunk_size = max(1, min(chunk_size, length))
+    whole = length // chunk_size * chunk_size
+    parts = []
+    if whole:
+        n = whole // chunk_size
+        shape = (b, n, chunk_size, hk, d)
+        k = k_cache[:, :whole].reshape(shape)
+        v = v_cache[:, :whole].reshape(shape)
+        slots = offset + jnp.arange(whole).reshape(n, chunk_size)
+        chunks = jax.vmap(
+            lambda k, v, s: partial_attention(q, k, v, decode_mask(last, s)),
+            in_axes=(1, 1, 0),
+        )(k, v, slots)
+        parts.append(merge_partials(chunks))
+    if whole < length:
+        slots = offset + jnp.arange(whole, length)
+        parts.append(partial_attention(q, k_cache[:, whole:], v_cache[:, whole:], decode_mask(last, slots)))
+    if len(parts) == 1:
+        return parts[0]
+    return merge_partials(jax.tree.map(lambda *x: jnp.stack(x), *parts))
+
+
+def decode_attention(
+    q: Array,
+    k_cache: Array,
+    v_cache: Array,
+    q_positions: Array,
+    *,
+    lengths: Array | None = None,
+    impl: str = "auto",
+    chunk_size: int = 512,
+    num_splits: int | None = None,
+    block_k: int | None = None,
+) -> Array:
     """Queries at absolute positions attend to cached keys at positions <= their own.
 
     Args:
       q: [batch, q_len, heads, head_dim], the newest tokens' queries (q_len is usually 1).
       k_cache, v_cache: [batch, max_len, kv_heads, head_dim]; slot i holds position i. Slots
-        past the newest position may hold anything: they are masked.
-      q_positions: [q_len] int, the queries' positions.
+        past a query's position may hold anything: they are masked.
+      q_positions: [q_len] int (the same for every sequence) or [batch, q_len].
+      lengths: optional [batch] int: sequence b holds lengths[b] tokens; slots from there on
+        are masked too (a batch of prompts of different lengths decoding together).
+      impl: reference | split_kv | pallas | auto (see the module docstring).
+      chunk_size: split_kv's chunk of slots. num_splits, block_k: the pallas kernel's
+        programs per K/V head (default: from the device's SM count) and key block.
     Returns:
-      [batch, q_len, heads, head_dim] in q's dtype.
+      [batch, q_len, heads, head_dim] in q's dtype; zeros for a query that sees no slot.
     """
-    check_qkv(q, k_cache, v_cache)
-    mask = attention_mask(q_positions, jnp.arange(k_cache.shape[1]), None, None, causal=True)
-    return masked_attention(q, k_cache, v_cache, mask)
+    check_decode_args(q, k_cache, v_cache, q_positions, lengths)
+    impl = check_decode_impl(impl)
+    if impl == "auto":
+        impl = "split_kv"
+    last = last_visible_slot(q_positions, q.shape[0], lengths)
+    if impl == "reference":
+        return reference_decode(q, k_cache, v_cache, last)
+    if impl == "split_kv":
+        return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size).out.astype(q.dtype)
+    from bpt.ops.kernels.decode import decode_partial
+
+    return decode_partial(q, k_cache, v_cache, last, num_splits=num_splits, block_k=block_k).out.astype(
+        q.dtype
+    )

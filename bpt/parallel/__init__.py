@@ -19,6 +19,7 @@ from bpt.parallel.ring import (
     ring_attention,
     to_layout,
 )
+from bpt.parallel.tree import ring_decode_attention, tree_decode_attention
 
 __all__ = [
     "AXES",
@@ -35,5 +36,7 @@ __all__ = [
     "make_mesh",
     "param_shardings",
     "ring_attention",
+    "ring_decode_attention",
     "to_layout",
+    "tree_decode_attention",
 ]

@@ -15,14 +15,16 @@ from conftest import rel_err  # noqa: E402
 
 from bpt.config import base_config  # noqa: E402
 from bpt.data.datasets import put_batch  # noqa: E402
-from bpt.ops import reference_attention  # noqa: E402
+from bpt.ops import decode_attention, reference_attention  # noqa: E402
 from bpt.parallel import (  # noqa: E402
     all_gather_attention,
     from_layout,
     layout_permutation,
     make_mesh,
     ring_attention,
+    ring_decode_attention,
     to_layout,
+    tree_decode_attention,
 )
 from bpt.train.loop import setup, shardings_of, train  # noqa: E402
 from bpt.train.probe import TrainingStep  # noqa: E402
@@ -179,6 +181,26 @@ MESHES = [
     ("blockwise_parallel", dict(fsdp=2, sequence=4, context_parallel="all_gather", load_balance="striped")),
     ("memory_efficient", dict(data=2, sequence=2, tensor=2)),
 ]
+
+
+@pytest.mark.parametrize(
+    "mesh,impl",
+    [(dict(sequence=8), "split_kv"), (dict(data=2, sequence=4), "split_kv"), (dict(sequence=4), "pallas")],
+    ids=["sequence8", "data2-sequence4", "sequence4-pallas"],
+)
+def test_tree_and_ring_decoding_equal_the_reference(key, mesh, impl):
+    """The cache sharded over its slots; ragged lengths, GQA, two queries at a time."""
+    mesh = make_mesh(**mesh, devices=jax.devices()[: np.prod(list(mesh.values()))])
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (2, 2, 4, 16))
+    k_cache, v_cache = (jax.random.normal(kk_, (2, 128, 2, 16)) for kk_ in (kk, kv))
+    positions, lengths = jnp.array([[40, 41], [126, 127]]), jnp.array([42, 128])
+    expected = decode_attention(q, k_cache, v_cache, positions, lengths=lengths, impl="reference")
+    for fn in (tree_decode_attention, ring_decode_attention):
+        run = jax.jit(
+            lambda *a, fn=fn: fn(*a, mesh=mesh, lengths=lengths, impl=impl, chunk_size=8, num_splits=2)
+        )
+        assert rel_err(run(q, k_cache, v_cache, positions), expected) < TOL, fn.__name__
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,195 @@
+"""The decode attention kernel: split-KV with a stream-K tile table, as one Pallas kernel.
+
+One new token (or a few) per sequence attends to a long key/value cache, so the work is
+reading the cache and the kernel's job is to keep every SM reading it:
+
+- The cache is cut into tiles of whole key blocks; each program takes one tile of one K/V
+  head and writes a partial softmax (float32 output normalized over the tile, and its
+  logsumexp). The partials are merged by logsumexp in XLA, per sequence.
+- The query heads of a GQA group (and the q_len queries) are the rows of one program, so each
+  K/V head is read once for all of them and the cache is never repeated or transposed: the
+  kernel reads [block_k, head_dim] slices of [batch, max_len, kv_heads, head_dim] in place.
+- Only the slots a sequence can see are read: a tile ends at the sequence's last visible
+  slot (its query position, or its length).
+- The tile table: "stream_k" (default) gives every program the same number of key blocks
+  whatever the sequences' lengths: the blocks each sequence needs are summed and cut into
+  equal tiles (a tile never spans two sequences), so a ragged batch keeps every SM busy to the
+  end; "split" cuts each sequence into the same number of equal splits (flash-decoding), so
+  short sequences leave programs idle while long ones finish.
+- Programs per K/V head come from the GPU's SM count (two waves) unless num_splits is given.
+
+On a GPU the kernel lowers through Triton; elsewhere it runs in Pallas interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from bpt.ops.decode import Partial
+
+Array = jax.Array
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+SCHEDULES = ("stream_k", "split")
+MIN_ROWS = 16  # the smallest M a Triton dot takes
+
+
+def num_sms(device=None) -> int:
+    """The device's streaming multiprocessors (8 where it does not say, as on a CPU)."""
+    device = device or jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 8)
+
+
+def _tile_table(visible_blocks: Array, tiles: int, schedule: str, max_blocks: int) -> Array:
+    """[num_tiles, 4] int32 rows (sequence, first block, end block, 0); tiles past the work are
+    empty (first == end). visible_blocks [batch]: key blocks each sequence needs."""
+    batch = visible_blocks.shape[0]
+    if schedule == "split":
+        splits = max(1, -(-tiles // batch))
+        per = -(-max_blocks // splits)
+        seq = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), splits)
+        first = jnp.tile(jnp.arange(splits, dtype=jnp.int32) * per, batch)
+        end = jnp.minimum(first + per, visible_blocks[seq])
+    else:
+        size = jnp.maximum(1, -(-jnp.sum(visible_blocks) // tiles)).astype(jnp.int32)
+        counts = -(-visible_blocks // size)  # tiles per sequence
+        starts = jnp.cumsum(counts) - counts
+        index = jnp.arange(tiles + batch, dtype=jnp.int32)  # at most tiles + batch are needed
+        seq = jnp.clip(jnp.searchsorted(starts + counts, index, side="right"), 0, batch - 1).astype(jnp.int32)
+        first = (index - starts[seq]) * size
+        end = jnp.minimum(first + size, visible_blocks[seq])
+    first = jnp.minimum(first, end)
+    return jnp.stack([seq, first, end, jnp.zeros_like(seq)], axis=1).astype(jnp.int32)
+
+
+def _kernel(block_k: int, scale: float, table_ref, q_ref, last_ref, k_ref, v_ref, o_ref, lse_ref):
+    kv_head = pl.program_id(1)
+    seq, first, end = table_ref[0], table_ref[1], table_ref[2]
+    q = q_ref[seq, kv_head, :, :]  # [rows, head_dim]
+    last = last_ref[seq, :]  # [rows]: the last slot each row sees
+    visible = jnp.max(last) + 1
+    rows = q.shape[0]
+
+    def body(j, carry):
+        m, row_sum, acc = carry
+        span = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+        k = k_ref[seq, span, kv_head, :]
+        v = v_ref[seq, span, kv_head, :]
+        k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        v = jnp.where((k_pos < visible)[:, None], v, jnp.zeros_like(v))  # garbage past the end
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = jnp.where(k_pos[None, :] <= last[:, None], s * (scale * LOG2E), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - shift[:, None])
+        alpha = jnp.exp2(m - shift)
+        row_sum = row_sum * alpha + jnp.sum(p, axis=1)
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        return m_new, row_sum, acc * alpha[:, None] + pv
+
+    carry = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros(q.shape, jnp.float32),
+    )
+    m, row_sum, acc = lax.fori_loop(first, end, body, carry)
+    seen = row_sum > 0.0
+    safe = jnp.where(seen, row_sum, 1.0)
+    o_ref[...] = acc / safe[:, None]
+    lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe)) * LN2, -jnp.inf)
+
+
+def decode_partial(
+    q: Array,
+    k_cache: Array,
+    v_cache: Array,
+    last: Array,
+    *,
+    num_splits: int | None = None,
+    schedule: str = "stream_k",
+    block_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> Partial:
+    """The kernel's attention of q [batch, q_len, heads, head_dim] over the caches [batch,
+    max_len, kv_heads, head_dim], row r of sequence b seeing slots <= last[b, r] (see
+    bpt.ops.decode.last_visible_slot). num_splits: programs per K/V head (default: two waves of
+    the GPU's SMs over the K/V heads)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    b, q_len, h, d = q.shape
+    max_len, hk = k_cache.shape[1], k_cache.shape[2]
+    if d < 16 or d & (d - 1):
+        raise ValueError(
+            f"the pallas decode kernel needs a power-of-two head_dim >= 16; got {d} (use impl='split_kv')"
+        )
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    block_k = block_k or min(64 if q.dtype.itemsize <= 2 else 32, max_len)
+    if max_len % block_k:
+        raise ValueError(f"the cache length {max_len} must be a multiple of block_k={block_k}")
+    group = h // hk
+    rows = max(MIN_ROWS, pl.next_power_of_2(q_len * group))
+    # [b, hk, rows, d]: row t * group + j is query t's head j of the K/V head (q is small).
+    q_rows = q.reshape(b, q_len, hk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, q_len * group, d)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - q_len * group), (0, 0)))
+    last_rows = jnp.repeat(last.astype(jnp.int32), group, axis=1)
+    last_rows = jnp.pad(last_rows, ((0, 0), (0, rows - q_len * group)), constant_values=-1)
+    max_blocks = max_len // block_k
+    visible_blocks = -(-(jnp.max(last_rows, axis=1) + 1) // block_k)
+    tiles = num_splits or max(1, -(-2 * num_sms() // hk))
+    table = _tile_table(visible_blocks, tiles, schedule, max_blocks)
+    n = table.shape[0]
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    whole = lambda shape: pl.BlockSpec(shape, lambda t, g: (0,) * len(shape))  # noqa: E731
+    out, lse = pl.pallas_call(
+        functools.partial(_kernel, block_k, 1.0 / math.sqrt(d)),
+        grid=(n, hk),
+        in_specs=[
+            pl.BlockSpec((None, 4), lambda t, g: (t, 0)),
+            whole(q_rows.shape),
+            whole(last_rows.shape),
+            whole(k_cache.shape),
+            whole(v_cache.shape),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, rows, d), lambda t, g: (t, g, 0, 0)),
+            pl.BlockSpec((None, None, rows), lambda t, g: (t, g, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, hk, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((n, hk, rows), jnp.float32),
+        ],
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="bpt_decode",
+    )(table, q_rows, last_rows, k_cache, v_cache)
+    # Merge the tiles of each sequence by logsumexp (empty tiles have lse -inf: weight 0).
+    seq = table[:, 0]
+    top = jax.ops.segment_max(lse, seq, num_segments=b)  # [b, hk, rows]
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.exp(lse - shift[seq])
+    total = jax.ops.segment_sum(weight, seq, num_segments=b)
+    merged = jax.ops.segment_sum(out * weight[..., None], seq, num_segments=b)
+    merged = merged / jnp.where(total > 0, total, 1.0)[..., None]
+    merged_lse = jnp.where(total > 0, shift + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    # Back to [b, q_len, h, d] and [b, h, q_len].
+    merged = merged[:, :, : q_len * group].reshape(b, hk, q_len, group, d)
+    merged_lse = merged_lse[:, :, : q_len * group].reshape(b, hk, q_len, group)
+    return Partial(
+        merged.transpose(0, 2, 1, 3, 4).reshape(b, q_len, h, d),
+        merged_lse.transpose(0, 1, 3, 2).reshape(b, h, q_len),
+    )

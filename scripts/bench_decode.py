@@ -1,0 +1,286 @@
+"""Decode attention: time and effective bandwidth of one new token over a long K/V cache.
+
+    python scripts/bench_decode.py --out results/decode                    # kernels + ragged
+    python scripts/bench_decode.py --parts kernels --contexts 32768,131072,524288 --batches 1,8
+    python scripts/bench_decode.py --parts tree --contexts 262144,1048576,2097152   # on N GPUs
+
+kernels: for each context x batch x heads/KV heads (head_dim 128, bf16, the whole cache
+visible), the median of --repeats calls of bpt's pallas kernel, bpt's split_kv (plain JAX),
+the XLA reference, cuDNN (jax.nn.dot_product_attention with one query) and JAX's own Pallas
+decode kernel (jax.experimental.pallas.ops.gpu.decode_attention.gqa). Effective bandwidth:
+the bytes of K and V read (2 x batch x context x kv_heads x head_dim x 2) over the time.
+
+ragged: a batch of 8 sequences of lengths from 1K to 512K in one max-length cache, bpt's
+kernel with the stream-K tile table against plain split-KV (each sequence cut into the same
+number of splits), split_kv and the reference.
+
+tree: the cache sharded over all devices along its slots: tree decoding (one all-reduce of
+the partial softmaxes) against ring decoding (the cache shards passed around), and the local
+attention over one shard alone.
+
+Prints markdown tables last; --out writes results.json, table.md and decode.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from benchlib import human_tokens, parse_choices, run_meta, seconds_per_call  # noqa: E402
+
+PARTS = ("kernels", "ragged", "tree")
+HEADS = {"16/16": (16, 16), "32/8": (32, 8)}
+RAGGED_LENGTHS = (1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288)
+
+
+def cache_bytes(batch: int, length: int, kv_heads: int, head_dim: int, itemsize: int = 2) -> int:
+    return 2 * batch * length * kv_heads * head_dim * itemsize
+
+
+def inputs(batch, length, heads, kv_heads, head_dim=128, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(kq, (batch, 1, heads, head_dim), jnp.bfloat16)
+    k = jax.random.normal(kk, (batch, length, kv_heads, head_dim), jnp.bfloat16)
+    v = jax.random.normal(kv, (batch, length, kv_heads, head_dim), jnp.bfloat16)
+    return q, k, v
+
+
+def implementations(length: int, kernel_options: dict) -> dict:
+    """name -> fn(q, k, v, positions, lengths) over a cache of `length` slots."""
+    from bpt.ops import decode_attention
+
+    def bpt(impl, **options):
+        return jax.jit(
+            lambda q, k, v, pos, lengths: decode_attention(
+                q, k, v, pos, lengths=lengths, impl=impl, **options
+            )
+        )
+
+    fns = {
+        "bpt pallas": bpt("pallas", **kernel_options),
+        "bpt split_kv": bpt("split_kv", chunk_size=4096),
+        "XLA": bpt("reference"),
+    }
+    if jax.default_backend() == "gpu":
+        from jax.experimental.pallas.ops.gpu import decode_attention as jax_decode
+
+        fns["cuDNN"] = jax.jit(
+            lambda q, k, v, pos, lengths: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+        )
+        fns["JAX Pallas"] = jax.jit(
+            lambda q, k, v, pos, lengths: jax_decode.gqa(q[:, 0], k, v, kv_seq_len=lengths)
+        )
+    return fns
+
+
+def kernels_part(args) -> list[dict]:
+    rows = []
+    for length in args.contexts:
+        for batch in args.batches:
+            for name in args.heads:
+                heads, kv_heads = HEADS[name]
+                q, k, v = inputs(batch, length, heads, kv_heads)
+                pos = jnp.array([length - 1])
+                lengths = jnp.full((batch,), length, jnp.int32)
+                nbytes = cache_bytes(batch, length, kv_heads, 128)
+                row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes, "times": {}}
+                for impl, fn in implementations(length, args.kernel_options).items():
+                    try:
+                        row["times"][impl] = seconds_per_call(fn, q, k, v, pos, lengths, repeats=args.repeats)
+                    except Exception as e:  # a peer that does not take this shape: noted, not fatal
+                        row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {str(e)[:200]}"
+                row["tb_per_s"] = {impl: nbytes / t / 1e12 for impl, t in row["times"].items()}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                del q, k, v
+    return rows
+
+
+def ragged_part(args) -> list[dict]:
+    from bpt.ops.decode import last_visible_slot
+    from bpt.ops.kernels.decode import decode_partial
+
+    lengths = jnp.array(RAGGED_LENGTHS[: args.ragged_batch], jnp.int32)
+    batch, length = int(lengths.shape[0]), int(max(RAGGED_LENGTHS[: args.ragged_batch]))
+    rows = []
+    for name in args.heads:
+        heads, kv_heads = HEADS[name]
+        q, k, v = inputs(batch, length, heads, kv_heads)
+        pos = jnp.array([length - 1])
+        last = last_visible_slot(pos, batch, lengths)
+        nbytes = sum(cache_bytes(1, int(n), kv_heads, 128) for n in lengths)
+        fns = {
+            f"pallas {schedule}": jax.jit(
+                lambda q, k, v, last, schedule=schedule: decode_partial(q, k, v, last, schedule=schedule).out
+            )
+            for schedule in ("stream_k", "split")
+        }
+        row = {"lengths": [int(n) for n in lengths], "heads": name, "bytes": nbytes, "times": {}}
+        for impl, fn in fns.items():
+            row["times"][impl] = seconds_per_call(fn, q, k, v, last, repeats=args.repeats)
+        for impl, fn in implementations(length, args.kernel_options).items():
+            if impl.startswith("bpt split") or impl == "XLA":
+                row["times"][impl] = seconds_per_call(fn, q, k, v, pos, lengths, repeats=args.repeats)
+        row["tb_per_s"] = {impl: nbytes / t / 1e12 for impl, t in row["times"].items()}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def tree_part(args) -> list[dict]:
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from bpt.ops.decode import last_visible_slot
+    from bpt.parallel import make_mesh, ring_decode_attention, tree_decode_attention
+    from bpt.parallel.tree import _local_partial
+
+    n = jax.device_count()
+    mesh = make_mesh(sequence=n)
+    impl = "pallas" if jax.default_backend() == "gpu" else "split_kv"
+    rows = []
+    for length in args.contexts:
+        for name in args.heads:
+            heads, kv_heads = HEADS[name]
+            q, k, v = inputs(1, length, heads, kv_heads)
+            sharded = NamedSharding(mesh, PartitionSpec(None, "sequence"))
+            k, v = jax.device_put(k, sharded), jax.device_put(v, sharded)
+            pos = jnp.array([length - 1])
+            row = {"devices": n, "context": length, "heads": name, "times": {}}
+            for label, fn in (("tree", tree_decode_attention), ("ring", ring_decode_attention)):
+                step = jax.jit(lambda q, k, v, pos, fn=fn: fn(q, k, v, pos, mesh=mesh, impl=impl))
+                row["times"][label] = seconds_per_call(step, q, k, v, pos, repeats=args.repeats)
+            local = length // n
+            device = jax.devices()[0]
+            lq, lk, lv = (jax.device_put(x, device) for x in inputs(1, local, heads, kv_heads))
+            last = last_visible_slot(jnp.array([local - 1]), 1)
+            one = jax.jit(lambda q, k, v, last: _local_partial(impl, q, k, v, last, 0, 4096, None).out)
+            row["times"]["local shard"] = seconds_per_call(one, lq, lk, lv, last, repeats=args.repeats)
+            row["tree_over_local"] = row["times"]["tree"] / row["times"]["local shard"]
+            row["ring_over_tree"] = row["times"]["ring"] / row["times"]["tree"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _time_cells(row, names, unit=1e6):
+    return [
+        f"{row['times'][n] * unit:,.0f} ({row['tb_per_s'][n]:.2f})" if n in row["times"] else "–"
+        for n in names
+    ]
+
+
+def tables(kernel_rows, ragged_rows, tree_rows) -> str:
+    out = []
+    if kernel_rows:
+        names = list(dict.fromkeys(n for r in kernel_rows for n in r["times"]))
+        out += [
+            "Decode attention, one new token, head_dim 128, bf16: µs (effective TB/s of K+V)",
+            "",
+            "| context | batch | heads / KV heads | " + " | ".join(names) + " |",
+            "|---|---|---|" + "---|" * len(names),
+        ]
+        for r in kernel_rows:
+            cells = _time_cells(r, names)
+            out.append(
+                f"| {human_tokens(r['context'])} | {r['batch']} | {r['heads']} | " + " | ".join(cells) + " |"
+            )
+        out.append("")
+    if ragged_rows:
+        names = list(dict.fromkeys(n for r in ragged_rows for n in r["times"]))
+        lengths = ", ".join(human_tokens(n) for n in ragged_rows[0]["lengths"])
+        out += [
+            f"Ragged batch (lengths {lengths}): µs (effective TB/s of the K+V each sequence holds)",
+            "",
+            "| heads / KV heads | " + " | ".join(names) + " | stream-K / split |",
+            "|---|" + "---|" * (len(names) + 1),
+        ]
+        for r in ragged_rows:
+            gain = r["times"]["pallas split"] / r["times"]["pallas stream_k"]
+            out.append(f"| {r['heads']} | " + " | ".join(_time_cells(r, names)) + f" | {gain:.2f}x |")
+        out.append("")
+    if tree_rows:
+        out += [
+            f"Decoding over {tree_rows[0]['devices']} devices, batch 1, cache sharded along its slots: µs",
+            "",
+            "| context | heads / KV heads | local shard | tree | ring | tree / local | ring / tree |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in tree_rows:
+            t = r["times"]
+            out.append(
+                f"| {human_tokens(r['context'])} | {r['heads']} | {t['local shard'] * 1e6:,.0f} | "
+                f"{t['tree'] * 1e6:,.0f} | {t['ring'] * 1e6:,.0f} | {r['tree_over_local']:.2f} | "
+                f"{r['ring_over_tree']:.2f} |"
+            )
+    return "\n".join(out)
+
+
+def plot(kernel_rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["batch"], r["heads"]) for r in kernel_rows))
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.5 * max(1, len(groups)), 3.8), squeeze=False)
+    for ax, (batch, heads) in zip(axes[0], groups):
+        rows = [r for r in kernel_rows if (r["batch"], r["heads"]) == (batch, heads)]
+        for name in dict.fromkeys(n for r in rows for n in r["tb_per_s"]):
+            points = [(r["context"], r["tb_per_s"][name]) for r in rows if name in r["tb_per_s"]]
+            ax.plot(*zip(*points), marker="o", label=name)
+        ax.set(xscale="log", xlabel="context", ylabel="effective TB/s", title=f"batch {batch}, heads {heads}")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--parts", default="kernels,ragged", help=f"comma-separated: {', '.join(PARTS)}")
+    parser.add_argument("--contexts", default="8192,32768,131072,524288,1048576")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--heads", default="16/16,32/8", help=f"heads/KV heads: {', '.join(HEADS)}")
+    parser.add_argument("--ragged_batch", type=int, default=8, help="ragged part: sequences (up to 8)")
+    parser.add_argument(
+        "--num_splits", type=int, default=0, help="bpt pallas: programs per KV head (0: auto)"
+    )
+    parser.add_argument(
+        "--block_k", type=int, default=0, help="bpt pallas: key block (0: the kernel's default)"
+    )
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    parts = parse_choices(parser, args.parts, PARTS, "part")
+    args.heads = parse_choices(parser, args.heads, HEADS, "heads")
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.kernel_options = {k: v for k, v in (("num_splits", args.num_splits), ("block_k", args.block_k)) if v}
+    if not 1 <= args.ragged_batch <= len(RAGGED_LENGTHS):
+        parser.error(f"--ragged_batch must be 1 to {len(RAGGED_LENGTHS)}; got {args.ragged_batch}")
+    meta = run_meta(parts=parts)
+    print(json.dumps(meta), flush=True)
+    kernel_rows = kernels_part(args) if "kernels" in parts else []
+    ragged_rows = ragged_part(args) if "ragged" in parts else []
+    tree_rows = tree_part(args) if "tree" in parts else []
+    text = tables(kernel_rows, ragged_rows, tree_rows)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        results = {"meta": meta, "kernels": kernel_rows, "ragged": ragged_rows, "tree": tree_rows}
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+        (out / "table.md").write_text(text + "\n")
+        if kernel_rows:
+            plot(kernel_rows, out / "decode.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Decode attention over a key/value cache: split_kv and the Pallas kernel (interpret mode)
+against the materialized reference, fp32, on fresh random inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+
+from bpt.ops import decode_attention, reference_attention
+from bpt.ops.decode import last_visible_slot, merge_partials, partial_attention, split_kv_partial
+from bpt.ops.kernels.decode import _tile_table, decode_partial
+
+MAX_LEN = 128
+# Jit-ed: the interpreted kernel's loops run far faster compiled than op by op.
+decode = jax.jit(decode_attention, static_argnames=("impl", "chunk_size", "num_splits"))
+kernel = jax.jit(decode_partial, static_argnames=("num_splits", "schedule", "block_k"))
+
+
+def caches(key, batch, heads, kv_heads, q_len, head_dim=16):
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (batch, q_len, heads, head_dim))
+    k = jax.random.normal(kk, (batch, MAX_LEN, kv_heads, head_dim))
+    v = jax.random.normal(kv, (batch, MAX_LEN, kv_heads, head_dim))
+    return q, k, v
+
+
+def with_garbage(cache, lengths):
+    """Large values written in every slot from each sequence's length on: they must be masked."""
+    slots = jnp.arange(cache.shape[1])[None, :, None, None]
+    return jnp.where(slots >= jnp.asarray(lengths)[:, None, None, None], 1e4, cache)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,q_len", [(4, 4, 1), (4, 2, 3), (4, 1, 1)], ids=["mha-q1", "gqa-q3", "mqa-q1"]
+)
+def test_split_kv_and_the_kernel_equal_the_reference(key, heads, kv_heads, q_len):
+    """Positions at the start, in the middle and at the end of the cache; ragged lengths."""
+    q, k, v = caches(key, 3, heads, kv_heads, q_len)
+    ends = np.array([q_len, 77, MAX_LEN])  # each sequence's length; its queries are its last tokens
+    positions = jnp.asarray(ends[:, None] - q_len + np.arange(q_len)[None])
+    k, v = with_garbage(k, ends), with_garbage(v, ends)
+    expected = decode(q, k, v, positions, lengths=jnp.asarray(ends), impl="reference")
+    for impl, options in [("split_kv", dict(chunk_size=48)), ("pallas", dict(num_splits=3))]:
+        out = decode(q, k, v, positions, lengths=jnp.asarray(ends), impl=impl, **options)
+        assert rel_err(out, expected) < 1e-5, impl
+    # The reference itself is the matching rows of causal attention over each sequence.
+    for b, end in enumerate(ends):
+        full = jax.jit(reference_attention, static_argnames="causal")(
+            q[b : b + 1], k[b : b + 1, :end], v[b : b + 1, :end], causal=True
+        )
+        assert rel_err(expected[b : b + 1], full[:, -q_len:]) < 1e-5
+
+
+@pytest.mark.parametrize("schedule,splits", [("stream_k", 2), ("stream_k", 16), ("split", 3)])
+def test_kernel_schedules_on_a_ragged_batch(key, schedule, splits):
+    """Shared positions (no lengths) and per-sequence lengths, tiles of 16 slots, more tiles
+    than work (empty tiles) and fewer (several blocks a tile)."""
+    q, k, v = caches(key, 4, 4, 2, 1)
+    lengths = jnp.array([1, 16, 17, 100])
+    last = last_visible_slot(jnp.array([120]), 4, lengths)
+    expected = decode(q, k, v, jnp.array([120]), lengths=lengths, impl="reference")
+    part = kernel(q, k, v, last, num_splits=splits, schedule=schedule, block_k=16)
+    assert rel_err(part.out, expected) < 1e-5
+    reference = jax.jit(split_kv_partial, static_argnames="chunk_size")(q, k, v, last, chunk_size=32)
+    np.testing.assert_allclose(part.lse, reference.lse, rtol=1e-5)
+
+
+def test_stream_k_tiles_are_equal_and_cover_each_sequence_once():
+    visible = jnp.array([0, 3, 40, 5])
+    table = np.asarray(_tile_table(visible, tiles=8, schedule="stream_k", max_blocks=64))
+    sizes = table[:, 2] - table[:, 1]
+    assert sizes.max() == -(-48 // 8)  # the work (48 blocks) cut into 8 equal tiles
+    for seq, blocks in enumerate(np.asarray(visible)):
+        rows = table[(table[:, 0] == seq) & (sizes > 0)]
+        covered = sorted(b for _, first, end, _ in rows for b in range(first, end))
+        assert covered == list(range(blocks)), seq
+    split = np.asarray(_tile_table(visible, tiles=8, schedule="split", max_blocks=64))
+    assert (split[:, 2] - split[:, 1]).max() == 32  # two splits a sequence: the longest one's half
+
+
+def test_merging_partials_over_any_split_of_the_keys_is_exact(key):
+    q, k, v = caches(key, 2, 4, 2, 2)
+    last = last_visible_slot(jnp.array([90, 91]), 2)
+    cuts = (0, 5, 64, 91, MAX_LEN)  # the last part sees no key: it must weigh nothing
+
+    @jax.jit
+    def whole_and_merged(q, k, v, last):
+        mask = lambda slots: (slots[None, None, :] <= last[:, :, None])[:, None, None]  # noqa: E731
+        whole = partial_attention(q, k, v, mask(jnp.arange(MAX_LEN)))
+        parts = [
+            partial_attention(q, k[:, a:b], v[:, a:b], mask(jnp.arange(a, b))) for a, b in zip(cuts, cuts[1:])
+        ]
+        return whole, merge_partials(jax.tree.map(lambda *x: jnp.stack(x), *parts))
+
+    whole, merged = whole_and_merged(q, k, v, last)
+    assert rel_err(merged.out, whole.out) < 1e-5
+    np.testing.assert_allclose(merged.lse, whole.lse, rtol=1e-5)
+
+
+def test_a_query_that_sees_nothing_gives_zeros(key):
+    q, k, v = caches(key, 2, 2, 2, 1)
+    for impl in ("reference", "split_kv", "pallas"):
+        out = decode(q, k, v, jnp.array([5]), lengths=jnp.array([0, 3]), impl=impl)
+        assert float(jnp.abs(out[0]).max()) == 0.0 and float(jnp.abs(out[1]).max()) > 0, impl
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(impl="fast"), "impl must be one of auto, reference, split_kv, pallas"),
+        (
+            dict(q_positions=jnp.zeros((2, 2), jnp.int32)),
+            r"q_positions must be \[q_len\] or \[batch, q_len\]",
+        ),
+        (dict(lengths=jnp.zeros((3,), jnp.int32)), r"lengths must be \[batch\]"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(key, change, message):
+    q, k, v = caches(key, 2, 2, 2, 1)
+    args = dict(q_positions=jnp.array([3]), impl="reference") | change
+    positions = args.pop("q_positions")
+    with pytest.raises(ValueError, match=message):
+        decode_attention(q, k, v, positions, **args)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        decode_partial(q[..., :12], k[..., :12], v[..., :12], last_visible_slot(jnp.array([3]), 2))
