@@ -1,8 +1,11 @@
 """Autoregressive sampling with a key/value cache: temperature, top-k and top-p (nucleus).
 
-The prompt is one prefill through the model's own attention implementation (blockwise or
-cuDNN, so long prompts stay in linear memory); each new token is then one decode step that
-attends to the cache. The whole decode loop is one jit-ed lax.scan.
+A prompt of up to prefill_chunk tokens is one prefill through the model's own attention
+implementation; a longer one is read in chunks of prefill_chunk tokens, each written into the
+cache and attending to it (bpt.ops.decode_attention, chunk by chunk of keys), so no [prompt,
+prompt] scores, no FFN over the whole prompt and no [prompt, vocab] logits ever exist. Each
+new token is then one decode step that attends to the cache. The whole decode loop is one
+jit-ed lax.scan.
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ def prefill_length(prompt_len: int, chunk_size: int) -> int:
     return prompt_len if prompt_len <= chunk_size else -(-prompt_len // chunk_size) * chunk_size
 
 
+def prefill_chunk_size(prefill_chunk: int, q_chunk_size: int) -> int:
+    """prefill_chunk rounded up to whole query chunks (the first chunk runs the model's own
+    attention, which splits it into query chunks)."""
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be at least 1; got {prefill_chunk}")
+    return -(-prefill_chunk // q_chunk_size) * q_chunk_size
+
+
 def context_window(max_len: int) -> int:
     """Tokens of context kept when generation runs past the cache (max_len): the last half."""
     return max(1, max_len // 2)
@@ -71,9 +82,11 @@ def generate(
     temperature: float = 0.8,
     top_k: int = 0,
     top_p: float = 1.0,
+    prefill_chunk: int = 4096,
 ) -> np.ndarray:
     """Extends a 1-D prompt of token ids by num_tokens sampled tokens; returns the new ones.
 
+    prefill_chunk: prompts longer than this are read chunk by chunk (module docstring).
     max_len: the cache length, normally the context the model was trained at. Text longer
     than that is generated with a sliding window: when the cache is full, decoding restarts
     from a prefill of the last context_window(max_len) tokens. A prompt of max_len tokens or
@@ -94,35 +107,64 @@ def generate(
         context = text if not made else np.concatenate([text, *new])[-context_window(max_len) :]
         count = min(num_tokens - made, max_len - len(context))
         new.append(_segment(model, params, context, count, max_len, jax.random.fold_in(rng, made),
-                            temperature, top_k, top_p))  # fmt: skip
+                            temperature, top_k, top_p, prefill_chunk))  # fmt: skip
         made += count
     return np.concatenate(new)
 
 
-def _segment(model, params, prompt, num_tokens, max_len, rng, temperature, top_k, top_p) -> np.ndarray:
+def _segment(
+    model, params, prompt, num_tokens, max_len, rng, temperature, top_k, top_p, prefill_chunk
+) -> np.ndarray:
     """num_tokens tokens after prompt, decoded in one cache of max_len."""
-    padded_len = prefill_length(len(prompt), model.config.q_chunk_size)
+    chunk = prefill_chunk_size(prefill_chunk, model.config.q_chunk_size)
+    if len(prompt) > chunk:
+        padded_len, what = -(-len(prompt) // chunk) * chunk, f"prefill chunks of {chunk}"
+    else:
+        chunk = padded_len = prefill_length(len(prompt), model.config.q_chunk_size)
+        what = f"whole chunks of model.q_chunk_size={model.config.q_chunk_size}"
     if padded_len > max_len:
         raise ValueError(
-            f"a prompt of {len(prompt)} tokens, padded to whole chunks of model.q_chunk_size="
-            f"{model.config.q_chunk_size}, does not fit a cache of max_len={max_len}"
+            f"a prompt of {len(prompt)} tokens, padded to {what}, does not fit a cache of max_len={max_len}"
         )
     padded = np.zeros((1, padded_len), np.int32)
     padded[0, : len(prompt)] = prompt
     tokens = _generate(
-        model, params, jnp.asarray(padded), len(prompt), num_tokens, max_len, rng, temperature, top_k, top_p
+        model,
+        params,
+        jnp.asarray(padded),
+        len(prompt),
+        num_tokens,
+        max_len,
+        rng,
+        temperature,
+        top_k,
+        top_p,
+        chunk,
     )
     return np.asarray(tokens)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 7, 8, 9))
-def _generate(model, params, padded, prompt_len, num_tokens, max_len, rng, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 7, 8, 9, 10))
+def _generate(model, params, padded, prompt_len, num_tokens, max_len, rng, temperature, top_k, top_p, chunk):
     cache = init_cache(model, padded.shape[0], max_len)
+    last = (prompt_len - 1) % chunk  # the prompt's last token, within the last chunk
     logits, variables = model.apply(
-        {"params": params, "cache": cache}, padded, decode=True, mutable=["cache"]
+        {"params": params, "cache": cache}, padded[:, :chunk], decode=True, mutable=["cache"]
     )
+    cache, last_logits = variables["cache"], logits[:, last]
+    if padded.shape[1] > chunk:  # the prompt's later chunks, each attending to the cache
+
+        def extend(cache, tokens):
+            logits, variables = model.apply(
+                {"params": params, "cache": cache}, tokens, decode=True, extend=True, mutable=["cache"]
+            )
+            return variables["cache"], logits[:, last]
+
+        rest = padded[:, chunk:].reshape(padded.shape[0], -1, chunk).swapaxes(0, 1)
+        cache, chunk_logits = jax.lax.scan(extend, cache, rest)
+        last_logits = chunk_logits[-1]
     # Slots past the prompt hold the padding's keys; decode steps overwrite them in order.
-    cache = _set_index(variables["cache"], prompt_len)
+    cache = _set_index(cache, prompt_len)
 
     def step(carry, step_rng):
         cache, last_logits = carry
@@ -133,5 +175,5 @@ def _generate(model, params, padded, prompt_len, num_tokens, max_len, rng, tempe
         return (variables["cache"], logits[:, -1]), token
 
     rngs = jax.random.split(rng, num_tokens)
-    _, tokens = jax.lax.scan(step, (cache, logits[:, prompt_len - 1]), rngs)
+    _, tokens = jax.lax.scan(step, (cache, last_logits), rngs)
     return tokens.T

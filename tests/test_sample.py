@@ -140,3 +140,49 @@ def test_generation_past_the_context_slides_a_window():
         generate(model, params, long_prompt, num_tokens=5, **greedy),
         generate(model, params, long_prompt[-16:], num_tokens=5, **greedy),
     )
+
+
+def test_a_long_prompt_read_in_chunks_gives_the_full_forward(key):
+    """A 4K prompt: the first chunk a prefill, the later ones extend the cache (attending to it
+    chunk of keys by chunk of keys); their logits are the full forward's, and greedy generation
+    after them equals the full forward's argmax, token by token."""
+    cfg = dataclasses.replace(BASE, q_chunk_size=256, kv_chunk_size=256, loss_chunk_size=256)
+    model = GPT(cfg)
+    length, chunk = 4096, 1024
+    tokens = jax.random.randint(key, (1, length + 4), 0, cfg.vocab_size)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :64])["params"])
+    reference = jax.jit(GPT(dataclasses.replace(cfg, attention_mode="vanilla")).apply)  # any length
+    full = reference({"params": params}, tokens)
+
+    @jax.jit
+    def chunked(params, prompt):
+        cache = init_cache(model, 1, length + 256)
+        logits, variables = model.apply(
+            {"params": params, "cache": cache}, prompt[:, :chunk], decode=True, mutable=["cache"]
+        )
+        out = [logits]
+        for start in range(chunk, length, chunk):
+            logits, variables = model.apply(
+                {"params": params, "cache": variables["cache"]}, prompt[:, start : start + chunk],
+                decode=True, extend=True, mutable=["cache"],
+            )  # fmt: skip
+            out.append(logits)
+        return jnp.concatenate(out, axis=1)
+
+    assert rel_err(chunked(params, tokens[:, :length]), full[:, :length]) < 1e-5
+    prompt = np.asarray(tokens[0, :length])
+    new = generate(
+        model,
+        params,
+        prompt,
+        num_tokens=3,
+        max_len=length + 256,
+        rng=key,
+        temperature=0.0,
+        prefill_chunk=chunk,
+    )
+    text = jnp.asarray(prompt)[None]
+    for token in new:
+        expected = int(jnp.argmax(reference({"params": params}, text)[0, -1]))
+        assert token == expected
+        text = jnp.concatenate([text, jnp.array([[token]])], axis=1)

@@ -37,6 +37,12 @@ def define_flags() -> SimpleNamespace:
         max_len=flags.DEFINE_integer(
             "max_len", 0, "Context of one decoding window (0: the run's data.seq_len).", lower_bound=0
         ),
+        prefill_chunk=flags.DEFINE_integer(
+            "prefill_chunk",
+            4096,
+            "A prompt longer than this is read in chunks of this many tokens, each attending to the cache.",
+            lower_bound=1,
+        ),
         seed=flags.DEFINE_integer("seed", 0, "Sampling seed."),
     )
 
@@ -79,6 +85,7 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
         temperature=f.temperature.value,
         top_k=f.top_k.value,
         top_p=f.top_p.value,
+        prefill_chunk=f.prefill_chunk.value,
     )
     print(f.prompt.value + tokenizer.decode(new))
 

@@ -409,21 +409,22 @@ class Block(nn.Module):
         )
         return from_chunks(out, shards), None
 
-    def _cached_attention(self, q, k, v, impl: str, cache_index: Array) -> Array:
+    def _cached_attention(self, q, k, v, impl: str, cache_index: Array | None) -> Array:
         """Attention while decoding. The cache holds every position's keys and values.
 
-        A call with several tokens is a prefill: the cache starts over with them, and they
-        attend to each other through the model's attention implementation. A call with one
-        token attends to the cache up to its own position.
+        cache_index None: a prefill that starts the cache over; its tokens attend to each
+        other through the model's attention implementation. Otherwise the tokens (one, or a
+        later chunk of a long prompt) are written from cache_index on and attend to the
+        cache up to their own positions (bpt.ops.decode_attention).
         """
         cfg = self.config
         cached_k = self.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
         cached_v = self.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
         length = q.shape[1]
-        start = 0 if length > 1 else cache_index
+        start = 0 if cache_index is None else cache_index
         cached_k.value = jax.lax.dynamic_update_slice_in_dim(cached_k.value, k, start, axis=1)
         cached_v.value = jax.lax.dynamic_update_slice_in_dim(cached_v.value, v, start, axis=1)
-        if length > 1:
+        if cache_index is None:
             return attention(
                 q,
                 k,
@@ -527,12 +528,14 @@ class GPT(nn.Module):
         positions: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
+        extend: bool = False,
     ) -> Array | CrossEntropy:
         """tokens [batch, seq] int -> logits [batch, seq, vocab] float32, or, given targets
         [batch, seq], the CrossEntropy of the next-token predictions (loss_mask weights them).
 
         decode=True reads and updates the key/value cache (collection "cache", see
-        bpt.sample): several tokens are a prefill from position 0, one token continues.
+        bpt.sample): several tokens are a prefill from position 0, one token continues; with
+        extend=True several tokens continue too (the later chunks of a long prompt).
         """
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
@@ -540,9 +543,10 @@ class GPT(nn.Module):
         cache_index = None
         if decode:
             index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-            cache_index = jnp.zeros((), jnp.int32) if seq_len > 1 else index.value
-            index.value = cache_index + seq_len
-            positions = cache_index + jnp.arange(seq_len)
+            cache_index = index.value if seq_len == 1 or extend else None
+            start = 0 if cache_index is None else cache_index
+            index.value = start + seq_len
+            positions = start + jnp.arange(seq_len)
         elif positions is None:
             positions = jnp.arange(seq_len)
         par = None if decode else self.parallel

@@ -122,11 +122,17 @@ def split_kv_partial(q, k_cache, v_cache, last: Array, *, chunk_size: int, offse
         k = k_cache[:, :whole].reshape(shape)
         v = v_cache[:, :whole].reshape(shape)
         slots = offset + jnp.arange(whole).reshape(n, chunk_size)
-        chunks = jax.vmap(
-            lambda k, v, s: partial_attention(q, k, v, decode_mask(last, s)),
-            in_axes=(1, 1, 0),
-        )(k, v, slots)
-        parts.append(merge_partials(chunks))
+        chunk = lambda k, v, s: partial_attention(q, k, v, decode_mask(last, s))  # noqa: E731
+        if q.shape[1] == 1:  # one query: every chunk at once, then one merge
+            parts.append(merge_partials(jax.vmap(chunk, in_axes=(1, 1, 0))(k, v, slots)))
+        else:  # a prompt's chunk of queries: chunk by chunk, so scores stay [q_len, chunk_size]
+
+            def step(acc, i):
+                part = chunk(k[:, i], v[:, i], slots[i])
+                return merge_partials(jax.tree.map(lambda *x: jnp.stack(x), acc, part)), None
+
+            empty = Partial(jnp.zeros(q.shape, jnp.float32), jnp.full((b, q.shape[2], q.shape[1]), -jnp.inf))
+            parts.append(jax.lax.scan(step, empty, jnp.arange(n))[0])
     if whole < length:
         slots = offset + jnp.arange(whole, length)
         parts.append(partial_attention(q, k_cache[:, whole:], v_cache[:, whole:], decode_mask(last, slots)))
