@@ -116,9 +116,14 @@ def _segment(
     model, params, prompt, num_tokens, max_len, rng, temperature, top_k, top_p, prefill_chunk
 ) -> np.ndarray:
     """num_tokens tokens after prompt, decoded in one cache of max_len."""
-    chunk = prefill_chunk_size(prefill_chunk, model.config.q_chunk_size)
+    q_chunk = model.config.q_chunk_size
+    chunk = prefill_chunk_size(prefill_chunk, q_chunk)
     if len(prompt) > chunk:
-        padded_len, what = -(-len(prompt) // chunk) * chunk, f"prefill chunks of {chunk}"
+        # As many chunks as prefill_chunk needs, made as equal as whole query chunks allow,
+        # so the padding stays under a query chunk per prefill chunk.
+        count = -(-len(prompt) // chunk)
+        chunk = prefill_chunk_size(-(-len(prompt) // count), q_chunk)
+        padded_len, what = count * chunk, f"{count} prefill chunks of {chunk}"
     else:
         chunk = padded_len = prefill_length(len(prompt), model.config.q_chunk_size)
         what = f"whole chunks of model.q_chunk_size={model.config.q_chunk_size}"
