@@ -1,7 +1,7 @@
 """Autoregressive sampling with a key/value cache: temperature, top-k and top-p (nucleus).
 
 A prompt of up to prefill_chunk tokens is one prefill through the model's own attention
-implementation; a longer one is read in chunks of prefill_chunk tokens, each written into the
+implementation; a longer one is read in near-equal chunks of about that size, each written into the
 cache and attending to it (bpt.ops.decode_attention, chunk by chunk of keys), so no [prompt,
 prompt] scores, no FFN over the whole prompt and no [prompt, vocab] logits ever exist. Each
 new token is then one decode step that attends to the cache. The whole decode loop is one
@@ -58,12 +58,14 @@ def prefill_length(prompt_len: int, chunk_size: int) -> int:
     return prompt_len if prompt_len <= chunk_size else -(-prompt_len // chunk_size) * chunk_size
 
 
-def prefill_chunk_size(prefill_chunk: int, q_chunk_size: int) -> int:
-    """prefill_chunk rounded up to whole query chunks (the first chunk runs the model's own
-    attention, which splits it into query chunks)."""
+def prefill_chunks(prompt_len: int, prefill_chunk: int, q_chunk_size: int) -> tuple[int, int]:
+    """(count, size): the prompt is read as count chunks of size tokens (the last padded at the
+    end): as few as chunks of at most prefill_chunk allow, made as equal as prefill_length
+    allows, so the padding stays under one query chunk a chunk."""
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1; got {prefill_chunk}")
-    return -(-prefill_chunk // q_chunk_size) * q_chunk_size
+    count = -(-prompt_len // prefill_chunk)
+    return count, prefill_length(-(-prompt_len // count), q_chunk_size)
 
 
 def context_window(max_len: int) -> int:
@@ -116,20 +118,12 @@ def _segment(
     model, params, prompt, num_tokens, max_len, rng, temperature, top_k, top_p, prefill_chunk
 ) -> np.ndarray:
     """num_tokens tokens after prompt, decoded in one cache of max_len."""
-    q_chunk = model.config.q_chunk_size
-    chunk = prefill_chunk_size(prefill_chunk, q_chunk)
-    if len(prompt) > chunk:
-        # As many chunks as prefill_chunk needs, made as equal as whole query chunks allow,
-        # so the padding stays under a query chunk per prefill chunk.
-        count = -(-len(prompt) // chunk)
-        chunk = prefill_chunk_size(-(-len(prompt) // count), q_chunk)
-        padded_len, what = count * chunk, f"{count} prefill chunks of {chunk}"
-    else:
-        chunk = padded_len = prefill_length(len(prompt), model.config.q_chunk_size)
-        what = f"whole chunks of model.q_chunk_size={model.config.q_chunk_size}"
+    count, chunk = prefill_chunks(len(prompt), prefill_chunk, model.config.q_chunk_size)
+    padded_len = count * chunk
     if padded_len > max_len:
         raise ValueError(
-            f"a prompt of {len(prompt)} tokens, padded to {what}, does not fit a cache of max_len={max_len}"
+            f"a prompt of {len(prompt)} tokens, padded to {count} chunk(s) of {chunk} (whole chunks of "
+            f"model.q_chunk_size={model.config.q_chunk_size}), does not fit a cache of max_len={max_len}"
         )
     padded = np.zeros((1, padded_len), np.int32)
     padded[0, : len(prompt)] = prompt
@@ -159,15 +153,14 @@ def _generate(model, params, padded, prompt_len, num_tokens, max_len, rng, tempe
     cache, last_logits = variables["cache"], logits[:, last]
     if padded.shape[1] > chunk:  # the prompt's later chunks, each attending to the cache
 
-        def extend(cache, tokens):
+        def extend(carry, tokens):
             logits, variables = model.apply(
-                {"params": params, "cache": cache}, tokens, decode=True, extend=True, mutable=["cache"]
+                {"params": params, "cache": carry[0]}, tokens, decode=True, extend=True, mutable=["cache"]
             )
-            return variables["cache"], logits[:, last]
+            return (variables["cache"], logits[:, last]), None
 
         rest = padded[:, chunk:].reshape(padded.shape[0], -1, chunk).swapaxes(0, 1)
-        cache, chunk_logits = jax.lax.scan(extend, cache, rest)
-        last_logits = chunk_logits[-1]
+        (cache, last_logits), _ = jax.lax.scan(extend, (cache, last_logits), rest)
     # Slots past the prompt hold the padding's keys; decode steps overwrite them in order.
     cache = _set_index(cache, prompt_len)
 

@@ -51,8 +51,8 @@ def inputs(batch, length, heads, kv_heads, head_dim=128, seed=0):
     return q, k, v
 
 
-def implementations(length: int, kernel_options: dict) -> dict:
-    """name -> fn(q, k, v, positions, lengths) over a cache of `length` slots."""
+def implementations(kernel_options: dict) -> dict:
+    """name -> fn(q, k, v, positions, lengths)."""
     from bpt.ops import decode_attention
 
     def bpt(impl, **options):
@@ -90,7 +90,7 @@ def kernels_part(args) -> list[dict]:
                 lengths = jnp.full((batch,), length, jnp.int32)
                 nbytes = cache_bytes(batch, length, kv_heads, 128)
                 row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes, "times": {}}
-                for impl, fn in implementations(length, args.kernel_options).items():
+                for impl, fn in implementations(args.kernel_options).items():
                     try:
                         row["times"][impl] = seconds_per_call(fn, q, k, v, pos, lengths, repeats=args.repeats)
                     except Exception as e:  # a peer that does not take this shape: noted, not fatal
@@ -124,7 +124,7 @@ def ragged_part(args) -> list[dict]:
         row = {"lengths": [int(n) for n in lengths], "heads": name, "bytes": nbytes, "times": {}}
         for impl, fn in fns.items():
             row["times"][impl] = seconds_per_call(fn, q, k, v, last, repeats=args.repeats)
-        for impl, fn in implementations(length, args.kernel_options).items():
+        for impl, fn in implementations(args.kernel_options).items():
             if impl.startswith("bpt split") or impl == "XLA":
                 row["times"][impl] = seconds_per_call(fn, q, k, v, pos, lengths, repeats=args.repeats)
         row["tb_per_s"] = {impl: nbytes / t / 1e12 for impl, t in row["times"].items()}
@@ -136,9 +136,8 @@ def ragged_part(args) -> list[dict]:
 def tree_part(args) -> list[dict]:
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from bpt.ops.decode import last_visible_slot
+    from bpt.ops.decode import attend_cache, last_visible_slot
     from bpt.parallel import make_mesh, ring_decode_attention, tree_decode_attention
-    from bpt.parallel.tree import _local_partial
 
     n = jax.device_count()
     mesh = make_mesh(sequence=n)
@@ -153,13 +152,15 @@ def tree_part(args) -> list[dict]:
             pos = jnp.array([length - 1])
             row = {"devices": n, "context": length, "heads": name, "times": {}}
             for label, fn in (("tree", tree_decode_attention), ("ring", ring_decode_attention)):
-                step = jax.jit(lambda q, k, v, pos, fn=fn: fn(q, k, v, pos, mesh=mesh, impl=impl))
+                step = jax.jit(
+                    lambda q, k, v, pos, fn=fn: fn(q, k, v, pos, mesh=mesh, impl=impl, chunk_size=4096)
+                )
                 row["times"][label] = seconds_per_call(step, q, k, v, pos, repeats=args.repeats)
             local = length // n
             device = jax.devices()[0]
             lq, lk, lv = (jax.device_put(x, device) for x in inputs(1, local, heads, kv_heads))
             last = last_visible_slot(jnp.array([local - 1]), 1)
-            one = jax.jit(lambda q, k, v, last: _local_partial(impl, q, k, v, last, 0, 4096, None).out)
+            one = jax.jit(lambda q, k, v, last: attend_cache(q, k, v, last, impl=impl, chunk_size=4096).out)
             row["times"]["local shard"] = seconds_per_call(one, lq, lk, lv, last, repeats=args.repeats)
             row["tree_over_local"] = row["times"]["tree"] / row["times"]["local shard"]
             row["ring_over_tree"] = row["times"]["ring"] / row["times"]["tree"]

@@ -14,8 +14,8 @@ arithmetic. Every implementation here takes the same arguments and returns the s
 - auto: split_kv for now; the pallas kernel is chosen by name until its GPU measurements
   (docs/benchmarks.md) make it the GPU default.
 
-The partial-softmax pieces (Partial, partial_attention, merge_partials) are shared with tree
-decoding across devices (bpt.parallel.tree), which merges one partial per device.
+Partial and attend_cache (one partial softmax by split_kv or pallas) serve tree decoding
+across devices too (bpt.parallel.tree), which merges one partial per device.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from bpt.ops.reference import check_qkv, group_heads, masked_attention
+from bpt.ops.reference import check_qkv, group_heads, logsumexp_merge, masked_attention
 
 Array = jax.Array
 DECODE_IMPLS = ("auto", "reference", "split_kv", "pallas")
@@ -40,10 +40,11 @@ class Partial(NamedTuple):
     lse: Array
 
 
-def check_decode_impl(impl: str, setting: str = "impl") -> str:
+def resolve_decode_impl(impl: str, setting: str = "impl") -> str:
+    """impl checked, with auto resolved (see the module docstring)."""
     if impl not in DECODE_IMPLS:
         raise ValueError(f"{setting} must be one of {', '.join(DECODE_IMPLS)}; got {impl!r}")
-    return impl
+    return "split_kv" if impl == "auto" else impl
 
 
 def last_visible_slot(q_positions: Array, batch: int, lengths: Array | None = None) -> Array:
@@ -109,9 +110,9 @@ def reference_decode(q, k_cache, v_cache, last: Array) -> Array:
     return masked_attention(q, k_cache, v_cache, decode_mask(last, jnp.arange(k_cache.shape[1])))
 
 
-def split_kv_partial(q, k_cache, v_cache, last: Array, *, chunk_size: int, offset=0) -> Partial:
+def split_kv_partial(q, k_cache, v_cache, last: Array, *, chunk_size: int) -> Partial:
     """Flash-decoding over the cache in chunks of chunk_size slots (a last, shorter chunk where
-    the length does not divide); slot i is position offset + i. One merged partial."""
+    the length does not divide). One merged partial."""
     b, length, hk, d = k_cache.shape
     chunk_size = max(1, min(chunk_size, length))
     whole = length // chunk_size * chunk_size
@@ -121,24 +122,43 @@ def split_kv_partial(q, k_cache, v_cache, last: Array, *, chunk_size: int, offse
         shape = (b, n, chunk_size, hk, d)
         k = k_cache[:, :whole].reshape(shape)
         v = v_cache[:, :whole].reshape(shape)
-        slots = offset + jnp.arange(whole).reshape(n, chunk_size)
+        slots = jnp.arange(whole).reshape(n, chunk_size)
         chunk = lambda k, v, s: partial_attention(q, k, v, decode_mask(last, s))  # noqa: E731
         if q.shape[1] == 1:  # one query: every chunk at once, then one merge
             parts.append(merge_partials(jax.vmap(chunk, in_axes=(1, 1, 0))(k, v, slots)))
         else:  # a prompt's chunk of queries: chunk by chunk, so scores stay [q_len, chunk_size]
 
             def step(acc, i):
-                part = chunk(k[:, i], v[:, i], slots[i])
-                return merge_partials(jax.tree.map(lambda *x: jnp.stack(x), acc, part)), None
+                return Partial(*logsumexp_merge(*acc, *chunk(k[:, i], v[:, i], slots[i]))), None
 
             empty = Partial(jnp.zeros(q.shape, jnp.float32), jnp.full((b, q.shape[2], q.shape[1]), -jnp.inf))
             parts.append(jax.lax.scan(step, empty, jnp.arange(n))[0])
     if whole < length:
-        slots = offset + jnp.arange(whole, length)
+        slots = jnp.arange(whole, length)
         parts.append(partial_attention(q, k_cache[:, whole:], v_cache[:, whole:], decode_mask(last, slots)))
-    if len(parts) == 1:
-        return parts[0]
-    return merge_partials(jax.tree.map(lambda *x: jnp.stack(x), *parts))
+    return parts[0] if len(parts) == 1 else Partial(*logsumexp_merge(*parts[0], *parts[1]))
+
+
+def attend_cache(
+    q: Array,
+    k_cache: Array,
+    v_cache: Array,
+    last: Array,
+    *,
+    impl: str,
+    chunk_size: int = 512,
+    num_splits: int | None = None,
+    block_k: int | None = None,
+) -> Partial:
+    """The partial softmax of q over the cache by split_kv or pallas (impl as resolved by
+    resolve_decode_impl), row r of sequence b seeing slots <= last[b, r]."""
+    if impl == "split_kv":
+        return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size)
+    if impl != "pallas":
+        raise ValueError(f"attend_cache takes impl split_kv or pallas; got {impl!r}")
+    from bpt.ops.kernels.decode import decode_partial
+
+    return decode_partial(q, k_cache, v_cache, last, num_splits=num_splits, block_k=block_k)
 
 
 def decode_attention(
@@ -169,16 +189,11 @@ def decode_attention(
       [batch, q_len, heads, head_dim] in q's dtype; zeros for a query that sees no slot.
     """
     check_decode_args(q, k_cache, v_cache, q_positions, lengths)
-    impl = check_decode_impl(impl)
-    if impl == "auto":
-        impl = "split_kv"
+    impl = resolve_decode_impl(impl)
     last = last_visible_slot(q_positions, q.shape[0], lengths)
     if impl == "reference":
         return reference_decode(q, k_cache, v_cache, last)
-    if impl == "split_kv":
-        return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size).out.astype(q.dtype)
-    from bpt.ops.kernels.decode import decode_partial
-
-    return decode_partial(q, k_cache, v_cache, last, num_splits=num_splits, block_k=block_k).out.astype(
-        q.dtype
+    part = attend_cache(
+        q, k_cache, v_cache, last, impl=impl, chunk_size=chunk_size, num_splits=num_splits, block_k=block_k
     )
+    return part.out.astype(q.dtype)

@@ -120,3 +120,13 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array | None) -> Array:
     weights = weights / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(q.shape).astype(q.dtype)
+
+
+def logsumexp_merge(out: Array, lse: Array, out_t: Array, lse_t: Array) -> tuple[Array, Array]:
+    """Two attentions over disjoint key sets, each normalized over its own keys, merged into
+    the attention over both: out [b, s, h, d] (float32; out_t any dtype), lse [b, h, s]
+    float32 with -inf for a row that saw no key."""
+    new = jnp.logaddexp(lse, lse_t)
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    weight = lambda stats: jnp.swapaxes(jnp.exp(stats - safe), 1, 2)[..., None]  # noqa: E731
+    return out * weight(lse) + out_t.astype(jnp.float32) * weight(lse_t), new

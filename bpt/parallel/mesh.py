@@ -120,6 +120,13 @@ class Parallelism:
         return self.sharding()
 
 
+def mesh_axes(mesh: Mesh, names) -> tuple[str, ...] | None:
+    """The axes among names that the mesh has with more than one device (None: none), for a
+    PartitionSpec entry."""
+    present = tuple(n for n in names if n in mesh.axis_names and mesh.shape[n] > 1)
+    return present or None
+
+
 def logical_to_spec(
     names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, where: str
 ) -> PartitionSpec:

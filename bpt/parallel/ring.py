@@ -47,7 +47,8 @@ from jax.sharding import Mesh, PartitionSpec
 from bpt.ops.attention import attention
 from bpt.ops.blockwise import blockwise_backward, blockwise_forward
 from bpt.ops.kernels.flash import flash_backward, flash_forward
-from bpt.ops.reference import check_qkv, split_segment_ids
+from bpt.ops.reference import check_qkv, logsumexp_merge, split_segment_ids
+from bpt.parallel.mesh import mesh_axes
 
 Array = jax.Array
 LAYOUTS = ("zigzag", "striped", "none")
@@ -267,14 +268,6 @@ def _nothing(q):
     return jnp.zeros(q.shape, q.dtype), jnp.full((b, h, sq), -jnp.inf, jnp.float32)
 
 
-def _merge(out, lse, out_t, lse_t):
-    """Online-softmax merge of two partial attentions; out float32 [b, s, h, d], lse [b, h, s]."""
-    new = jnp.logaddexp(lse, lse_t)
-    safe = jnp.where(jnp.isfinite(new), new, 0.0)
-    weight = lambda stats: jnp.swapaxes(jnp.exp(stats - safe), 1, 2)[..., None]  # noqa: E731
-    return out * weight(lse) + out_t.astype(jnp.float32) * weight(lse_t), new
-
-
 # ----------------------------------------------------------------------------- the custom_vjp
 
 
@@ -331,7 +324,9 @@ def _attend_fwd(s: _Settings, q, k, v, q_seg, kv_seg):
 
     def visit(t, shard, carry):
         before = _source(s, index, t)[1]
-        return _merge(*carry, *_hop_forward(s, False, before, q, shard[0], shard[1], q_seg, shard[2]))
+        return logsumexp_merge(
+            *carry, *_hop_forward(s, False, before, q, shard[0], shard[1], q_seg, shard[2])
+        )
 
     shard = (k, v, kv_seg)
     gathered = tuple(_gather(s, x) for x in shard) if s.strategy == "all_gather" else None
@@ -394,11 +389,6 @@ def local_impl(impl: str, dtype) -> str:
     return "pallas" if impl in ("auto", "cudnn") and on_gpu else "blockwise"
 
 
-def _mesh_axes(mesh: Mesh, names) -> tuple[str, ...] | None:
-    present = tuple(n for n in names if n in mesh.axis_names and mesh.shape[n] > 1)
-    return present or None
-
-
 def context_parallel_attention(
     q: Array,
     k: Array,
@@ -448,8 +438,8 @@ def context_parallel_attention(
         chunk(q_chunk_size),
         chunk(kv_chunk_size),
     )
-    batch = _mesh_axes(mesh, batch_axes)
-    heads = _mesh_axes(mesh, (head_axis,))
+    batch = mesh_axes(mesh, batch_axes)
+    heads = mesh_axes(mesh, (head_axis,))
     seq_axis = axis if shards > 1 else None
     rows = PartitionSpec(batch, seq_axis, heads, None)
     segs = PartitionSpec(batch, seq_axis)

@@ -24,39 +24,31 @@ from jax.sharding import Mesh, PartitionSpec
 
 from bpt.ops.decode import (
     Partial,
+    attend_cache,
     check_decode_args,
-    check_decode_impl,
     last_visible_slot,
-    merge_partials,
-    split_kv_partial,
+    resolve_decode_impl,
 )
+from bpt.ops.reference import logsumexp_merge
+from bpt.parallel.mesh import mesh_axes
 
 Array = jax.Array
 
 
-def _mesh_axes(mesh: Mesh, names) -> tuple[str, ...] | str | None:
-    axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+def _shard_partial(q, k, v, last, offset, **options):
+    """Attention over one shard of slots (slot i is position offset + i), by attend_cache."""
+    return attend_cache(q, k, v, jnp.clip(last - offset, -1, k.shape[1] - 1), **options)
 
 
-def _local_partial(impl: str, q, k, v, last, offset, chunk_size: int, num_splits) -> Partial:
-    """Attention over one shard of slots (slot i is position offset + i)."""
-    local = jnp.clip(last - offset, -1, k.shape[1] - 1)
-    if impl == "split_kv":
-        return split_kv_partial(q, k, v, local, chunk_size=chunk_size)
-    from bpt.ops.kernels.decode import decode_partial
-
-    return decode_partial(q, k, v, local, num_splits=num_splits)
-
-
-def _resolve(impl: str) -> str:
-    impl = check_decode_impl(impl)
-    if impl == "reference":
-        return "split_kv"  # one partial per shard either way
-    return "split_kv" if impl == "auto" else impl
+def _shard_impl(impl: str) -> str:
+    """A shard's impl: reference runs as split_kv (either way one partial per shard)."""
+    impl = resolve_decode_impl(impl)
+    return "split_kv" if impl == "reference" else impl
 
 
 def _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes):
+    """fn(q, k_shard, v_shard, last, shards) per device under shard_map: the caches split over
+    mesh[axis] along their slots, everything else over batch_axes."""
     check_decode_args(q, k_cache, v_cache, q_positions, lengths)
     shards = mesh.shape[axis] if axis in mesh.axis_names else 1
     if k_cache.shape[1] % shards:
@@ -64,10 +56,9 @@ def _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_ax
             f"the cache length {k_cache.shape[1]} does not split into {shards} shards of mesh.{axis}"
         )
     last = last_visible_slot(q_positions, q.shape[0], lengths)
-    batch = _mesh_axes(mesh, batch_axes)
-    batch_shards = math.prod(mesh.shape[a] for a in batch_axes if a in mesh.axis_names)
-    if q.shape[0] % batch_shards:
-        names = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in batch_axes if a in mesh.axis_names)
+    batch = mesh_axes(mesh, batch_axes)
+    if batch and q.shape[0] % math.prod(mesh.shape[a] for a in batch):
+        names = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in batch)
         raise ValueError(f"a batch of {q.shape[0]} does not split over {names}")
     seq = axis if shards > 1 else None
     cache = PartitionSpec(batch, seq)
@@ -99,11 +90,11 @@ def tree_decode_attention(
     """decode_attention (same arguments and result) with the caches sharded over mesh[axis]
     along their slots and one all-reduce merge of the devices' partial softmaxes. The batch
     is sharded over batch_axes where the mesh has them."""
-    impl = _resolve(impl)
+    options = dict(impl=_shard_impl(impl), chunk_size=chunk_size, num_splits=num_splits)
 
     def fn(q, k, v, last, shards):
         offset = lax.axis_index(axis) * k.shape[1] if shards > 1 else 0
-        part = _local_partial(impl, q, k, v, last, offset, chunk_size, num_splits)
+        part = _shard_partial(q, k, v, last, offset, **options)
         if shards == 1:
             return part.out.astype(q.dtype)
         top = lax.pmax(part.lse, axis)  # [b, h, q]
@@ -131,18 +122,18 @@ def ring_decode_attention(
 ) -> Array:
     """tree_decode_attention's result by passing the cache shards around the ring instead:
     N - 1 hops of lax.ppermute, each device merging every visiting shard (the baseline)."""
-    impl = _resolve(impl)
+    options = dict(impl=_shard_impl(impl), chunk_size=chunk_size, num_splits=num_splits)
 
     def fn(q, k, v, last, shards):
         local = k.shape[1]
         index = lax.axis_index(axis) if shards > 1 else 0
-        part = _local_partial(impl, q, k, v, last, index * local, chunk_size, num_splits)
+        part = _shard_partial(q, k, v, last, index * local, **options)
         perm = [(i, (i + 1) % shards) for i in range(shards)]
         for hop in range(1, shards):
             k, v = lax.ppermute((k, v), axis, perm)
             source = (index - hop) % shards
-            visit = _local_partial(impl, q, k, v, last, source * local, chunk_size, num_splits)
-            part = merge_partials(jax.tree.map(lambda *x: jnp.stack(x), part, visit))
+            visit = _shard_partial(q, k, v, last, source * local, **options)
+            part = Partial(*logsumexp_merge(*part, *visit))
         return part.out.astype(q.dtype)
 
     return _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes)
