@@ -3,6 +3,7 @@
     python scripts/bench_decode.py --out results/decode                    # kernels + ragged
     python scripts/bench_decode.py --parts kernels --contexts 32768,131072,524288 --batches 1,8
     python scripts/bench_decode.py --parts tree --contexts 262144,1048576,2097152   # on N GPUs
+    python scripts/bench_decode.py --parts sample --sample_contexts 131072,524288   # GPT-1B
 
 kernels: for each context x batch x heads/KV heads (head_dim 128, bf16, the whole cache
 visible), the median of --repeats calls of bpt's pallas kernel, bpt's split_kv (plain JAX),
@@ -17,6 +18,11 @@ number of splits), split_kv and the reference.
 tree: the cache sharded over all devices along its slots: tree decoding (one all-reduce of
 the partial softmaxes) against ring decoding (the cache shards passed around), and the local
 attention over one shard alone.
+
+sample: bpt.sample's path (what bpt-sample runs) for a model of --sample_config with random
+bf16 weights: a random prompt that fills each of --sample_contexts but --new_tokens is
+prefilled in chunks of --prefill_chunk, then --new_tokens tokens are decoded; prefill seconds,
+decode tokens/s and ms a token (compile times apart), and the device's peak memory.
 
 Prints markdown tables last; --out writes results.json, table.md and decode.png.
 """
@@ -34,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from benchlib import human_tokens, parse_choices, run_meta, seconds_per_call  # noqa: E402
 
-PARTS = ("kernels", "ragged", "tree")
+PARTS = ("kernels", "ragged", "tree", "sample")
 HEADS = {"16/16": (16, 16), "32/8": (32, 8)}
 RAGGED_LENGTHS = (1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288)
 
@@ -117,7 +123,9 @@ def ragged_part(args) -> list[dict]:
         nbytes = sum(cache_bytes(1, int(n), kv_heads, 128) for n in lengths)
         fns = {
             f"pallas {schedule}": jax.jit(
-                lambda q, k, v, last, schedule=schedule: decode_partial(q, k, v, last, schedule=schedule).out
+                lambda q, k, v, last, schedule=schedule: (
+                    decode_partial(q, k, v, last, schedule=schedule, **args.kernel_options).out
+                )
             )
             for schedule in ("stream_k", "split")
         }
@@ -169,6 +177,59 @@ def tree_part(args) -> list[dict]:
     return rows
 
 
+def sample_part(args) -> list[dict]:
+    import dataclasses
+    import time
+
+    import flax.linen as nn
+    import numpy as np
+
+    from bpt.config import load_config_file, model_config
+    from bpt.models.gpt import GPT
+    from bpt.sample import decode, prefill, prefill_chunks
+
+    c = load_config_file(args.sample_config)
+    rows = []
+    for context in args.sample_contexts:
+        cfg = model_config(c.model, vocab_size=50257, seq_len=context)
+        model = GPT(dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16"))
+        tokens = jnp.zeros((1, cfg.q_chunk_size), jnp.int32)
+        params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"]))()
+        prompt_len = context - args.new_tokens
+        count, chunk = prefill_chunks(prompt_len, args.prefill_chunk, cfg.q_chunk_size, cfg.kv_chunk_size)
+        padded = jnp.asarray(
+            np.random.default_rng(0).integers(0, cfg.vocab_size, (1, count * chunk)), jnp.int32
+        )
+        lengths = jnp.array([prompt_len], jnp.int32)
+        row = {"config": args.sample_config, "context": context, "prompt": prompt_len, "new_tokens": args.new_tokens,
+               "prefill_chunk": chunk, "decode_impl": cfg.decode_impl}  # fmt: skip
+        try:
+            start = time.perf_counter()
+            compiled = prefill.lower(model, params, padded, lengths, max_len=context, chunk=chunk).compile()
+            row["prefill_compile_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            cache, logits = jax.block_until_ready(compiled(params, padded, lengths))
+            row["prefill_s"] = time.perf_counter() - start
+            options = dict(num_tokens=args.new_tokens, temperature=0.8, top_k=0, top_p=1.0)
+            start = time.perf_counter()
+            step = decode.lower(model, params, cache, logits, jax.random.PRNGKey(1), **options).compile()
+            row["decode_compile_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            new, cache = jax.block_until_ready(step(params, cache, logits, jax.random.PRNGKey(1)))
+            row["decode_s"] = time.perf_counter() - start
+            row["tokens_per_s"] = args.new_tokens / row["decode_s"]
+            row["ms_per_token"] = 1e3 * row["decode_s"] / args.new_tokens
+            row["distinct_tokens"] = len(set(np.asarray(new)[0].tolist()))
+            del cache
+        except Exception as e:  # too long for this device: noted, the next context still runs
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        stats = jax.devices()[0].memory_stats() or {}
+        row["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def _time_cells(row, names, unit=1e6):
     return [
         f"{row['times'][n] * unit:,.0f} ({row['tb_per_s'][n]:.2f})" if n in row["times"] else "–"
@@ -176,7 +237,7 @@ def _time_cells(row, names, unit=1e6):
     ]
 
 
-def tables(kernel_rows, ragged_rows, tree_rows) -> str:
+def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
     out = []
     if kernel_rows:
         names = list(dict.fromkeys(n for r in kernel_rows for n in r["times"]))
@@ -219,7 +280,24 @@ def tables(kernel_rows, ragged_rows, tree_rows) -> str:
                 f"{t['tree'] * 1e6:,.0f} | {t['ring'] * 1e6:,.0f} | {r['tree_over_local']:.2f} | "
                 f"{r['ring_over_tree']:.2f} |"
             )
-    return "\n".join(out)
+        out.append("")
+    if sample_rows:
+        out += [
+            f"Sampling through bpt.sample ({sample_rows[0]['config']}, random bf16 weights, batch 1)",
+            "",
+            "| context | prompt | prefill s | decode tokens/s | ms / token | peak GiB | compile s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in sample_rows:
+            if "error" in r:
+                out.append(f"| {human_tokens(r['context'])} | {r['prompt']:,} | {r['error'][:80]} | | | | |")
+                continue
+            out.append(
+                f"| {human_tokens(r['context'])} | {r['prompt']:,} | {r['prefill_s']:.1f} | "
+                f"{r['tokens_per_s']:.1f} | {r['ms_per_token']:.1f} | {r['peak_gib']:.1f} | "
+                f"{r['prefill_compile_s'] + r['decode_compile_s']:.0f} |"
+            )
+    return "\n".join(out).rstrip() + "\n"
 
 
 def plot(kernel_rows, path: Path) -> None:
@@ -256,6 +334,12 @@ def main() -> None:
     parser.add_argument(
         "--block_k", type=int, default=0, help="bpt pallas: key block (0: the kernel's default)"
     )
+    parser.add_argument("--num_warps", type=int, default=0, help="bpt pallas: warps a program (0: default)")
+    parser.add_argument("--num_stages", type=int, default=0, help="bpt pallas: pipeline stages (0: default)")
+    parser.add_argument("--sample_config", default="configs/gpt_1b.py", help="sample: the model's config")
+    parser.add_argument("--sample_contexts", default="131072,524288", help="sample: cache lengths")
+    parser.add_argument("--new_tokens", type=int, default=64, help="sample: tokens decoded")
+    parser.add_argument("--prefill_chunk", type=int, default=4096, help="sample: prompt chunk")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -263,7 +347,9 @@ def main() -> None:
     args.heads = parse_choices(parser, args.heads, HEADS, "heads")
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
-    args.kernel_options = {k: v for k, v in (("num_splits", args.num_splits), ("block_k", args.block_k)) if v}
+    args.sample_contexts = [int(x) for x in args.sample_contexts.split(",")]
+    options = ("num_splits", "block_k", "num_warps", "num_stages")
+    args.kernel_options = {k: getattr(args, k) for k in options if getattr(args, k)}
     if not 1 <= args.ragged_batch <= len(RAGGED_LENGTHS):
         parser.error(f"--ragged_batch must be 1 to {len(RAGGED_LENGTHS)}; got {args.ragged_batch}")
     meta = run_meta(parts=parts)
@@ -271,13 +357,15 @@ def main() -> None:
     kernel_rows = kernels_part(args) if "kernels" in parts else []
     ragged_rows = ragged_part(args) if "ragged" in parts else []
     tree_rows = tree_part(args) if "tree" in parts else []
-    text = tables(kernel_rows, ragged_rows, tree_rows)
+    sample_rows = sample_part(args) if "sample" in parts else []
+    text = tables(kernel_rows, ragged_rows, tree_rows, sample_rows)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        results = {"meta": meta, "kernels": kernel_rows, "ragged": ragged_rows, "tree": tree_rows}
+        results = {"meta": meta, "kernels": kernel_rows, "ragged": ragged_rows, "tree": tree_rows,
+                   "sample": sample_rows}  # fmt: skip
         (out / "results.json").write_text(json.dumps(results, indent=2))
-        (out / "table.md").write_text(text + "\n")
+        (out / "table.md").write_text(text)
         if kernel_rows:
             plot(kernel_rows, out / "decode.png")
     print(text)

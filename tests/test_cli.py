@@ -92,12 +92,15 @@ def default_run(tmp_path_factory):
 def test_the_readmes_commands_on_a_run_run_as_written(default_run, program):
     commands = readme_commands(program, "runs/default")
     assert commands, f"the README shows no {program} command on runs/default"
+    outputs = []
     for argv in commands:
         module = program.removeprefix("bpt-").replace("-", "_")
         result = command(module, *argv[1:], cwd=default_run)
         assert result.returncode == 0, (argv, result.stderr[-2000:])
+        outputs.append(result.stdout)
     if program == "bpt-sample":  # 300 tokens from a 64-token context: several windows
-        assert len(result.stdout) > 3 * 64
+        assert len(outputs[0]) > 3 * 64
+        assert "=== sample 2 of 2 ===\nJULIET:" in outputs[1]  # two prompts, one batch
 
 
 def test_resuming_compiles_the_train_step_once(tmp_path):

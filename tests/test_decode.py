@@ -52,6 +52,28 @@ def test_split_kv_and_the_kernel_equal_the_reference(key, heads, kv_heads, q_len
         assert rel_err(expected[b : b + 1], full[:, -q_len:]) < 1e-5
 
 
+def test_a_layer_of_a_stacked_cache_is_read_and_written_in_place(key):
+    """A model's cache as one stack [layers, batch, slots, ...] and a layer index: every impl
+    reads that layer's part, and write_cache writes only there."""
+    from bpt.ops.decode import write_cache
+
+    q, k, v = caches(key, 2, 4, 2, 1)
+    k_stack = jnp.stack([jnp.full_like(k, 1e3), k, -k])
+    v_stack = jnp.stack([jnp.full_like(v, 1e3), v, 2 * v])
+    positions = jnp.array([[40], [127]])
+    stacked = jax.jit(decode_attention, static_argnames=("impl", "num_splits"))
+    for layer, (k_l, v_l) in ((1, (k, v)), (2, (-k, 2 * v))):
+        expected = decode(q, k_l, v_l, positions, impl="reference")
+        for impl, options in [("reference", {}), ("split_kv", {}), ("pallas", dict(num_splits=3))]:
+            out = stacked(q, k_stack, v_stack, positions, impl=impl, layer=jnp.int32(layer), **options)
+            assert rel_err(out, expected) < 1e-5, (layer, impl)
+    new = jnp.ones((2, 1, 2, 16))
+    written = write_cache(k_stack, new, positions, layer=jnp.int32(2))
+    np.testing.assert_array_equal(written, k_stack.at[2, 0, 40].set(new[0, 0]).at[2, 1, 127].set(new[1, 0]))
+    with pytest.raises(ValueError, match="stacks"):
+        decode_attention(q, k, v, positions, layer=1)
+
+
 @pytest.mark.parametrize("schedule,splits", [("stream_k", 2), ("stream_k", 16), ("split", 3)])
 def test_kernel_schedules_on_a_ragged_batch(key, schedule, splits):
     """Shared positions (no lengths) and per-sequence lengths, tiles of 16 slots, more tiles

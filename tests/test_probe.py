@@ -182,10 +182,18 @@ def test_decode_script_end_to_end(tmp_path):
         "--heads=32/8",
         "--ragged_batch=1",
         "--repeats=1",
+        "--parts=kernels,ragged,sample",
+        f"--sample_config={TINY}",
+        "--sample_contexts=256",
+        "--new_tokens=4",
+        "--prefill_chunk=96",  # the 252-token prompt in 3 chunks
         f"--out={tmp_path}",
         cwd=tmp_path,
     )
     results = json.loads((tmp_path / "results.json").read_text())
+    (sample,) = results["sample"]
+    assert "error" not in sample and sample["prompt"] == 252 and sample["tokens_per_s"] > 0
+    assert "| 256 | 252 |" in proc.stdout
     (row,) = results["kernels"]
     assert set(row["times"]) == {"bpt pallas", "bpt split_kv", "XLA"} and not row.get("errors")
     assert row["bytes"] == 2 * 256 * 8 * 128 * 2

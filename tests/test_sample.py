@@ -13,7 +13,7 @@ from test_model import BASE
 from bpt.models.gpt import GPT
 from bpt.ops import reference_attention
 from bpt.ops.decode import decode_attention
-from bpt.sample import _set_index, generate, init_cache, prefill_length, sample_logits
+from bpt.sample import generate, generate_batch, init_cache, prefill_length, sample_logits, set_positions
 
 
 def test_decode_attention_equals_the_matching_rows_of_causal_attention(key):
@@ -46,14 +46,14 @@ def test_cached_decoding_gives_the_full_forward_logits(key, mode, position_embed
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"])
     full = model.apply({"params": params}, tokens)
 
-    padded_len = prefill_length(prompt_len, cfg.q_chunk_size)
+    padded_len = prefill_length(prompt_len, cfg.q_chunk_size, cfg.kv_chunk_size)
     prompt = jnp.zeros((2, padded_len), jnp.int32).at[:, :prompt_len].set(tokens[:, :prompt_len])
     cache = init_cache(model, 2, 64)
     logits, variables = model.apply(
         {"params": params, "cache": cache}, prompt, decode=True, mutable=["cache"]
     )
     assert rel_err(logits[:, :prompt_len], full[:, :prompt_len]) < 1e-5
-    cache = _set_index(variables["cache"], prompt_len)
+    cache = set_positions(variables["cache"], prompt_len)
 
     @jax.jit
     def step(cache, token):
@@ -119,6 +119,15 @@ def test_sample_command_continues_a_prompt(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("Friends,") and len(result.stdout) > len("Friends,")
+    # Two prompts of different lengths, one from a file, decode as one batch.
+    (tmp_path / "prompt.txt").write_text("Romans, countrymen, lend")
+    result = subprocess.run(
+        cmd + ["--prompt_file", str(tmp_path / "prompt.txt")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    first, second = result.stdout.split("=== sample 2 of 2 ===\n")
+    assert first.startswith("=== sample 1 of 2 ===\nFriends,") and len(first) > 40
+    assert second.startswith("Romans, countrymen, lend") and len(second) > len("Romans, countrymen, lend")
 
 
 def test_generation_past_the_context_slides_a_window():
@@ -186,3 +195,36 @@ def test_a_long_prompt_read_in_chunks_gives_the_full_forward(key):
         expected = int(jnp.argmax(reference({"params": params}, text)[0, -1]))
         assert token == expected
         text = jnp.concatenate([text, jnp.array([[token]])], axis=1)
+
+
+def test_a_batch_of_prompts_of_different_lengths_decodes_as_each_alone():
+    """Right-padded prompts of 3, 17 and 40 tokens (the last over three prefill chunks), each
+    at its own positions: greedy tokens equal each prompt's own generation."""
+    model = GPT(BASE)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.zeros((1, 64), jnp.int32))["params"])
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, BASE.vocab_size, n).astype(np.int32) for n in (3, 17, 40)]
+    greedy = dict(num_tokens=12, max_len=64, rng=jax.random.PRNGKey(0), temperature=0.0, prefill_chunk=16)
+    batch = generate_batch(model, params, prompts, **greedy)
+    assert batch.shape == (3, 12)
+    for prompt, tokens in zip(prompts, batch):
+        np.testing.assert_array_equal(tokens, generate(model, params, prompt, **greedy))
+    with pytest.raises(ValueError, match="do not fit max_len=64"):
+        generate_batch(model, params, prompts, **{**greedy, "num_tokens": 30})
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_batch(model, params, [prompts[0], []], **greedy)
+
+
+def test_cache_writes_go_to_each_sequence_position_and_drop_outside():
+    from bpt.ops.decode import write_cache
+
+    cache = jnp.zeros((2, 8, 1, 2))
+    new = jnp.arange(1, 13, dtype=jnp.float32).reshape(2, 3, 1, 2)
+    out = write_cache(cache, new, jnp.array([[0, 1, 2], [6, 7, 8]]))
+    np.testing.assert_array_equal(out[0, :3], new[0])
+    np.testing.assert_array_equal(out[1, 6:], new[1, :2])  # position 8 is past the cache
+    assert float(jnp.abs(out).sum()) == float(new[0].sum() + new[1, :2].sum())
+    # A shard of slots 4..7: only the positions in it land, at their local slots.
+    shard = write_cache(cache[:, :4], new, jnp.array([[3, 4, 5], [6, 7, 8]]), offset=4)
+    np.testing.assert_array_equal(shard[0, :2], new[0, 1:])
+    np.testing.assert_array_equal(shard[1, 2:], new[1, :2])

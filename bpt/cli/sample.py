@@ -1,14 +1,20 @@
 """bpt-sample: text from a run's latest checkpoint, decoded with a key/value cache.
 
     bpt-sample --workdir runs/default --prompt "ROMEO:" --num_tokens 300 --temperature 0.8 --top_p 0.95
+    bpt-sample --workdir runs/default --prompt "ROMEO:" --prompt "JULIET:"   # one batch
+    bpt-sample --workdir runs/long --prompt_file book.txt --sequence_shards 2  # cache on 2 GPUs
 
-Text longer than the run's context (data.seq_len) is generated with a sliding window: the
-last half of the context is kept and decoding goes on from it.
+One prompt longer than the run's context (data.seq_len) is generated with a sliding window:
+the last half of the context is kept and decoding goes on from it. Several prompts (of any
+lengths) decode together as one batch, within the context. --sequence_shards N shards the
+key/value cache over N devices along its slots (Tree Attention decoding); by default the run's
+own mesh.sequence does.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 from absl import flags
@@ -21,7 +27,12 @@ def define_flags() -> SimpleNamespace:
         workdir=flags.DEFINE_string(
             "workdir", None, "The run's directory (config.json and checkpoints/).", required=True
         ),
-        prompt=flags.DEFINE_string("prompt", "\n", "Text to continue."),
+        prompt=flags.DEFINE_multi_string(
+            "prompt", None, "Text to continue; several --prompt decode together as a batch."
+        ),
+        prompt_file=flags.DEFINE_multi_string(
+            "prompt_file", None, "A file whose text to continue (with or instead of --prompt)."
+        ),
         num_tokens=flags.DEFINE_integer("num_tokens", 200, "Tokens to generate.", lower_bound=1),
         temperature=flags.DEFINE_float(
             "temperature", 0.8, "Softmax temperature; 0 takes the most likely token.", lower_bound=0.0
@@ -44,19 +55,35 @@ def define_flags() -> SimpleNamespace:
             lower_bound=1,
         ),
         seed=flags.DEFINE_integer("seed", 0, "Sampling seed."),
+        sequence_shards=flags.DEFINE_integer(
+            "sequence_shards",
+            0,
+            "Shard the key/value cache over this many devices (0: as the run's mesh.sequence).",
+            lower_bound=0,
+        ),
     )
 
 
 def main(f: SimpleNamespace, argv: list[str]) -> None:
     if f.top_p.value <= 0.0:
         raise ValueError(f"--top_p must be in (0, 1]; got {f.top_p.value}")
+    texts = list(f.prompt.value or [])
+    for path in f.prompt_file.value or []:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--prompt_file {path}: no such file")
+        texts.append(Path(path).read_text(encoding="utf-8"))
+    texts = texts or ["\n"]
     common.set_memory_fraction(common.run_memory_fraction(f.workdir.value))  # before jax starts
     import jax
 
-    from bpt.sample import context_window, generate
+    from bpt.sample import context_window, generate, generate_batch
     from bpt.train.loop import restore_run
 
-    config, dataset, model, state = restore_run(f.workdir.value)
+    shards = f.sequence_shards.value
+    if shards > jax.device_count():
+        raise ValueError(f"--sequence_shards={shards} but only {jax.device_count()} devices are here")
+    mesh = dict(data=-1, fsdp=1, tensor=1, sequence=shards) if shards else None
+    config, dataset, model, state = restore_run(f.workdir.value, mesh=mesh)
     tokenizer = getattr(dataset, "tokenizer", None)
     if tokenizer is None:
         raise ValueError(
@@ -68,17 +95,7 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
             f"--max_len={max_len} is longer than the model's learned positions (model.max_seq_len="
             f"{model.config.max_seq_len}); use --max_len={model.config.max_seq_len} or less"
         )
-    prompt = tokenizer.encode(f.prompt.value)
-    if len(prompt) >= max_len:
-        print(
-            f"note: the prompt's {len(prompt)} tokens do not fit the context of {max_len}; "
-            f"only its last {context_window(max_len)} tokens are read",
-            file=sys.stderr,
-        )
-    new = generate(
-        model,
-        state.params,
-        prompt,
+    options = dict(
         num_tokens=f.num_tokens.value,
         max_len=max_len,
         rng=jax.random.PRNGKey(f.seed.value),
@@ -87,7 +104,21 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
         top_p=f.top_p.value,
         prefill_chunk=f.prefill_chunk.value,
     )
-    print(f.prompt.value + tokenizer.decode(new))
+    prompts = [tokenizer.encode(text) for text in texts]
+    if len(prompts) == 1:
+        if len(prompts[0]) >= max_len:
+            print(
+                f"note: the prompt's {len(prompts[0])} tokens do not fit the context of {max_len}; "
+                f"only its last {context_window(max_len)} tokens are read",
+                file=sys.stderr,
+            )
+        print(texts[0] + tokenizer.decode(generate(model, state.params, prompts[0], **options)))
+        return
+    for i, (text, new) in enumerate(zip(texts, generate_batch(model, state.params, prompts, **options))):
+        if i:
+            print()
+        print(f"=== sample {i + 1} of {len(texts)} ===")
+        print(text + tokenizer.decode(new))
 
 
 def run() -> None:

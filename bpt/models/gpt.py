@@ -28,10 +28,11 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from bpt.ops.attention import attention, check_impl, select_impl
 from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
 from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy, from_chunks, scan_chunks
-from bpt.ops.decode import decode_attention
+from bpt.ops.decode import decode_attention, resolve_decode_impl, write_cache
 from bpt.ops.remat import POLICIES, check_policy, remat
 from bpt.parallel.mesh import Parallelism
 from bpt.parallel.ring import context_parallel_attention, from_layout, layout_permutation, to_layout
+from bpt.parallel.tree import sharded_write_cache, tree_decode_attention
 
 Array = jax.Array
 ATTENTION_MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
@@ -73,6 +74,7 @@ class GPTConfig:
     layer_norm_epsilon: float = 1e-5
     attention_mode: str = "blockwise_parallel"
     attention_impl: str = "auto"  # see bpt.ops.attention.IMPLS
+    decode_impl: str = "auto"  # attention over the key/value cache: see bpt.ops.decode.DECODE_IMPLS
     q_chunk_size: int = 512
     kv_chunk_size: int = 512
     loss_chunk_size: int = 512
@@ -103,6 +105,7 @@ class GPTConfig:
         allowed("param_dtype", self.param_dtype, DTYPES)
         allowed("loss_impl", self.loss_impl, LOSS_IMPLS)
         check_impl(self.attention_impl, "model.attention_impl")
+        resolve_decode_impl(self.decode_impl, "model.decode_impl")
         for name in ("remat_layer", "remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
         for name in (
@@ -224,16 +227,17 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
 
 
 def rotary_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos and sin tables [seq, head_dim // 2] for rotary position embeddings."""
+    """cos and sin tables [..., head_dim // 2] for rotary position embeddings, from positions
+    [seq] (every sequence alike) or [batch, seq]."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
     """Rotates pairs (x[..., i], x[..., i + d/2]) of x [batch, seq, heads, d] by position."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]  # over the heads
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
@@ -323,8 +327,12 @@ class Block(nn.Module):
         segment_ids: Array | None,
         rotary: tuple[Array, Array] | None,
         cache_index: Array | None = None,
+        layer: Array | None = None,
     ):
         cfg = self.config
+        stacks = None
+        if layer is not None:  # decoding a scanned stack: the carry holds every layer's cache
+            x, *stacks = x
         par = None if self.decode else self.parallel
         if par is not None:
             x = jax.lax.with_sharding_constraint(x, par.activations())
@@ -358,8 +366,9 @@ class Block(nn.Module):
             )
 
         if self.decode:
-            a = self._cached_attention(q, k, v, impl, cache_index)
-            return ffn_residual(x + project_out(p, a), None), None
+            a, stacks = self._cached_attention(q, k, v, impl, cache_index, stacks, layer)
+            x = ffn_residual(x + project_out(p, a), None)
+            return (x if stacks is None else (x, *stacks)), None
         shards = 1 if par is None else par.sequence
         if cfg.attention_mode == "blockwise_parallel" and impl == "blockwise" and shards == 1:
             return self._fused_blockwise(p, x, q, k, v, segment_ids, rng, ffn_residual), None
@@ -409,23 +418,41 @@ class Block(nn.Module):
         )
         return from_chunks(out, shards), None
 
-    def _cached_attention(self, q, k, v, impl: str, cache_index: Array | None) -> Array:
-        """Attention while decoding. The cache holds every position's keys and values.
+    def _cached_attention(self, q, k, v, impl: str, cache_index: Array | None, stacks, layer):
+        """Attention while decoding, and the caches: the cache holds every position's keys
+        and values.
 
         cache_index None: a prefill that starts the cache over; its tokens attend to each
-        other through the model's attention implementation. Otherwise the tokens (one, or a
-        later chunk of a long prompt) are written from cache_index on and attend to the
-        cache up to their own positions (bpt.ops.decode_attention).
+        other through the model's attention implementation. Otherwise cache_index [batch]
+        is where each sequence's tokens (one, or a later chunk of a long prompt) go; they
+        attend to the cache up to their own positions (bpt.ops.decode_attention, by
+        model.decode_impl). stacks: (k, v) of all layers [layers, batch, slots, ...] (the
+        scanned stack's carry), written and read at `layer` in place; None: this layer's
+        own cache variables. With the sequence sharded over a mesh, so is the cache, along
+        its slots, and attention over it is Tree Attention (bpt.parallel.tree_decode_attention).
         """
         cfg = self.config
-        cached_k = self.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
-        cached_v = self.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
-        length = q.shape[1]
-        start = 0 if cache_index is None else cache_index
-        cached_k.value = jax.lax.dynamic_update_slice_in_dim(cached_k.value, k, start, axis=1)
-        cached_v.value = jax.lax.dynamic_update_slice_in_dim(cached_v.value, v, start, axis=1)
+        batch, length = q.shape[:2]
+        start = jnp.zeros((batch,), jnp.int32) if cache_index is None else cache_index
+        positions = start[:, None] + jnp.arange(length)  # [batch, length]
+        par = self.parallel
+        if par is not None and par.sequence > 1:
+            write = functools.partial(sharded_write_cache, mesh=par.mesh, layer=layer)
+            attend = functools.partial(tree_decode_attention, mesh=par.mesh, batch_axes=(), layer=layer)
+        else:
+            write = functools.partial(write_cache, layer=layer)
+            attend = functools.partial(decode_attention, layer=layer)
+        if stacks is None:
+            cached_k = self.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
+            cached_v = self.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
+            cached_k.value = write(cached_k.value, k, positions)
+            cached_v.value = write(cached_v.value, v, positions)
+            k_cache, v_cache = cached_k.value, cached_v.value
+        else:
+            k_cache, v_cache = write(stacks[0], k, positions), write(stacks[1], v, positions)
+            stacks = (k_cache, v_cache)
         if cache_index is None:
-            return attention(
+            a = attention(
                 q,
                 k,
                 v,
@@ -434,7 +461,10 @@ class Block(nn.Module):
                 q_chunk_size=cfg.q_chunk_size,
                 kv_chunk_size=cfg.kv_chunk_size,
             )
-        return decode_attention(q, cached_k.value, cached_v.value, start + jnp.arange(length))
+            return a, stacks
+        # split_kv (a prompt's later chunk) goes through the cache in the model's key chunks.
+        a = attend(q, k_cache, v_cache, positions, impl=cfg.decode_impl, chunk_size=cfg.kv_chunk_size)
+        return a, stacks
 
     def _fused_blockwise(self, p, x, q, k, v, segment_ids, rng, ffn_residual):
         """The BPT loop: per query block, attention over all key/value blocks, then the FFN."""
@@ -541,12 +571,13 @@ class GPT(nn.Module):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         seq_len = tokens.shape[1]
         cache_index = None
-        if decode:
-            index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        if decode:  # "index": where each sequence's next token goes
+            batch = tokens.shape[0]
+            index = self.variable("cache", "index", lambda: jnp.zeros((batch,), jnp.int32))
             cache_index = index.value if seq_len == 1 or extend else None
-            start = 0 if cache_index is None else cache_index
+            start = jnp.zeros((batch,), jnp.int32) if cache_index is None else cache_index
             index.value = start + seq_len
-            positions = start + jnp.arange(seq_len)
+            positions = start[:, None] + jnp.arange(seq_len)
         elif positions is None:
             positions = jnp.arange(seq_len)
         par = None if decode else self.parallel
@@ -594,19 +625,42 @@ class GPT(nn.Module):
             block = nn.remat(Block, policy=cfg.layer_policy, prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers and cfg.remat_group > 1 and not decode and not self.is_initializing():
             x = self._grouped_layers(x, segment_ids, rotary, deterministic)
+        elif cfg.scan_layers and decode:
+            # The layers' caches are stacks [layers, batch, slots, kv_heads, head_dim] carried
+            # through the scan, each layer writing and reading its own part in place: scanned
+            # over as inputs and outputs instead, the whole cache would be copied every call.
+            shape = (cfg.num_layers, tokens.shape[0], seq_len, cfg.kv_heads, cfg.dim_per_head)
+            k_stack = self.variable("cache", "k", jnp.zeros, shape, dtype)
+            v_stack = self.variable("cache", "v", jnp.zeros, shape, dtype)
+            layers = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+                # Nothing is broadcast out, and the check's extra trace (a partial evaluation)
+                # fails on the GPU decode kernel's pallas_call ("broadcasted variable has a
+                # data dependency on the scan body", jax 0.11.2).
+                check_constancy_invariants=False,
+            )(cfg, deterministic, decode, self.parallel, name="layers")
+            carry = (x, k_stack.value, v_stack.value)
+            (x, k_stack.value, v_stack.value), _ = layers(
+                carry, segment_ids, rotary, cache_index, jnp.arange(cfg.num_layers)
+            )
         elif cfg.scan_layers:
             layers = nn.scan(
                 block,
-                variable_axes={"params": 0, "cache": 0},
+                variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, deterministic, decode, par, name="layers")
+            )(cfg, deterministic, decode, self.parallel, name="layers")
             x, _ = layers(x, segment_ids, rotary, cache_index)
         else:
             for i in range(cfg.num_layers):
-                x, _ = block(cfg, deterministic, decode, par, name=f"layer_{i}")(
+                x, _ = block(cfg, deterministic, decode, self.parallel, name=f"layer_{i}")(
                     x, segment_ids, rotary, cache_index
                 )
 

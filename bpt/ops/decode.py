@@ -11,8 +11,10 @@ arithmetic. Every implementation here takes the same arguments and returns the s
   heads of a GQA group sharing one read of their K/V head, the cache read in place, ragged
   batches balanced by a stream-K tile table. On a GPU it lowers through Triton; elsewhere
   it runs in Pallas interpret mode (slow, for tests).
-- auto: split_kv for now; the pallas kernel is chosen by name until its GPU measurements
-  (docs/benchmarks.md) make it the GPU default.
+- auto: the pallas kernel on a GPU while the rows a K/V head's program takes (q_len x the
+  query heads a K/V head serves) stay few (AUTO_KERNEL_ROWS: new tokens, not a prompt's
+  chunk) and head_dim is a power of two; split_kv otherwise. On one H100 the kernel reads the
+  cache at 2.3-2.8 TB/s from 128K slots on, 1.2-2.9x split_kv (docs/benchmarks.md).
 
 Partial and attend_cache (one partial softmax by split_kv or pallas) serve tree decoding
 across devices too (bpt.parallel.tree), which merges one partial per device.
@@ -30,6 +32,7 @@ from bpt.ops.reference import check_qkv, group_heads, logsumexp_merge, masked_at
 
 Array = jax.Array
 DECODE_IMPLS = ("auto", "reference", "split_kv", "pallas")
+AUTO_KERNEL_ROWS = 64  # auto takes the kernel on a GPU while q_len x (heads / kv_heads) is this small
 
 
 class Partial(NamedTuple):
@@ -40,11 +43,19 @@ class Partial(NamedTuple):
     lse: Array
 
 
-def resolve_decode_impl(impl: str, setting: str = "impl") -> str:
-    """impl checked, with auto resolved (see the module docstring)."""
+def resolve_decode_impl(impl: str, setting: str = "impl", *, q_shape=None, kv_heads: int = 1) -> str:
+    """impl checked, with auto resolved for queries of q_shape [batch, q_len, heads, head_dim]
+    (see the module docstring)."""
     if impl not in DECODE_IMPLS:
         raise ValueError(f"{setting} must be one of {', '.join(DECODE_IMPLS)}; got {impl!r}")
-    return "split_kv" if impl == "auto" else impl
+    if impl != "auto":
+        return impl
+    if q_shape is None or jax.default_backend() != "gpu":
+        return "split_kv"
+    _, q_len, heads, head_dim = q_shape
+    rows = q_len * heads // kv_heads
+    kernel_fits = head_dim >= 16 and not head_dim & (head_dim - 1) and rows <= AUTO_KERNEL_ROWS
+    return "pallas" if kernel_fits else "split_kv"
 
 
 def last_visible_slot(q_positions: Array, batch: int, lengths: Array | None = None) -> Array:
@@ -58,8 +69,18 @@ def last_visible_slot(q_positions: Array, batch: int, lengths: Array | None = No
     return positions
 
 
-def check_decode_args(q, k_cache, v_cache, q_positions, lengths) -> None:
-    check_qkv(q, k_cache, v_cache)
+def one_layer(cache: Array, layer: Array | int | None):
+    """The shape of one layer's cache (a stack [layers, batch, slots, ...] when layer is given)."""
+    return cache if layer is None else jax.ShapeDtypeStruct(cache.shape[1:], cache.dtype)
+
+
+def check_decode_args(q, k_cache, v_cache, q_positions, lengths, layer=None) -> None:
+    if layer is not None and (k_cache.ndim != 5 or jnp.ndim(layer) != 0):
+        raise ValueError(
+            f"with a layer index the caches must be stacks [layers, batch, slots, kv_heads, head_dim] "
+            f"and the layer a scalar; got {k_cache.shape} and layer of shape {jnp.shape(layer)}"
+        )
+    check_qkv(q, one_layer(k_cache, layer), one_layer(v_cache, layer))
     batch, q_len = q.shape[:2]
     positions = jnp.shape(q_positions)
     if positions not in ((q_len,), (batch, q_len)):
@@ -68,6 +89,22 @@ def check_decode_args(q, k_cache, v_cache, q_positions, lengths) -> None:
         )
     if lengths is not None and jnp.shape(lengths) != (batch,):
         raise ValueError(f"lengths must be [batch] = {(batch,)}; got {jnp.shape(lengths)}")
+
+
+def write_cache(
+    cache: Array, new: Array, positions: Array, offset: Array | int = 0, layer: Array | int | None = None
+) -> Array:
+    """cache [batch, slots, kv_heads, head_dim] with new [batch, q_len, kv_heads, head_dim]
+    written at slots positions [batch, q_len] - offset (each sequence where its tokens go);
+    writes that fall outside the cache are dropped (another device's shard of it). With
+    layer, cache is a stack [layers, batch, slots, ...] and layer's part of it is written,
+    in place: the rest of the stack is not copied."""
+    length = cache.shape[-3]
+    slots = jnp.asarray(positions, jnp.int32) - offset
+    slots = jnp.where((slots >= 0) & (slots < length), slots, length)
+    rows = jnp.arange(new.shape[0])[:, None]
+    index = (rows, slots) if layer is None else (layer, rows, slots)
+    return cache.at[index].set(new.astype(cache.dtype), mode="drop")
 
 
 def decode_mask(last: Array, slots: Array) -> Array:
@@ -126,13 +163,15 @@ def split_kv_partial(q, k_cache, v_cache, last: Array, *, chunk_size: int) -> Pa
         chunk = lambda k, v, s: partial_attention(q, k, v, decode_mask(last, s))  # noqa: E731
         if q.shape[1] == 1:  # one query: every chunk at once, then one merge
             parts.append(merge_partials(jax.vmap(chunk, in_axes=(1, 1, 0))(k, v, slots)))
-        else:  # a prompt's chunk of queries: chunk by chunk, so scores stay [q_len, chunk_size]
+        else:  # a prompt's chunk of queries: chunk by chunk, so scores stay [q_len, chunk_size],
+            # and only as far as the last slot any query sees (not the empty rest of the cache)
 
-            def step(acc, i):
-                return Partial(*logsumexp_merge(*acc, *chunk(k[:, i], v[:, i], slots[i]))), None
+            def step(i, acc):
+                return Partial(*logsumexp_merge(*acc, *chunk(k[:, i], v[:, i], slots[i])))
 
+            visible = jnp.clip((jnp.max(last) + chunk_size) // chunk_size, 0, n)
             empty = Partial(jnp.zeros(q.shape, jnp.float32), jnp.full((b, q.shape[2], q.shape[1]), -jnp.inf))
-            parts.append(jax.lax.scan(step, empty, jnp.arange(n))[0])
+            parts.append(jax.lax.fori_loop(0, visible, step, empty))
     if whole < length:
         slots = jnp.arange(whole, length)
         parts.append(partial_attention(q, k_cache[:, whole:], v_cache[:, whole:], decode_mask(last, slots)))
@@ -147,18 +186,23 @@ def attend_cache(
     *,
     impl: str,
     chunk_size: int = 512,
-    num_splits: int | None = None,
-    block_k: int | None = None,
+    layer: Array | int | None = None,
+    **kernel_options,
 ) -> Partial:
     """The partial softmax of q over the cache by split_kv or pallas (impl as resolved by
-    resolve_decode_impl), row r of sequence b seeing slots <= last[b, r]."""
+    resolve_decode_impl), row r of sequence b seeing slots <= last[b, r]. layer: the caches
+    are stacks [layers, ...] and this layer's is read (the kernel reads it in place).
+    kernel_options go to the pallas kernel (bpt.ops.kernels.decode.decode_partial:
+    num_splits, block_k, schedule, num_warps, num_stages); split_kv takes none."""
     if impl == "split_kv":
+        if layer is not None:
+            k_cache, v_cache = k_cache[layer], v_cache[layer]
         return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size)
     if impl != "pallas":
         raise ValueError(f"attend_cache takes impl split_kv or pallas; got {impl!r}")
     from bpt.ops.kernels.decode import decode_partial
 
-    return decode_partial(q, k_cache, v_cache, last, num_splits=num_splits, block_k=block_k)
+    return decode_partial(q, k_cache, v_cache, last, layer=layer, **kernel_options)
 
 
 def decode_attention(
@@ -170,8 +214,8 @@ def decode_attention(
     lengths: Array | None = None,
     impl: str = "auto",
     chunk_size: int = 512,
-    num_splits: int | None = None,
-    block_k: int | None = None,
+    layer: Array | int | None = None,
+    **kernel_options,
 ) -> Array:
     """Queries at absolute positions attend to cached keys at positions <= their own.
 
@@ -183,17 +227,24 @@ def decode_attention(
       lengths: optional [batch] int: sequence b holds lengths[b] tokens; slots from there on
         are masked too (a batch of prompts of different lengths decoding together).
       impl: reference | split_kv | pallas | auto (see the module docstring).
-      chunk_size: split_kv's chunk of slots. num_splits, block_k: the pallas kernel's
-        programs per K/V head (default: from the device's SM count) and key block.
+      chunk_size: split_kv's chunk of slots.
+      layer: optional scalar: k_cache and v_cache are stacks [layers, batch, max_len, ...]
+        (a model's whole cache) and layer's part is read; the pallas kernel reads it in
+        place, the others take the slice.
+      kernel_options: the pallas kernel's settings (decode_partial): num_splits (programs
+        per K/V head; default from the device's SM count), block_k, schedule, num_warps,
+        num_stages.
     Returns:
       [batch, q_len, heads, head_dim] in q's dtype; zeros for a query that sees no slot.
     """
-    check_decode_args(q, k_cache, v_cache, q_positions, lengths)
-    impl = resolve_decode_impl(impl)
+    check_decode_args(q, k_cache, v_cache, q_positions, lengths, layer)
+    impl = resolve_decode_impl(impl, q_shape=q.shape, kv_heads=k_cache.shape[-2])
     last = last_visible_slot(q_positions, q.shape[0], lengths)
     if impl == "reference":
+        if layer is not None:
+            k_cache, v_cache = k_cache[layer], v_cache[layer]
         return reference_decode(q, k_cache, v_cache, last)
     part = attend_cache(
-        q, k_cache, v_cache, last, impl=impl, chunk_size=chunk_size, num_splits=num_splits, block_k=block_k
+        q, k_cache, v_cache, last, impl=impl, chunk_size=chunk_size, layer=layer, **kernel_options
     )
     return part.out.astype(q.dtype)

@@ -19,7 +19,7 @@ from bpt.parallel.ring import (
     ring_attention,
     to_layout,
 )
-from bpt.parallel.tree import ring_decode_attention, tree_decode_attention
+from bpt.parallel.tree import ring_decode_attention, sharded_write_cache, tree_decode_attention
 
 __all__ = [
     "AXES",
@@ -37,6 +37,7 @@ __all__ = [
     "param_shardings",
     "ring_attention",
     "ring_decode_attention",
+    "sharded_write_cache",
     "to_layout",
     "tree_decode_attention",
 ]

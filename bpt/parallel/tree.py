@@ -28,6 +28,7 @@ from bpt.ops.decode import (
     check_decode_args,
     last_visible_slot,
     resolve_decode_impl,
+    write_cache,
 )
 from bpt.ops.reference import logsumexp_merge
 from bpt.parallel.mesh import mesh_axes
@@ -37,40 +38,76 @@ Array = jax.Array
 
 def _shard_partial(q, k, v, last, offset, **options):
     """Attention over one shard of slots (slot i is position offset + i), by attend_cache."""
-    return attend_cache(q, k, v, jnp.clip(last - offset, -1, k.shape[1] - 1), **options)
+    return attend_cache(q, k, v, jnp.clip(last - offset, -1, k.shape[-3] - 1), **options)
 
 
-def _shard_impl(impl: str) -> str:
+def _shard_impl(impl: str, q: Array, k_cache: Array) -> str:
     """A shard's impl: reference runs as split_kv (either way one partial per shard)."""
-    impl = resolve_decode_impl(impl)
+    impl = resolve_decode_impl(impl, q_shape=q.shape, kv_heads=k_cache.shape[-2])
     return "split_kv" if impl == "reference" else impl
 
 
-def _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes):
-    """fn(q, k_shard, v_shard, last, shards) per device under shard_map: the caches split over
-    mesh[axis] along their slots, everything else over batch_axes."""
-    check_decode_args(q, k_cache, v_cache, q_positions, lengths)
+def _slot_shards(cache: Array, mesh: Mesh, axis: str) -> int:
+    """How many shards mesh[axis] cuts the cache's slots (axis -3) into; they must divide."""
     shards = mesh.shape[axis] if axis in mesh.axis_names else 1
-    if k_cache.shape[1] % shards:
+    if cache.shape[-3] % shards:
         raise ValueError(
-            f"the cache length {k_cache.shape[1]} does not split into {shards} shards of mesh.{axis}"
+            f"the cache length {cache.shape[-3]} does not split into {shards} shards of mesh.{axis}"
         )
+    return shards
+
+
+def _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes, layer=None):
+    """fn(q, k_shard, v_shard, last, shards, layer) per device under shard_map: the caches split
+    over mesh[axis] along their slots (stacks [layers, ...] when layer is given), everything
+    else over batch_axes."""
+    check_decode_args(q, k_cache, v_cache, q_positions, lengths, layer)
+    shards = _slot_shards(k_cache, mesh, axis)
     last = last_visible_slot(q_positions, q.shape[0], lengths)
     batch = mesh_axes(mesh, batch_axes)
     if batch and q.shape[0] % math.prod(mesh.shape[a] for a in batch):
         names = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in batch)
         raise ValueError(f"a batch of {q.shape[0]} does not split over {names}")
     seq = axis if shards > 1 else None
-    cache = PartitionSpec(batch, seq)
+    cache = PartitionSpec(batch, seq) if layer is None else PartitionSpec(None, batch, seq)
     rows = PartitionSpec(batch)
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    stacked = k_cache.ndim == 5
     body = jax.shard_map(
-        lambda q, k, v, last: fn(q, k, v, last, shards),
+        lambda q, k, v, last, layer: fn(q, k, v, last, shards, layer if stacked else None),
         mesh=mesh,
-        in_specs=(rows, cache, cache, rows),
+        in_specs=(rows, cache, cache, rows, PartitionSpec()),
         out_specs=rows,
         check_vma=False,
     )
-    return body(q, k_cache, v_cache, last)
+    return body(q, k_cache, v_cache, last, layer)
+
+
+def sharded_write_cache(
+    cache: Array,
+    new: Array,
+    positions: Array,
+    *,
+    mesh: Mesh,
+    axis: str = "sequence",
+    layer: Array | int | None = None,
+) -> Array:
+    """bpt.ops.decode.write_cache for a cache sharded over mesh[axis] along its slots (new
+    tokens and positions on every device): each device writes the tokens that fall in its
+    shard, in place. layer: cache is a stack [layers, batch, slots, ...]."""
+    shards = _slot_shards(cache, mesh, axis)
+    spec = PartitionSpec(*[None] * (cache.ndim - 3), axis if shards > 1 else None)
+    stacked = layer is not None
+
+    def body(cache, new, positions, layer):
+        offset = lax.axis_index(axis) * cache.shape[-3] if shards > 1 else 0
+        return write_cache(cache, new, positions, offset, layer if stacked else None)
+
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    replicated = PartitionSpec()
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(spec, replicated, replicated, replicated), out_specs=spec, check_vma=False
+    )(cache, new, positions, layer)
 
 
 def tree_decode_attention(
@@ -83,18 +120,20 @@ def tree_decode_attention(
     lengths: Array | None = None,
     impl: str = "auto",
     chunk_size: int = 512,
-    num_splits: int | None = None,
     axis: str = "sequence",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
+    layer: Array | int | None = None,
+    **kernel_options,
 ) -> Array:
     """decode_attention (same arguments and result) with the caches sharded over mesh[axis]
     along their slots and one all-reduce merge of the devices' partial softmaxes. The batch
-    is sharded over batch_axes where the mesh has them."""
-    options = dict(impl=_shard_impl(impl), chunk_size=chunk_size, num_splits=num_splits)
+    is sharded over batch_axes where the mesh has them. layer, kernel_options: as
+    decode_attention's (a stacked cache is sharded along its slots, axis 2)."""
+    options = dict(impl=_shard_impl(impl, q, k_cache), chunk_size=chunk_size, **kernel_options)
 
-    def fn(q, k, v, last, shards):
-        offset = lax.axis_index(axis) * k.shape[1] if shards > 1 else 0
-        part = _shard_partial(q, k, v, last, offset, **options)
+    def fn(q, k, v, last, shards, layer):
+        offset = lax.axis_index(axis) * k.shape[-3] if shards > 1 else 0
+        part = _shard_partial(q, k, v, last, offset, layer=layer, **options)
         if shards == 1:
             return part.out.astype(q.dtype)
         top = lax.pmax(part.lse, axis)  # [b, h, q]
@@ -103,7 +142,7 @@ def tree_decode_attention(
         total, out = lax.psum((weight, part.out * weight), axis)
         return (out / jnp.where(total > 0, total, 1.0)).astype(q.dtype)
 
-    return _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes)
+    return _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes, layer)
 
 
 def ring_decode_attention(
@@ -116,15 +155,15 @@ def ring_decode_attention(
     lengths: Array | None = None,
     impl: str = "auto",
     chunk_size: int = 512,
-    num_splits: int | None = None,
     axis: str = "sequence",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
+    **kernel_options,
 ) -> Array:
     """tree_decode_attention's result by passing the cache shards around the ring instead:
     N - 1 hops of lax.ppermute, each device merging every visiting shard (the baseline)."""
-    options = dict(impl=_shard_impl(impl), chunk_size=chunk_size, num_splits=num_splits)
+    options = dict(impl=_shard_impl(impl, q, k_cache), chunk_size=chunk_size, **kernel_options)
 
-    def fn(q, k, v, last, shards):
+    def fn(q, k, v, last, shards, layer):
         local = k.shape[1]
         index = lax.axis_index(axis) if shards > 1 else 0
         part = _shard_partial(q, k, v, last, index * local, **options)

@@ -221,8 +221,9 @@ def evaluate_checkpoint(
     return result
 
 
-def restore_run(workdir: str | Path):
-    """(config, dataset, model, state) of a run's latest checkpoint."""
+def restore_run(workdir: str | Path, mesh: dict | None = None):
+    """(config, dataset, model, state) of a run's latest checkpoint; mesh: settings of
+    config.mesh to use instead of the run's (the checkpoint restores onto any mesh)."""
     workdir = Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
@@ -230,6 +231,7 @@ def restore_run(workdir: str | Path):
     config = base_config()  # today's defaults under the saved settings: older runs still load
     config.update(json.loads(config_path.read_text()))
     config.data.verify_checksums = False  # training checked them; sizes are still checked
+    config.mesh.update(mesh or {})
     sizes = [config.mesh[name] for name in ("data", "fsdp", "sequence", "tensor")]
     if -1 not in sizes and math.prod(sizes) != jax.device_count():
         # Saved on another number of devices: the checkpoint restores onto any mesh, so read

@@ -203,6 +203,32 @@ def test_tree_and_ring_decoding_equal_the_reference(key, mesh, impl):
         assert rel_err(run(q, k_cache, v_cache, positions), expected) < TOL, fn.__name__
 
 
+def test_sampling_with_the_cache_sharded_gives_the_one_device_tokens():
+    """Greedy sampling of a batch of prompts of different lengths, the cache sharded over 4
+    devices along its slots (tree decoding), against one device."""
+    import flax.linen as nn
+
+    from bpt.models.gpt import GPT, GPTConfig
+    from bpt.parallel import Parallelism
+    from bpt.sample import generate_batch, init_cache, prefill
+
+    cfg = GPTConfig(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, q_chunk_size=8,
+                    kv_chunk_size=8, loss_chunk_size=8)  # fmt: skip
+    one = GPT(cfg)
+    sharded = GPT(cfg, parallel=Parallelism(sequence_mesh(4)))
+    params = nn.meta.unbox(one.init(jax.random.PRNGKey(0), jnp.zeros((1, 64), jnp.int32))["params"])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, cfg.vocab_size, n).astype(np.int32) for n in (5, 19, 33)]
+    greedy = dict(num_tokens=20, max_len=64, rng=jax.random.PRNGKey(0), temperature=0.0, prefill_chunk=16)
+    expected = generate_batch(one, params, prompts, **greedy)
+    np.testing.assert_array_equal(generate_batch(sharded, params, prompts, **greedy), expected)
+    # The cache lives in shards of 16 slots, one a device.
+    padded = jnp.zeros((1, 16), jnp.int32)
+    cache, _ = prefill(sharded, params, padded, jnp.array([16]), max_len=64, chunk=16)
+    assert cache["k"].sharding.shard_shape(cache["k"].shape)[2] == 16  # [layers, batch, slots, ...]
+    assert jax.tree.structure(cache) == jax.tree.structure(init_cache(one, 1, 64))
+
+
 @pytest.mark.parametrize(
     "mode,mesh", MESHES, ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items())
 )

@@ -16,7 +16,10 @@ reading the cache and the kernel's job is to keep every SM reading it:
   equal tiles (a tile never spans two sequences), so a ragged batch keeps every SM busy to the
   end; "split" cuts each sequence into the same number of equal splits (flash-decoding), so
   short sequences leave programs idle while long ones finish.
-- Programs per K/V head come from the GPU's SM count (two waves) unless num_splits is given.
+- Programs per K/V head come from the GPU's SM count (WAVES programs a SM) unless num_splits
+  is given.
+- A model's whole cache can come as a stack [layers, batch, max_len, kv_heads, head_dim] with
+  a layer index (a scalar operand): the layer's slots are read in place, never sliced out.
 
 On a GPU the kernel lowers through Triton; elsewhere it runs in Pallas interpret mode.
 """
@@ -38,6 +41,9 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SCHEDULES = ("stream_k", "split")
 MIN_ROWS = 16  # the smallest M a Triton dot takes
+# Programs a SM (over all K/V heads) when num_splits is not given; with num_stages=3 the best
+# of 1-8 on one H100 at 128K-512K slots (docs/benchmarks.md).
+WAVES = 4
 
 
 def num_sms(device=None) -> int:
@@ -68,9 +74,10 @@ def _tile_table(visible_blocks: Array, tiles: int, schedule: str, max_blocks: in
     return jnp.stack([seq, first, end, jnp.zeros_like(seq)], axis=1).astype(jnp.int32)
 
 
-def _kernel(block_k: int, scale: float, table_ref, q_ref, last_ref, k_ref, v_ref, o_ref, lse_ref):
+def _kernel(block_k: int, scale: float, table_ref, layer_ref, q_ref, last_ref, k_ref, v_ref, o_ref, lse_ref):
     kv_head = pl.program_id(1)
     seq, first, end = table_ref[0], table_ref[1], table_ref[2]
+    layer = layer_ref[0]
     q = q_ref[seq, kv_head, :, :]  # [rows, head_dim]
     last = last_ref[seq, :]  # [rows]: the last slot each row sees
     visible = jnp.max(last) + 1
@@ -79,8 +86,8 @@ def _kernel(block_k: int, scale: float, table_ref, q_ref, last_ref, k_ref, v_ref
     def body(j, carry):
         m, row_sum, acc = carry
         span = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        k = k_ref[seq, span, kv_head, :]
-        v = v_ref[seq, span, kv_head, :]
+        k = k_ref[layer, seq, span, kv_head, :]
+        v = v_ref[layer, seq, span, kv_head, :]
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         v = jnp.where((k_pos < visible)[:, None], v, jnp.zeros_like(v))  # garbage past the end
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -113,21 +120,25 @@ def decode_partial(
     v_cache: Array,
     last: Array,
     *,
+    layer: Array | int | None = None,
     num_splits: int | None = None,
     schedule: str = "stream_k",
     block_k: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
     interpret: bool | None = None,
 ) -> Partial:
     """The kernel's attention of q [batch, q_len, heads, head_dim] over the caches [batch,
     max_len, kv_heads, head_dim], row r of sequence b seeing slots <= last[b, r] (see
-    bpt.ops.decode.last_visible_slot). num_splits: programs per K/V head (default: two waves of
-    the GPU's SMs over the K/V heads)."""
+    bpt.ops.decode.last_visible_slot). layer: the caches are stacks [layers, batch, max_len,
+    kv_heads, head_dim] and this layer's part is read, in place. num_splits: programs per K/V
+    head (default: WAVES programs a SM over the K/V heads)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    if layer is None:  # one layer: a stack of one (a free reshape)
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     b, q_len, h, d = q.shape
-    max_len, hk = k_cache.shape[1], k_cache.shape[2]
+    max_len, hk = k_cache.shape[2], k_cache.shape[3]
     if d < 16 or d & (d - 1):
         raise ValueError(
             f"the pallas decode kernel needs a power-of-two head_dim >= 16; got {d} (use impl='split_kv')"
@@ -146,7 +157,7 @@ def decode_partial(
     last_rows = jnp.pad(last_rows, ((0, 0), (0, rows - q_len * group)), constant_values=-1)
     max_blocks = max_len // block_k
     visible_blocks = -(-(jnp.max(last_rows, axis=1) + 1) // block_k)
-    tiles = num_splits or max(1, -(-2 * num_sms() // hk))
+    tiles = num_splits or max(1, -(-WAVES * num_sms() // hk))
     table = _tile_table(visible_blocks, tiles, schedule, max_blocks)
     n = table.shape[0]
     compiler_params = None
@@ -160,6 +171,7 @@ def decode_partial(
         grid=(n, hk),
         in_specs=[
             pl.BlockSpec((None, 4), lambda t, g: (t, 0)),
+            whole((1,)),
             whole(q_rows.shape),
             whole(last_rows.shape),
             whole(k_cache.shape),
@@ -176,7 +188,7 @@ def decode_partial(
         compiler_params=compiler_params,
         interpret=interpret,
         name="bpt_decode",
-    )(table, q_rows, last_rows, k_cache, v_cache)
+    )(table, jnp.asarray(layer, jnp.int32).reshape(1), q_rows, last_rows, k_cache, v_cache)
     # Merge the tiles of each sequence by logsumexp (empty tiles have lse -inf: weight 0).
     seq = table[:, 0]
     top = jax.ops.segment_max(lse, seq, num_segments=b)  # [b, hk, rows]
