@@ -57,9 +57,14 @@ def init_cache(model, batch_size: int, max_len: int):
     par = getattr(model, "parallel", None)
     if par is None or par.sequence == 1:
         return cache
-    # k and v are [..., batch, slots, kv_heads, head_dim] (a leading layer axis when scanned).
-    slots = lambda x: par.sharding(*[None] * (x.ndim - 3), "sequence")  # noqa: E731
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, slots(x)) if x.ndim >= 4 else x, cache)
+    # Keys, values (and int8 scales) are [(layers,) batch, slots, ...]: a leading layer axis
+    # when the layers are scanned; "index" [batch] stays on every device.
+    slots = par.sharding(*[None] * (2 if model.config.scan_layers else 1), "sequence")
+
+    def shard(path, x):
+        return x if path[-1].key == "index" else jax.lax.with_sharding_constraint(x, slots)
+
+    return jax.tree_util.tree_map_with_path(shard, cache)
 
 
 def set_positions(cache, lengths):

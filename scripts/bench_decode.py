@@ -20,9 +20,10 @@ the partial softmaxes) against ring decoding (the cache shards passed around), a
 attention over one shard alone.
 
 sample: bpt.sample's path (what bpt-sample runs) for a model of --sample_config with random
-bf16 weights: a random prompt that fills each of --sample_contexts but --new_tokens is
-prefilled in chunks of --prefill_chunk, then --new_tokens tokens are decoded; prefill seconds,
-decode tokens/s and ms a token (compile times apart), and the device's peak memory.
+bf16 weights and model.cache_dtype --cache_dtype: a random prompt that fills each of
+--sample_contexts but --new_tokens is prefilled in chunks of --prefill_chunk, then
+--new_tokens tokens are decoded; prefill seconds, decode tokens/s and ms a token (compile
+times apart), and the device's peak memory.
 
 Prints markdown tables last; --out writes results.json, table.md and decode.png.
 """
@@ -192,7 +193,9 @@ def sample_part(args) -> list[dict]:
     rows = []
     for context in args.sample_contexts:
         cfg = model_config(c.model, vocab_size=50257, seq_len=context)
-        model = GPT(dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16"))
+        model = GPT(
+            dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16", cache_dtype=args.cache_dtype)
+        )
         tokens = jnp.zeros((1, cfg.q_chunk_size), jnp.int32)
         params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"]))()
         prompt_len = context - args.new_tokens
@@ -202,7 +205,7 @@ def sample_part(args) -> list[dict]:
         )
         lengths = jnp.array([prompt_len], jnp.int32)
         row = {"config": args.sample_config, "context": context, "prompt": prompt_len, "new_tokens": args.new_tokens,
-               "prefill_chunk": chunk, "decode_impl": cfg.decode_impl}  # fmt: skip
+               "prefill_chunk": chunk, "decode_impl": cfg.decode_impl, "cache_dtype": args.cache_dtype}  # fmt: skip
         try:
             start = time.perf_counter()
             compiled = prefill.lower(model, params, padded, lengths, max_len=context, chunk=chunk).compile()
@@ -283,7 +286,8 @@ def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
         out.append("")
     if sample_rows:
         out += [
-            f"Sampling through bpt.sample ({sample_rows[0]['config']}, random bf16 weights, batch 1)",
+            f"Sampling through bpt.sample ({sample_rows[0]['config']}, random bf16 weights, batch 1, "
+            f"cache_dtype {sample_rows[0]['cache_dtype']})",
             "",
             "| context | prompt | prefill s | decode tokens/s | ms / token | peak GiB | compile s |",
             "|---|---|---|---|---|---|---|",
@@ -340,6 +344,7 @@ def main() -> None:
     parser.add_argument("--sample_contexts", default="131072,524288", help="sample: cache lengths")
     parser.add_argument("--new_tokens", type=int, default=64, help="sample: tokens decoded")
     parser.add_argument("--prefill_chunk", type=int, default=4096, help="sample: prompt chunk")
+    parser.add_argument("--cache_dtype", default="auto", help="sample: model.cache_dtype (auto | int8)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default="")
     args = parser.parse_args()

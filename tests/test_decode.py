@@ -74,6 +74,48 @@ def test_a_layer_of_a_stacked_cache_is_read_and_written_in_place(key):
         decode_attention(q, k, v, positions, layer=1)
 
 
+def test_an_int8_cache_is_read_alike_by_every_impl(key):
+    """quantize_kv'd caches with their scales: split_kv, the kernel and tree decoding (one
+    device) equal the reference over the dequantized cache; all are near the bf16-free
+    original (int8 keeps about 2 decimal digits)."""
+    from bpt.ops.decode import dequantize_kv, quantize_kv
+    from bpt.parallel import make_mesh, tree_decode_attention
+
+    q, k, v = caches(key, 2, 4, 2, 1)
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    assert k8.dtype == jnp.int8 and ks.shape == k.shape[:-1]
+    assert rel_err(dequantize_kv(k8, ks, jnp.float32), k) < 1e-2
+    positions, ends = jnp.array([[40], [127]]), np.array([41, 128])
+    k8, v8 = with_garbage(k8, ends).astype(jnp.int8), with_garbage(v8, ends).astype(jnp.int8)
+    scales = dict(k_scale=ks, v_scale=vs)
+    expected = decode(
+        q, dequantize_kv(k8, ks, jnp.float32), dequantize_kv(v8, vs, jnp.float32), positions, impl="reference"
+    )
+    assert rel_err(expected, decode(q, k, v, positions, impl="reference")) < 2e-2
+    tree = jax.jit(tree_decode_attention, static_argnames=("mesh", "impl"))
+    mesh = make_mesh(sequence=1, devices=jax.devices()[:1])
+    runs = {
+        "reference": decode(q, k8, v8, positions, impl="reference", **scales),
+        "split_kv": decode(q, k8, v8, positions, impl="split_kv", chunk_size=48, **scales),
+        "pallas": decode(q, k8, v8, positions, impl="pallas", num_splits=3, **scales),
+        "pallas, stacked": decode(
+            q,
+            jnp.stack([k8, k8]),
+            jnp.stack([v8, v8]),
+            positions,
+            impl="pallas",
+            layer=jnp.int32(1),
+            k_scale=jnp.stack([0 * ks, ks]),
+            v_scale=jnp.stack([0 * vs, vs]),
+        ),
+        "tree": tree(q, k8, v8, positions, mesh=mesh, impl="split_kv", **scales),
+    }
+    for name, out in runs.items():  # (the stack's layer 0 has zero scales: it must not be read)
+        assert rel_err(out, expected) < 1e-5, name
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
+        decode_attention(q, k8, v8, positions, k_scale=ks)
+
+
 @pytest.mark.parametrize("schedule,splits", [("stream_k", 2), ("stream_k", 16), ("split", 3)])
 def test_kernel_schedules_on_a_ragged_batch(key, schedule, splits):
     """Shared positions (no lengths) and per-sequence lengths, tiles of 16 slots, more tiles

@@ -119,10 +119,12 @@ def test_sample_command_continues_a_prompt(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("Friends,") and len(result.stdout) > len("Friends,")
-    # Two prompts of different lengths, one from a file, decode as one batch.
+    # Two prompts of different lengths, one from a file, decode as one batch (an int8 cache).
     (tmp_path / "prompt.txt").write_text("Romans, countrymen, lend")
     result = subprocess.run(
-        cmd + ["--prompt_file", str(tmp_path / "prompt.txt")], capture_output=True, text=True
+        cmd + ["--prompt_file", str(tmp_path / "prompt.txt"), "--cache_dtype", "int8"],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     first, second = result.stdout.split("=== sample 2 of 2 ===\n")
@@ -228,3 +230,28 @@ def test_cache_writes_go_to_each_sequence_position_and_drop_outside():
     shard = write_cache(cache[:, :4], new, jnp.array([[3, 4, 5], [6, 7, 8]]), offset=4)
     np.testing.assert_array_equal(shard[0, :2], new[0, 1:])
     np.testing.assert_array_equal(shard[1, 2:], new[1, :2])
+
+
+def test_an_int8_cache_gives_logits_near_the_full_forward(key):
+    """model.cache_dtype=int8: the decode steps read int8 keys and values with per-token,
+    per-head scales; their logits stay near the full forward's."""
+    cfg = dataclasses.replace(BASE, cache_dtype="int8")
+    model = GPT(cfg)
+    tokens = jax.random.randint(key, (2, 48), 0, cfg.vocab_size)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"])
+    full = model.apply({"params": params}, tokens)
+    cache = init_cache(model, 2, 64)
+    assert cache["k"].dtype == jnp.int8 and cache["k_scale"].shape == cache["k"].shape[:-1]
+    _, variables = model.apply(
+        {"params": params, "cache": cache}, tokens[:, :16], decode=True, mutable=["cache"]
+    )
+    logits, _ = model.apply(
+        {"params": params, "cache": variables["cache"]},
+        tokens[:, 16:],
+        decode=True,
+        extend=True,
+        mutable=["cache"],
+    )
+    assert rel_err(logits, full[:, 16:]) < 2e-2
+    with pytest.raises(ValueError, match="model.cache_dtype"):
+        dataclasses.replace(BASE, cache_dtype="fp4")

@@ -3,6 +3,7 @@
     bpt-sample --workdir runs/default --prompt "ROMEO:" --num_tokens 300 --temperature 0.8 --top_p 0.95
     bpt-sample --workdir runs/default --prompt "ROMEO:" --prompt "JULIET:"   # one batch
     bpt-sample --workdir runs/long --prompt_file book.txt --sequence_shards 2  # cache on 2 GPUs
+    bpt-sample --workdir runs/long --prompt_file book.txt --cache_dtype int8   # half the memory
 
 One prompt longer than the run's context (data.seq_len) is generated with a sliding window:
 the last half of the context is kept and decoding goes on from it. Several prompts (of any
@@ -13,6 +14,7 @@ own mesh.sequence does.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,6 +57,12 @@ def define_flags() -> SimpleNamespace:
             lower_bound=1,
         ),
         seed=flags.DEFINE_integer("seed", 0, "Sampling seed."),
+        cache_dtype=flags.DEFINE_enum(
+            "cache_dtype",
+            None,
+            ["auto", "int8"],
+            "The key/value cache's dtype (model.cache_dtype; default: the run's). int8 halves its memory.",
+        ),
         sequence_shards=flags.DEFINE_integer(
             "sequence_shards",
             0,
@@ -84,6 +92,8 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
         raise ValueError(f"--sequence_shards={shards} but only {jax.device_count()} devices are here")
     mesh = dict(data=-1, fsdp=1, tensor=1, sequence=shards) if shards else None
     config, dataset, model, state = restore_run(f.workdir.value, mesh=mesh)
+    if f.cache_dtype.value:
+        model = model.clone(config=dataclasses.replace(model.config, cache_dtype=f.cache_dtype.value))
     tokenizer = getattr(dataset, "tokenizer", None)
     if tokenizer is None:
         raise ValueError(

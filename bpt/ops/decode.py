@@ -94,12 +94,12 @@ def check_decode_args(q, k_cache, v_cache, q_positions, lengths, layer=None) -> 
 def write_cache(
     cache: Array, new: Array, positions: Array, offset: Array | int = 0, layer: Array | int | None = None
 ) -> Array:
-    """cache [batch, slots, kv_heads, head_dim] with new [batch, q_len, kv_heads, head_dim]
-    written at slots positions [batch, q_len] - offset (each sequence where its tokens go);
+    """cache [batch, slots, ...] (keys, values or their int8 scales) with new [batch, q_len,
+    ...] written at slots positions [batch, q_len] - offset (each sequence where its tokens go);
     writes that fall outside the cache are dropped (another device's shard of it). With
     layer, cache is a stack [layers, batch, slots, ...] and layer's part of it is written,
     in place: the rest of the stack is not copied."""
-    length = cache.shape[-3]
+    length = cache.shape[1 if layer is None else 2]  # [(layers,) batch, slots, ...]
     slots = jnp.asarray(positions, jnp.int32) - offset
     slots = jnp.where((slots >= 0) & (slots < length), slots, length)
     rows = jnp.arange(new.shape[0])[:, None]
@@ -113,24 +113,48 @@ def decode_mask(last: Array, slots: Array) -> Array:
     return (slots[None, None, :] <= last[:, :, None])[:, None, None]
 
 
-def partial_attention(q: Array, k: Array, v: Array, mask: Array) -> Partial:
+def partial_attention(q: Array, k: Array, v: Array, mask: Array, k_scale=None, v_scale=None) -> Partial:
     """One partial softmax of q over k/v (grouped-query heads, float32 statistics) under a
-    boolean mask broadcastable to [batch, kv_heads, group, q_len, k_len]."""
+    boolean mask broadcastable to [batch, kv_heads, group, q_len, k_len]. k_scale, v_scale
+    [batch, k_len, kv_heads]: k and v are int8 (quantize_kv) and these their scales."""
     num_kv_heads = k.shape[2]
+    per_key = lambda scale: jnp.moveaxis(scale, 1, -1)[:, :, None, None, :]  # noqa: E731  [b, hk, 1, 1, k]
     scores = jnp.einsum(
-        "bqhgd,bkhd->bhgqk", group_heads(q, num_kv_heads), k, preferred_element_type=jnp.float32
+        "bqhgd,bkhd->bhgqk",
+        group_heads(q, num_kv_heads),
+        k.astype(q.dtype),
+        preferred_element_type=jnp.float32,
     ) / math.sqrt(q.shape[-1])
+    if k_scale is not None:
+        scores = scores * per_key(k_scale)
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.exp(scores - shift)
     row_sum = weights.sum(axis=-1, keepdims=True)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    if v_scale is not None:
+        weights = weights * per_key(v_scale)
+    out = jnp.einsum(
+        "bhgqk,bkhd->bqhgd", weights.astype(q.dtype), v.astype(q.dtype), preferred_element_type=jnp.float32
+    )
     denom = jnp.moveaxis(row_sum, -2, 1)  # [b, q, h_kv, g, 1]
     out = out / jnp.where(denom == 0, 1.0, denom)
     lse = jnp.where(row_sum > 0, shift + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), -jnp.inf)
     b, q_len, h, d = q.shape
     return Partial(out.reshape(b, q_len, h, d), lse[..., 0].reshape(b, h, q_len))
+
+
+def quantize_kv(x: Array) -> tuple[Array, Array]:
+    """x [..., head_dim] -> (int8 values, float32 scales [...]): each vector of head_dim
+    (one token's key or value of one head) scaled by its own absolute maximum / 127."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    values = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(values, -127, 127).astype(jnp.int8), scale
+
+
+def dequantize_kv(values: Array, scale: Array, dtype) -> Array:
+    return (values.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 def merge_partials(parts: Partial, axis: int = 0) -> Partial:
@@ -143,38 +167,42 @@ def merge_partials(parts: Partial, axis: int = 0) -> Partial:
     return Partial(out, jnp.squeeze(lse, axis))
 
 
-def reference_decode(q, k_cache, v_cache, last: Array) -> Array:
+def reference_decode(q, k_cache, v_cache, last: Array, k_scale=None, v_scale=None) -> Array:
+    if k_scale is not None:
+        k_cache, v_cache = dequantize_kv(k_cache, k_scale, q.dtype), dequantize_kv(v_cache, v_scale, q.dtype)
     return masked_attention(q, k_cache, v_cache, decode_mask(last, jnp.arange(k_cache.shape[1])))
 
 
-def split_kv_partial(q, k_cache, v_cache, last: Array, *, chunk_size: int) -> Partial:
+def split_kv_partial(
+    q, k_cache, v_cache, last: Array, *, chunk_size: int, k_scale=None, v_scale=None
+) -> Partial:
     """Flash-decoding over the cache in chunks of chunk_size slots (a last, shorter chunk where
-    the length does not divide). One merged partial."""
+    the length does not divide). One merged partial. k_scale, v_scale [batch, max_len,
+    kv_heads]: an int8 cache's scales (partial_attention)."""
     b, length, hk, d = k_cache.shape
     chunk_size = max(1, min(chunk_size, length))
     whole = length // chunk_size * chunk_size
+    caches = (k_cache, v_cache) + (() if k_scale is None else (k_scale, v_scale))
     parts = []
     if whole:
         n = whole // chunk_size
-        shape = (b, n, chunk_size, hk, d)
-        k = k_cache[:, :whole].reshape(shape)
-        v = v_cache[:, :whole].reshape(shape)
+        chunked = [x[:, :whole].reshape(b, n, chunk_size, *x.shape[2:]) for x in caches]
         slots = jnp.arange(whole).reshape(n, chunk_size)
-        chunk = lambda k, v, s: partial_attention(q, k, v, decode_mask(last, s))  # noqa: E731
+        chunk = lambda s, *kv: partial_attention(q, *kv[:2], decode_mask(last, s), *kv[2:])  # noqa: E731
         if q.shape[1] == 1:  # one query: every chunk at once, then one merge
-            parts.append(merge_partials(jax.vmap(chunk, in_axes=(1, 1, 0))(k, v, slots)))
+            parts.append(merge_partials(jax.vmap(chunk, in_axes=(0,) + (1,) * len(caches))(slots, *chunked)))
         else:  # a prompt's chunk of queries: chunk by chunk, so scores stay [q_len, chunk_size],
             # and only as far as the last slot any query sees (not the empty rest of the cache)
 
             def step(i, acc):
-                return Partial(*logsumexp_merge(*acc, *chunk(k[:, i], v[:, i], slots[i])))
+                return Partial(*logsumexp_merge(*acc, *chunk(slots[i], *(x[:, i] for x in chunked))))
 
             visible = jnp.clip((jnp.max(last) + chunk_size) // chunk_size, 0, n)
             empty = Partial(jnp.zeros(q.shape, jnp.float32), jnp.full((b, q.shape[2], q.shape[1]), -jnp.inf))
             parts.append(jax.lax.fori_loop(0, visible, step, empty))
     if whole < length:
-        slots = jnp.arange(whole, length)
-        parts.append(partial_attention(q, k_cache[:, whole:], v_cache[:, whole:], decode_mask(last, slots)))
+        tail = [x[:, whole:] for x in caches]
+        parts.append(partial_attention(q, *tail[:2], decode_mask(last, jnp.arange(whole, length)), *tail[2:]))
     return parts[0] if len(parts) == 1 else Partial(*logsumexp_merge(*parts[0], *parts[1]))
 
 
@@ -187,6 +215,8 @@ def attend_cache(
     impl: str,
     chunk_size: int = 512,
     layer: Array | int | None = None,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
     **kernel_options,
 ) -> Partial:
     """The partial softmax of q over the cache by split_kv or pallas (impl as resolved by
@@ -194,15 +224,17 @@ def attend_cache(
     are stacks [layers, ...] and this layer's is read (the kernel reads it in place).
     kernel_options go to the pallas kernel (bpt.ops.kernels.decode.decode_partial:
     num_splits, block_k, schedule, num_warps, num_stages); split_kv takes none."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if impl == "split_kv":
         if layer is not None:
             k_cache, v_cache = k_cache[layer], v_cache[layer]
-        return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size)
+            scales = {name: None if x is None else x[layer] for name, x in scales.items()}
+        return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size, **scales)
     if impl != "pallas":
         raise ValueError(f"attend_cache takes impl split_kv or pallas; got {impl!r}")
     from bpt.ops.kernels.decode import decode_partial
 
-    return decode_partial(q, k_cache, v_cache, last, layer=layer, **kernel_options)
+    return decode_partial(q, k_cache, v_cache, last, layer=layer, **scales, **kernel_options)
 
 
 def decode_attention(
@@ -215,6 +247,8 @@ def decode_attention(
     impl: str = "auto",
     chunk_size: int = 512,
     layer: Array | int | None = None,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
     **kernel_options,
 ) -> Array:
     """Queries at absolute positions attend to cached keys at positions <= their own.
@@ -231,6 +265,8 @@ def decode_attention(
       layer: optional scalar: k_cache and v_cache are stacks [layers, batch, max_len, ...]
         (a model's whole cache) and layer's part is read; the pallas kernel reads it in
         place, the others take the slice.
+      k_scale, v_scale: an int8 cache (quantize_kv): the caches hold int8 values and these
+        [(layers,) batch, max_len, kv_heads] float32 their per-token, per-head scales.
       kernel_options: the pallas kernel's settings (decode_partial): num_splits (programs
         per K/V head; default from the device's SM count), block_k, schedule, num_warps,
         num_stages.
@@ -240,11 +276,15 @@ def decode_attention(
     check_decode_args(q, k_cache, v_cache, q_positions, lengths, layer)
     impl = resolve_decode_impl(impl, q_shape=q.shape, kv_heads=k_cache.shape[-2])
     last = last_visible_slot(q_positions, q.shape[0], lengths)
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("an int8 cache needs both k_scale and v_scale")
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if impl == "reference":
         if layer is not None:
             k_cache, v_cache = k_cache[layer], v_cache[layer]
-        return reference_decode(q, k_cache, v_cache, last)
+            scales = {name: None if x is None else x[layer] for name, x in scales.items()}
+        return reference_decode(q, k_cache, v_cache, last, **scales)
     part = attend_cache(
-        q, k_cache, v_cache, last, impl=impl, chunk_size=chunk_size, layer=layer, **kernel_options
+        q, k_cache, v_cache, last, impl=impl, chunk_size=chunk_size, layer=layer, **scales, **kernel_options
     )
     return part.out.astype(q.dtype)

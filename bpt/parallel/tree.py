@@ -47,20 +47,20 @@ def _shard_impl(impl: str, q: Array, k_cache: Array) -> str:
     return "split_kv" if impl == "reference" else impl
 
 
-def _slot_shards(cache: Array, mesh: Mesh, axis: str) -> int:
-    """How many shards mesh[axis] cuts the cache's slots (axis -3) into; they must divide."""
+def _slot_shards(cache: Array, mesh: Mesh, axis: str, slot_axis: int = -3) -> int:
+    """How many shards mesh[axis] cuts the cache's slots (slot_axis) into; they must divide."""
     shards = mesh.shape[axis] if axis in mesh.axis_names else 1
-    if cache.shape[-3] % shards:
+    if cache.shape[slot_axis] % shards:
         raise ValueError(
-            f"the cache length {cache.shape[-3]} does not split into {shards} shards of mesh.{axis}"
+            f"the cache length {cache.shape[slot_axis]} does not split into {shards} shards of mesh.{axis}"
         )
     return shards
 
 
-def _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes, layer=None):
-    """fn(q, k_shard, v_shard, last, shards, layer) per device under shard_map: the caches split
-    over mesh[axis] along their slots (stacks [layers, ...] when layer is given), everything
-    else over batch_axes."""
+def _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes, layer=None, scales=()):
+    """fn(q, k_shard, v_shard, last, shards, layer, *scale_shards) per device under shard_map:
+    the caches (and an int8 cache's scales) split over mesh[axis] along their slots (stacks
+    [layers, ...] when layer is given), everything else over batch_axes."""
     check_decode_args(q, k_cache, v_cache, q_positions, lengths, layer)
     shards = _slot_shards(k_cache, mesh, axis)
     last = last_visible_slot(q_positions, q.shape[0], lengths)
@@ -74,13 +74,13 @@ def _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_ax
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     stacked = k_cache.ndim == 5
     body = jax.shard_map(
-        lambda q, k, v, last, layer: fn(q, k, v, last, shards, layer if stacked else None),
+        lambda q, k, v, last, layer, *scales: fn(q, k, v, last, shards, layer if stacked else None, *scales),
         mesh=mesh,
-        in_specs=(rows, cache, cache, rows, PartitionSpec()),
+        in_specs=(rows, cache, cache, rows, PartitionSpec()) + (cache,) * len(scales),
         out_specs=rows,
         check_vma=False,
     )
-    return body(q, k_cache, v_cache, last, layer)
+    return body(q, k_cache, v_cache, last, layer, *scales)
 
 
 def sharded_write_cache(
@@ -94,13 +94,15 @@ def sharded_write_cache(
 ) -> Array:
     """bpt.ops.decode.write_cache for a cache sharded over mesh[axis] along its slots (new
     tokens and positions on every device): each device writes the tokens that fall in its
-    shard, in place. layer: cache is a stack [layers, batch, slots, ...]."""
-    shards = _slot_shards(cache, mesh, axis)
-    spec = PartitionSpec(*[None] * (cache.ndim - 3), axis if shards > 1 else None)
+    shard, in place. layer: cache is a stack [layers, batch, slots, ...]. Keys, values or an
+    int8 cache's scales alike."""
     stacked = layer is not None
+    slot_axis = 2 if stacked else 1  # [(layers,) batch, slots, ...]
+    shards = _slot_shards(cache, mesh, axis, slot_axis)
+    spec = PartitionSpec(*[None] * slot_axis, axis if shards > 1 else None)
 
     def body(cache, new, positions, layer):
-        offset = lax.axis_index(axis) * cache.shape[-3] if shards > 1 else 0
+        offset = lax.axis_index(axis) * cache.shape[slot_axis] if shards > 1 else 0
         return write_cache(cache, new, positions, offset, layer if stacked else None)
 
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
@@ -123,17 +125,20 @@ def tree_decode_attention(
     axis: str = "sequence",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     layer: Array | int | None = None,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
     **kernel_options,
 ) -> Array:
     """decode_attention (same arguments and result) with the caches sharded over mesh[axis]
     along their slots and one all-reduce merge of the devices' partial softmaxes. The batch
-    is sharded over batch_axes where the mesh has them. layer, kernel_options: as
-    decode_attention's (a stacked cache is sharded along its slots, axis 2)."""
+    is sharded over batch_axes where the mesh has them. layer, k_scale, v_scale,
+    kernel_options: as decode_attention's (a stacked cache is sharded along its slots, axis 2)."""
     options = dict(impl=_shard_impl(impl, q, k_cache), chunk_size=chunk_size, **kernel_options)
 
-    def fn(q, k, v, last, shards, layer):
+    def fn(q, k, v, last, shards, layer, *scales):
         offset = lax.axis_index(axis) * k.shape[-3] if shards > 1 else 0
-        part = _shard_partial(q, k, v, last, offset, layer=layer, **options)
+        scales = dict(zip(("k_scale", "v_scale"), scales))
+        part = _shard_partial(q, k, v, last, offset, layer=layer, **scales, **options)
         if shards == 1:
             return part.out.astype(q.dtype)
         top = lax.pmax(part.lse, axis)  # [b, h, q]
@@ -142,7 +147,8 @@ def tree_decode_attention(
         total, out = lax.psum((weight, part.out * weight), axis)
         return (out / jnp.where(total > 0, total, 1.0)).astype(q.dtype)
 
-    return _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes, layer)
+    scales = () if k_scale is None else (k_scale, v_scale)
+    return _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_axes, layer, scales)
 
 
 def ring_decode_attention(

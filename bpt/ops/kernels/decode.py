@@ -74,7 +74,13 @@ def _tile_table(visible_blocks: Array, tiles: int, schedule: str, max_blocks: in
     return jnp.stack([seq, first, end, jnp.zeros_like(seq)], axis=1).astype(jnp.int32)
 
 
-def _kernel(block_k: int, scale: float, table_ref, layer_ref, q_ref, last_ref, k_ref, v_ref, o_ref, lse_ref):
+def _kernel(
+    block_k: int, scale: float, quantized: bool, table_ref, layer_ref, q_ref, last_ref, k_ref, v_ref, *refs
+):
+    if quantized:  # an int8 cache and its per-slot, per-head scales
+        ks_ref, vs_ref, o_ref, lse_ref = refs
+    else:
+        o_ref, lse_ref = refs
     kv_head = pl.program_id(1)
     seq, first, end = table_ref[0], table_ref[1], table_ref[2]
     layer = layer_ref[0]
@@ -86,17 +92,22 @@ def _kernel(block_k: int, scale: float, table_ref, layer_ref, q_ref, last_ref, k
     def body(j, carry):
         m, row_sum, acc = carry
         span = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        k = k_ref[layer, seq, span, kv_head, :]
-        v = v_ref[layer, seq, span, kv_head, :]
+        k = k_ref[layer, seq, span, kv_head, :].astype(q.dtype)
+        v = v_ref[layer, seq, span, kv_head, :].astype(q.dtype)
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        v = jnp.where((k_pos < visible)[:, None], v, jnp.zeros_like(v))  # garbage past the end
+        seen = k_pos < visible
+        v = jnp.where(seen[:, None], v, jnp.zeros_like(v))  # garbage past the end
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if quantized:
+            s = s * ks_ref[layer, seq, span, kv_head][None, :]
         s = jnp.where(k_pos[None, :] <= last[:, None], s * (scale * LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp2(s - shift[:, None])
         alpha = jnp.exp2(m - shift)
         row_sum = row_sum * alpha + jnp.sum(p, axis=1)
+        if quantized:  # the value scales weight p's columns (after the row sums took p)
+            p = p * jnp.where(seen, vs_ref[layer, seq, span, kv_head], 0.0)[None, :]
         pv = lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -121,6 +132,8 @@ def decode_partial(
     last: Array,
     *,
     layer: Array | int | None = None,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
     num_splits: int | None = None,
     schedule: str = "stream_k",
     block_k: int | None = None,
@@ -131,12 +144,17 @@ def decode_partial(
     """The kernel's attention of q [batch, q_len, heads, head_dim] over the caches [batch,
     max_len, kv_heads, head_dim], row r of sequence b seeing slots <= last[b, r] (see
     bpt.ops.decode.last_visible_slot). layer: the caches are stacks [layers, batch, max_len,
-    kv_heads, head_dim] and this layer's part is read, in place. num_splits: programs per K/V
+    kv_heads, head_dim] and this layer's part is read, in place. k_scale, v_scale [(layers,)
+    batch, max_len, kv_heads]: the caches are int8 (bpt.ops.decode.quantize_kv) with these
+    scales; the kernel reads the int8 values and applies the scales to the scores and to the
+    weights of the values (half the bytes of a bf16 cache). num_splits: programs per K/V
     head (default: WAVES programs a SM over the K/V heads)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    scales = () if k_scale is None else (k_scale, v_scale)
     if layer is None:  # one layer: a stack of one (a free reshape)
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+        scales = tuple(x[None] for x in scales)
     b, q_len, h, d = q.shape
     max_len, hk = k_cache.shape[2], k_cache.shape[3]
     if d < 16 or d & (d - 1):
@@ -167,7 +185,7 @@ def decode_partial(
         compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, g: (0,) * len(shape))  # noqa: E731
     out, lse = pl.pallas_call(
-        functools.partial(_kernel, block_k, 1.0 / math.sqrt(d)),
+        functools.partial(_kernel, block_k, 1.0 / math.sqrt(d), bool(scales)),
         grid=(n, hk),
         in_specs=[
             pl.BlockSpec((None, 4), lambda t, g: (t, 0)),
@@ -176,6 +194,7 @@ def decode_partial(
             whole(last_rows.shape),
             whole(k_cache.shape),
             whole(v_cache.shape),
+            *(whole(x.shape) for x in scales),
         ],
         out_specs=[
             pl.BlockSpec((None, None, rows, d), lambda t, g: (t, g, 0, 0)),
@@ -188,7 +207,7 @@ def decode_partial(
         compiler_params=compiler_params,
         interpret=interpret,
         name="bpt_decode",
-    )(table, jnp.asarray(layer, jnp.int32).reshape(1), q_rows, last_rows, k_cache, v_cache)
+    )(table, jnp.asarray(layer, jnp.int32).reshape(1), q_rows, last_rows, k_cache, v_cache, *scales)
     # Merge the tiles of each sequence by logsumexp (empty tiles have lse -inf: weight 0).
     seq = table[:, 0]
     top = jax.ops.segment_max(lse, seq, num_segments=b)  # [b, hk, rows]
