@@ -18,6 +18,10 @@ arithmetic. Every implementation here takes the same arguments and returns the s
 
 Partial and attend_cache (one partial softmax by split_kv or pallas) serve tree decoding
 across devices too (bpt.parallel.tree), which merges one partial per device.
+
+Every implementation also reads an int8 cache (quantize_kv: each token's key or value of one
+head scaled by its absolute maximum / 127) given its k_scale and v_scale, and a model's whole
+cache as one [layers, ...] stack given a layer index.
 """
 
 from __future__ import annotations

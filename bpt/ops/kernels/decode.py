@@ -20,6 +20,8 @@ reading the cache and the kernel's job is to keep every SM reading it:
   is given.
 - A model's whole cache can come as a stack [layers, batch, max_len, kv_heads, head_dim] with
   a layer index (a scalar operand): the layer's slots are read in place, never sliced out.
+- An int8 cache comes with its scales (one per slot and K/V head): the kernel reads int8 and
+  scales the scores and the values' weights, never a dequantized copy.
 
 On a GPU the kernel lowers through Triton; elsewhere it runs in Pallas interpret mode.
 """
