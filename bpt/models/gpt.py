@@ -454,10 +454,10 @@ class Block(nn.Module):
             new = (k8, v8, k_scale, v_scale)
         if stacks is None:  # this layer's own variables
             names = ("k", "v", "k_scale", "v_scale")
-            stacks = tuple(self.variable("cache", n, jnp.zeros, x.shape, x.dtype) for n, x in zip(names, new))
-            for variable, x in zip(stacks, new):
+            own = [self.variable("cache", n, jnp.zeros, x.shape, x.dtype) for n, x in zip(names, new)]
+            for variable, x in zip(own, new):
                 variable.value = write(variable.value, x, positions)
-            caches, stacks = tuple(variable.value for variable in stacks), None
+            caches = tuple(variable.value for variable in own)
         else:
             caches = stacks = tuple(write(stack, x, positions) for stack, x in zip(stacks, new))
         k_cache, v_cache, *scales = caches

@@ -210,6 +210,17 @@ def split_kv_partial(
     return parts[0] if len(parts) == 1 else Partial(*logsumexp_merge(*parts[0], *parts[1]))
 
 
+def _one_layer_of(layer, k_cache, v_cache, scales: dict):
+    """The caches (and scales) of one layer of stacks; as they are when layer is None."""
+    if layer is None:
+        return k_cache, v_cache, scales
+    return (
+        k_cache[layer],
+        v_cache[layer],
+        {name: None if x is None else x[layer] for name, x in scales.items()},
+    )
+
+
 def attend_cache(
     q: Array,
     k_cache: Array,
@@ -230,9 +241,7 @@ def attend_cache(
     num_splits, block_k, schedule, num_warps, num_stages); split_kv takes none."""
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     if impl == "split_kv":
-        if layer is not None:
-            k_cache, v_cache = k_cache[layer], v_cache[layer]
-            scales = {name: None if x is None else x[layer] for name, x in scales.items()}
+        k_cache, v_cache, scales = _one_layer_of(layer, k_cache, v_cache, scales)
         return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size, **scales)
     if impl != "pallas":
         raise ValueError(f"attend_cache takes impl split_kv or pallas; got {impl!r}")
@@ -284,9 +293,7 @@ def decode_attention(
         raise ValueError("an int8 cache needs both k_scale and v_scale")
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     if impl == "reference":
-        if layer is not None:
-            k_cache, v_cache = k_cache[layer], v_cache[layer]
-            scales = {name: None if x is None else x[layer] for name, x in scales.items()}
+        k_cache, v_cache, scales = _one_layer_of(layer, k_cache, v_cache, scales)
         return reference_decode(q, k_cache, v_cache, last, **scales)
     part = attend_cache(
         q, k_cache, v_cache, last, impl=impl, chunk_size=chunk_size, layer=layer, **scales, **kernel_options

@@ -71,8 +71,8 @@ def _sharded(fn, q, k_cache, v_cache, q_positions, lengths, mesh, axis, batch_ax
     seq = axis if shards > 1 else None
     cache = PartitionSpec(batch, seq) if layer is None else PartitionSpec(None, batch, seq)
     rows = PartitionSpec(batch)
-    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    stacked = k_cache.ndim == 5
+    stacked = layer is not None  # (shard_map takes a placeholder layer otherwise)
+    layer = jnp.asarray(layer if stacked else 0, jnp.int32)
     body = jax.shard_map(
         lambda q, k, v, last, layer, *scales: fn(q, k, v, last, shards, layer if stacked else None, *scales),
         mesh=mesh,
@@ -105,7 +105,7 @@ def sharded_write_cache(
         offset = lax.axis_index(axis) * cache.shape[slot_axis] if shards > 1 else 0
         return write_cache(cache, new, positions, offset, layer if stacked else None)
 
-    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    layer = jnp.asarray(layer if stacked else 0, jnp.int32)
     replicated = PartitionSpec()
     return jax.shard_map(
         body, mesh=mesh, in_specs=(spec, replicated, replicated, replicated), out_specs=spec, check_vma=False
