@@ -44,6 +44,7 @@ RANGES = (
     ("train.memory_fraction", (0.0, False), (1.0, True)),
     ("train.warmup_steps", (0, True), None),
     ("train.eval_every", (0, True), None),
+    ("train.eval_batches", (0, True), None),
     ("train.sample_tokens", (0, True), None),
     ("train.sample_temperature", (0.0, True), None),
     ("train.sample_top_k", (0, True), None),
@@ -121,7 +122,7 @@ def base_config(size: str = "small") -> ConfigDict:
     # longest contexts short.
     c.train.memory_fraction = 0.95
     c.train.eval_every = 200  # 0: evaluate only at the end
-    c.train.eval_batches = 8
+    c.train.eval_batches = 8  # 0: no evaluation (a run of a few long steps)
     c.train.checkpoint_every = 1000
     c.train.keep_checkpoints = 3  # the newest K checkpoints are kept
     c.train.async_checkpoints = True
@@ -325,7 +326,6 @@ def check_config(c: ConfigDict) -> None:
         "batch_size",
         "grad_accum_steps",
         "log_every",
-        "eval_batches",
         "checkpoint_every",
         "keep_checkpoints",
     )

@@ -54,15 +54,16 @@ class Reporter:
         self.timer = None  # (time, step) when timing began
 
     def start_timer(self, step: int) -> None:
-        """Call once the first (compiling) step has finished: throughput is timed from here."""
+        """Throughput is timed from here: before the first step (preflight compiled it) and
+        again after each evaluation and checkpoint, which are not training time."""
         self.timer = (time.perf_counter(), step)
 
     def log(self, pending: list[dict], step: int, state: TrainState, *, evaluate_now: bool) -> dict:
         fetched = jax.device_get(pending)  # waits for the steps: only now is the time right
-        tokens_per_sec = None
+        tokens_per_sec = step_seconds = None
         if self.timer is not None and step > self.timer[1]:
-            elapsed = time.perf_counter() - self.timer[0]
-            tokens_per_sec = (step - self.timer[1]) * self.tokens_per_step / elapsed
+            step_seconds = (time.perf_counter() - self.timer[0]) / (step - self.timer[1])
+            tokens_per_sec = self.tokens_per_step / step_seconds
         finite = [m for m in fetched if m["finite"]]
         if len(finite) < len(fetched) and not self.config.train.skip_nonfinite:
             index = next(i for i, m in enumerate(fetched) if not m["finite"])
@@ -85,6 +86,7 @@ class Reporter:
             "grad_norm": float(finite[-1]["grad_norm"]),
             "learning_rate": float(self.schedule(step - 1)),
             "tokens_per_sec": tokens_per_sec,
+            "step_seconds": step_seconds,
             "flops_per_token": self.flops_per_token,
         }
         if tokens_per_sec and self.peak_flops:
@@ -96,7 +98,7 @@ class Reporter:
         if skipped:
             record["skipped_steps"] = skipped
         eval_every = self.config.train.eval_every
-        if evaluate_now or (eval_every and step % eval_every == 0):
+        if self.eval_data and (evaluate_now or (eval_every and step % eval_every == 0)):
             record.update(evaluate(state, self.eval_data, self.eval_fn))
         if self.writer is not None:
             self.writer.write(record)
@@ -210,9 +212,10 @@ def evaluate_checkpoint(
     first_bucket > 0 also the loss by position (position_buckets) under "by_position"."""
     config, dataset, model, state = restore_run(workdir)
     _, eval_fn, batch_sharding = jit_steps(config, model, shardings_of(state))
-    host_batches = dataset.eval_batches(
-        eval_batches or config.train.eval_batches, batch_size or config.train.batch_size
-    )
+    eval_batches = eval_batches or config.train.eval_batches
+    if not eval_batches:
+        raise ValueError("the run has train.eval_batches=0: give eval_batches (bpt-eval --eval_batches N)")
+    host_batches = dataset.eval_batches(eval_batches, batch_size or config.train.batch_size)
     batches = [put_batch(b, batch_sharding) for b in host_batches]
     result = {"step": int(state.step), "seq_len": config.data.seq_len, **evaluate(state, batches, eval_fn)}
     if first_bucket:
@@ -415,6 +418,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
             put_batch(b, batch_sharding) for b in dataset.eval_batches(tc.eval_batches, tc.batch_size)
         ]
         reporter = Reporter(config, workdir, eval_data, bar, model, eval_fn)
+        reporter.start_timer(start)  # preflight compiled the step: even a one-step run is timed
 
         pending, last, done = [], {}, start
         with StopRequest() as stop:
@@ -433,9 +437,6 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
                     pending.append(metrics)
                     done = step + 1
                     bar.update(1)
-                    if reporter.timer is None:  # the first step compiles; time from its end
-                        jax.block_until_ready(metrics)
-                        reporter.start_timer(done)
                     stopping = stop.requested  # read once: a signal may arrive at any moment
                     final = done == tc.steps or stopping
                     save_now = final or done % tc.checkpoint_every == 0
