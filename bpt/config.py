@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict, config_dict
 
-from bpt.models.gpt import GPTConfig
+from bpt.models import FAMILIES, FLASHConfig, GPTConfig
 from bpt.train.optimizer import check_state_dtype
 
 # The BPT paper's Table 1 sizes, plus GPT-2's 125M and 350M and a tiny one for CPUs.
@@ -74,6 +74,13 @@ def base_config(size: str = "small") -> ConfigDict:
     c.model.head_dim = config_dict.placeholder(int)  # None: d_model // num_heads
     c.model.max_seq_len = config_dict.placeholder(int)  # learned positions; None: data.seq_len
     c.model.update(MODEL_SIZES[size])
+    # gpt | flash. FLASH (bpt.models.flash.FLASHConfig) reads the shared fields above and its
+    # own below (defaults from FLASHConfig; they must stay at them for a GPT), and ignores
+    # the GPT's heads, FFN, attention_* and *_chunk_size except loss_chunk_size.
+    c.model.family = "gpt"
+    for field in dataclasses.fields(FLASHConfig):
+        if field.name not in c.model:
+            c.model[field.name] = field.default
 
     c.data = ConfigDict()
     # shakespeare | text | hf | prepared | copy (bpt.data.sources, bpt.data.prepare). Raw
@@ -235,9 +242,38 @@ def paper_config(size: str) -> ConfigDict:
     return c
 
 
-def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int) -> GPTConfig:
-    """GPTConfig from config.model; vocab_size and seq_len fill the fields left unset."""
+def flash_only_fields() -> list[dataclasses.Field]:
+    """FLASHConfig's fields that a GPT does not have."""
+    gpt = {field.name for field in dataclasses.fields(GPTConfig)}
+    return [field for field in dataclasses.fields(FLASHConfig) if field.name not in gpt]
+
+
+def flash_config(size: str) -> ConfigDict:
+    """FLASH matched to the GPT of a size by parameter count: twice the layers (a GAU with
+    expansion 2 has about half a transformer layer's weights), otherwise paper_config's
+    settings (bf16 compute, 8K context)."""
+    c = paper_config(size)
+    c.model.family = "flash"
+    c.model.num_layers *= 2
+    return c
+
+
+def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int) -> GPTConfig | FLASHConfig:
+    """The config of model.family's model (GPTConfig or FLASHConfig) from config.model;
+    vocab_size and seq_len fill the fields left unset."""
     fields = model.to_dict()
+    family = fields.pop("family", "gpt")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model.family {family!r}; allowed: {', '.join(FAMILIES)}")
+    if family == "gpt":
+        for field in flash_only_fields():
+            if fields.get(field.name, field.default) != field.default:
+                raise ValueError(
+                    f"model.{field.name}={fields[field.name]!r} is a FLASH setting; set model.family='flash' "
+                    f"or leave it at {field.default!r}"
+                )
+    names = {field.name for field in dataclasses.fields(FAMILIES[family])}
+    fields = {name: value for name, value in fields.items() if name in names}
     fields["vocab_size"] = fields["vocab_size"] or vocab_size
     fields["max_seq_len"] = fields["max_seq_len"] or seq_len
     if fields["vocab_size"] < vocab_size:
@@ -245,7 +281,7 @@ def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int) -> GPTConf
             f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's vocabulary "
             f"({vocab_size} tokens)"
         )
-    return GPTConfig(**fields)
+    return FAMILIES[family](**fields)
 
 
 def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
@@ -267,6 +303,15 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
             f"train.batch_size / train.grad_accum_steps = {micro} sequences a micro-batch do not split over "
             f"mesh.data x mesh.fsdp = {batch_shards} devices; make it a multiple"
         )
+    flash = c.model.family == "flash"
+    if flash and seq > 1:
+        raise ValueError(
+            "model.family='flash' does not run with mesh.sequence > 1 yet; use mesh.data, fsdp or tensor"
+        )
+    if flash and tensor > 1:
+        hidden = int(c.model.expansion * c.model.d_model)
+        if hidden % tensor:
+            raise ValueError(f"mesh.tensor={tensor} must divide FLASH's expansion x d_model = {hidden}")
     if seq > 1:
         if c.model.attention_mode == "vanilla":
             raise ValueError(
@@ -287,7 +332,7 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
                     f"model.{name}={c.model[name]} does not divide the {piece} tokens a device holds per "
                     f"{m.load_balance} piece (data.seq_len / mesh.sequence{' / 2' if pieces > seq else ''})"
                 )
-    if tensor > 1:
+    if tensor > 1 and not flash:
         heads, kv = c.model.num_heads, c.model.num_kv_heads or c.model.num_heads
         if heads % tensor or kv % tensor:
             raise ValueError(
@@ -335,7 +380,12 @@ def check_config(c: ConfigDict) -> None:
             f"train.batch_size={c.train.batch_size} is not divisible by "
             f"train.grad_accum_steps={c.train.grad_accum_steps}"
         )
-    for name in ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
+    chunked = (
+        ("loss_chunk_size",)
+        if c.model.family == "flash"
+        else ("q_chunk_size", "kv_chunk_size", "loss_chunk_size")
+    )
+    for name in chunked:
         chunk = min(c.model[name], c.data.seq_len)
         if c.data.seq_len % chunk:
             raise ValueError(
@@ -360,4 +410,6 @@ def check_config(c: ConfigDict) -> None:
             raise ValueError(f"{key} must be {where}; got {value!r}")
     if c.data.name == "copy" and c.data.seq_len % 2:
         raise ValueError(f"data.name='copy' needs an even data.seq_len; got {c.data.seq_len}")
-    model_config(c.model, vocab_size=1, seq_len=c.data.seq_len)  # GPTConfig checks the model's settings
+    model_config(
+        c.model, vocab_size=1, seq_len=c.data.seq_len
+    )  # the family's config checks the model's settings

@@ -229,8 +229,9 @@ def prefill(model, params, padded, lengths, *, max_len: int, chunk: int):
         return jnp.where((last // chunk == i)[:, None], mine, current)
 
     cache = init_cache(model, batch, max_len)
+    valid = lambda i: jnp.clip(lengths - i * chunk, 0, chunk)  # noqa: E731  real tokens of chunk i
     logits, variables = model.apply(
-        {"params": params, "cache": cache}, padded[:, :chunk], decode=True, mutable=["cache"]
+        {"params": params, "cache": cache}, padded[:, :chunk], decode=True, valid=valid(0), mutable=["cache"]
     )
     carry = (variables["cache"], pick(logits, 0, jnp.zeros((batch, logits.shape[-1]), logits.dtype)))
     count = padded.shape[1] // chunk
@@ -239,7 +240,12 @@ def prefill(model, params, padded, lengths, *, max_len: int, chunk: int):
         def extend(carry, chunk_tokens):
             i, tokens = chunk_tokens
             logits, variables = model.apply(
-                {"params": params, "cache": carry[0]}, tokens, decode=True, extend=True, mutable=["cache"]
+                {"params": params, "cache": carry[0]},
+                tokens,
+                decode=True,
+                extend=True,
+                valid=valid(i),
+                mutable=["cache"],
             )
             return (variables["cache"], pick(logits, i, carry[1])), None
 

@@ -199,3 +199,32 @@ def test_decode_script_end_to_end(tmp_path):
     assert row["bytes"] == 2 * 256 * 8 * 128 * 2
     assert "| 256 | 1 | 32/8 |" in proc.stdout and "stream-K / split" in proc.stdout
     assert (tmp_path / "decode.png").is_file()
+
+
+def test_flash_script_end_to_end(tmp_path):
+    """Speed, longest context (a small budget) and quality of FLASH tiny against GPT tiny."""
+    run_script(
+        "bench_flash.py",
+        f"--gpt={TINY}",
+        f"--flash={ROOT / 'configs/flash_tiny.py'}",
+        "--contexts=512",
+        "--tokens_per_step=1024",
+        "--repeats=1",
+        "--max_start=1024",
+        "--max_stop=16384",
+        "--memory_gib=0.1",
+        "--seq_len=128",
+        "--steps=4",
+        "--batch_size=2",
+        "--set=model.loss_chunk_size=64",
+        "--set=model.vocab_size=512",
+        f"--out={tmp_path}",
+        cwd=tmp_path,
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert all(r["ok"] and r["tokens_per_second"] > 0 for r in results["speed"])
+    longest = {r["family"]: r["longest"] for r in results["max_context"]}
+    assert all(1024 <= n < 16384 for n in longest.values()), longest  # the budget bites in between
+    assert all(r["ok"] and len(r["loss"]) == 4 for r in results["quality"])
+    assert "| 512 | tiny |" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "flash.png").is_file()

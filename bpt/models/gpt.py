@@ -25,13 +25,23 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from bpt.models.lm import (
+    LAYER_INPUT,
+    CausalLM,
+    LMConfigMixin,
+    apply_rotary,
+    dropout,
+    fold_rng,
+    layer_norm,
+    rotary_tables,
+)
 from bpt.ops.attention import attention, check_impl, select_impl
 from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
-from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy, from_chunks, scan_chunks
+from bpt.ops.chunked import CrossEntropy, from_chunks, scan_chunks
 from bpt.ops.decode import decode_attention, quantize_kv, resolve_decode_impl, write_cache
-from bpt.ops.remat import POLICIES, check_policy, remat
+from bpt.ops.remat import check_policy, remat
 from bpt.parallel.mesh import Parallelism
-from bpt.parallel.ring import context_parallel_attention, from_layout, layout_permutation, to_layout
+from bpt.parallel.ring import context_parallel_attention
 from bpt.parallel.tree import sharded_write_cache, tree_decode_attention
 
 Array = jax.Array
@@ -40,7 +50,18 @@ CACHE_DTYPES = ("auto", "int8")
 POSITION_EMBEDDINGS = ("rotary", "learned")
 DTYPES = ("float32", "bfloat16", "float16")
 LOSS_IMPLS = ("auto", "chunked", "full")
-LAYER_INPUT = "layer_input"  # the checkpoint name of each layer's input (for offloading)
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "Block",
+    "LAYER_INPUT",
+    "CrossEntropy",
+    "apply_rotary",
+    "dropout",
+    "fold_rng",
+    "layer_norm",
+    "rotary_tables",
+]
 
 
 def row_major(x: Array) -> Array:
@@ -57,7 +78,7 @@ def row_major(x: Array) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(LMConfigMixin):
     vocab_size: int
     num_layers: int
     d_model: int
@@ -148,26 +169,7 @@ class GPTConfig:
             )
         if self.position_embedding == "rotary" and self.dim_per_head % 2:
             raise ValueError(f"rotary positions need an even head_dim; got {self.dim_per_head}")
-        if (
-            isinstance(self.remat_group, bool)
-            or not isinstance(self.remat_group, int)
-            or self.remat_group < 1
-        ):
-            raise ValueError(f"model.remat_group must be a positive integer; got {self.remat_group!r}")
-        if self.remat_group > 1:
-            if self.num_layers % self.remat_group:
-                raise ValueError(
-                    f"model.remat_group={self.remat_group} must divide model.num_layers={self.num_layers}"
-                )
-            if not self.scan_layers:
-                raise ValueError("model.remat_group > 1 needs model.scan_layers=True")
-        if self.offload_layer_inputs and (self.remat_layer == "none" or self.remat_group > 1):
-            raise ValueError(
-                "model.offload_layer_inputs needs model.remat_layer other than 'none' and "
-                f"model.remat_group=1; got remat_layer={self.remat_layer!r}, remat_group={self.remat_group}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout}")
+        self.check_stack()
 
     @property
     def kv_heads(self) -> int:
@@ -180,33 +182,6 @@ class GPTConfig:
     @property
     def mlp_dim(self) -> int:
         return int(self.mlp_ratio * self.d_model)
-
-    @property
-    def chunked_loss(self) -> bool:
-        if self.loss_impl == "auto":
-            return self.attention_mode == "blockwise_parallel"
-        return self.loss_impl == "chunked"
-
-    @property
-    def layer_policy(self):
-        """The checkpoint policy of one layer: remat_layer's, and with offload_layer_inputs
-        the layer's input (named LAYER_INPUT) moved to host memory as well."""
-        policy = POLICIES[self.remat_layer]
-        if not self.offload_layer_inputs:
-            return policy
-        offload = jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
-            names_which_can_be_offloaded=[LAYER_INPUT],
-            offload_src="device",
-            offload_dst="pinned_host",
-        )
-
-        def policy_with_offload(prim, *args, **params):
-            if prim.name == "name" and params.get("name") == LAYER_INPUT:  # a checkpoint_name
-                return offload(prim, *args, **params)
-            return policy(prim, *args, **params)
-
-        return policy_with_offload
 
     def num_params(self, *, embeddings: bool = True) -> int:
         """Parameter count (weights and biases), computed from the shapes alone."""
@@ -222,36 +197,6 @@ class GPTConfig:
 
 
 # ----------------------------------------------------------------------------- pure math
-
-
-def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
-    x32 = x.astype(jnp.float32)
-    mean = x32.mean(axis=-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
-    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-
-
-def rotary_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos and sin tables [..., head_dim // 2] for rotary position embeddings, from positions
-    [seq] (every sequence alike) or [batch, seq]."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotates pairs (x[..., i], x[..., i + d/2]) of x [batch, seq, heads, d] by position."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    cos, sin = cos[..., None, :], sin[..., None, :]  # over the heads
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def dropout(x: Array, rate: float, rng: Array | None) -> Array:
-    if rng is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 def project_qkv(p: dict, h: Array) -> tuple[Array, Array, Array]:
@@ -274,14 +219,6 @@ def post_attention_weights(p: dict) -> dict:
     """The weights a BPT chunk reads after attention: output projection and FFN."""
     names = ("wo", "bo", "ln2_scale", "ln2_bias", "w1", "b1", "w2", "b2")
     return {name: p[name] for name in names}
-
-
-def fold_rng(rng: Array | None, *data) -> Array | None:
-    if rng is None:
-        return None
-    for d in data:
-        rng = jax.random.fold_in(rng, d)
-    return rng
 
 
 # ----------------------------------------------------------------------------- modules
@@ -514,7 +451,7 @@ class Block(nn.Module):
         return from_chunks(out)
 
 
-class GPT(nn.Module):
+class GPT(CausalLM):
     """The model. parallel: the mesh it runs on (bpt.parallel.Parallelism); None: one device.
 
     With a mesh, activations are sharded [batch over data x fsdp, tokens over sequence], and
@@ -526,39 +463,17 @@ class GPT(nn.Module):
     config: GPTConfig
     parallel: Parallelism | None = None
 
-    def _grouped_layers(self, x: Array, segment_ids, rotary, deterministic: bool) -> Array:
-        """The layer stack as a scan over groups of remat_group layers, each group one
-        checkpoint around a scan over its layers (each layer its own checkpoint, as without
-        groups). The parameters keep the layout of the plain scan, [num_layers, ...].
+    def layer_class(self):
+        return Block
 
-        Dropout draws its masks per layer from the "dropout" stream folded with the layer's
-        index, so they differ from the plain scan's.
-        """
+    def cache_stacks(self, batch: int, seq_len: int):
         cfg = self.config
-        size = cfg.remat_group
-        stacked = nn.meta.unbox(self.variables["params"]["layers"])
-        grouped = jax.tree.map(lambda a: a.reshape(cfg.num_layers // size, size, *a.shape[1:]), stacked)
-        rng = None if deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
-        # A pure function of its parameters:
-        block = Block(cfg, deterministic, parallel=self.parallel, parent=None)
-
-        def layer(x, inputs):
-            params, index = inputs
-            rngs = None if rng is None else {"dropout": jax.random.fold_in(rng, index)}
-            return block.apply({"params": params}, x, segment_ids, rotary, rngs=rngs)
-
-        if cfg.remat_layer != "none":
-            layer = jax.checkpoint(layer, policy=cfg.layer_policy, prevent_cse=False)
-
-        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        def group(x, inputs):
-            params, first = inputs
-            x, _ = jax.lax.scan(layer, x, (params, first + jnp.arange(size)))
-            return x, None
-
-        firsts = jnp.arange(0, cfg.num_layers, size)
-        x, _ = jax.lax.scan(group, x, (grouped, firsts))
-        return x
+        shape = (cfg.num_layers, batch, seq_len, cfg.kv_heads, cfg.dim_per_head)
+        if cfg.cache_dtype == "int8":
+            return [(n, shape, jnp.int8) for n in ("k", "v")] + [
+                (n, shape[:-1], jnp.float32) for n in ("k_scale", "v_scale")
+            ]
+        return [(n, shape, jnp.dtype(cfg.dtype)) for n in ("k", "v")]
 
     @nn.compact
     def __call__(
@@ -572,48 +487,29 @@ class GPT(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         extend: bool = False,
+        valid: Array | None = None,
     ) -> Array | CrossEntropy:
         """tokens [batch, seq] int -> logits [batch, seq, vocab] float32, or, given targets
         [batch, seq], the CrossEntropy of the next-token predictions (loss_mask weights them).
 
         decode=True reads and updates the key/value cache (collection "cache", see
         bpt.sample): several tokens are a prefill from position 0, one token continues; with
-        extend=True several tokens continue too (the later chunks of a long prompt).
+        extend=True several tokens continue too (the later chunks of a long prompt). valid
+        [batch]: how many of this call's tokens are real (the rest, padding, are written to
+        the cache but no later token attends to them once the positions are set).
         """
         cfg = self.config
-        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         seq_len = tokens.shape[1]
         cache_index = None
-        if decode:  # "index": where each sequence's next token goes
-            batch = tokens.shape[0]
-            index = self.variable("cache", "index", lambda: jnp.zeros((batch,), jnp.int32))
-            cache_index = index.value if seq_len == 1 or extend else None
-            start = jnp.zeros((batch,), jnp.int32) if cache_index is None else cache_index
-            index.value = start + seq_len
-            positions = start[:, None] + jnp.arange(seq_len)
+        if decode:
+            # Padding is written and never attended to (bpt.sample sets the positions after)
+            cache_index, positions = self.decode_positions(tokens, extend, None)
         elif positions is None:
             positions = jnp.arange(seq_len)
-        par = None if decode else self.parallel
-        shards = 1 if par is None else par.sequence
-        perm = None
-        if shards > 1:  # the load-balanced layout, once for the whole stack
-            perm = layout_permutation(seq_len, shards, par.load_balance)
-            tokens, targets, loss_mask, segment_ids = (
-                None if x is None else to_layout(x, perm) for x in (tokens, targets, loss_mask, segment_ids)
-            )
-            positions = to_layout(positions, perm, axis=0)
-        normal = nn.initializers.normal(0.02)
-        embedding = self.param(
-            "embedding",
-            nn.with_logical_partitioning(normal, ("vocab", "embed")),
-            (cfg.vocab_size, cfg.d_model),
-            param_dtype,
+        perm, shards, (tokens, targets, loss_mask, segment_ids, positions) = self.load_balance(
+            seq_len, decode, tokens, targets, loss_mask, segment_ids, positions
         )
-        if par is not None:  # gathered over the FSDP axes once, as FSDP gathers every weight
-            embedding = jax.lax.with_sharding_constraint(embedding, par.sharding("tensor", None))
-        x = jnp.take(embedding, tokens, axis=0).astype(dtype)
-        if par is not None:
-            x = jax.lax.with_sharding_constraint(x, par.activations())
+        x, embedding = self.embed(tokens, decode)
         rotary = None
         if cfg.position_embedding == "learned":
             if seq_len > cfg.max_seq_len:
@@ -623,101 +519,37 @@ class GPT(nn.Module):
                 )
             table = self.param(
                 "position_embedding",
-                nn.with_logical_partitioning(normal, ("positions", "embed")),
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), ("positions", "embed")),
                 (cfg.max_seq_len, cfg.d_model),
-                param_dtype,
+                jnp.dtype(cfg.param_dtype),
             )
-            x = x + jnp.take(table, positions, axis=0).astype(dtype)
+            x = x + jnp.take(table, positions, axis=0).astype(x.dtype)
         else:
             rotary = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta)
         if not deterministic and cfg.dropout > 0:
             x = dropout(x, cfg.dropout, self.make_rng("dropout"))
-
-        block = Block
-        if cfg.remat_layer != "none" and not decode:
-            block = nn.remat(Block, policy=cfg.layer_policy, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers and cfg.remat_group > 1 and not decode and not self.is_initializing():
-            x = self._grouped_layers(x, segment_ids, rotary, deterministic)
-        elif cfg.scan_layers and decode:
-            # The layers' caches are stacks [layers, batch, slots, kv_heads, head_dim] carried
-            # through the scan, each layer writing and reading its own part in place: scanned
-            # over as inputs and outputs instead, the whole cache would be copied every call.
-            shape = (cfg.num_layers, tokens.shape[0], seq_len, cfg.kv_heads, cfg.dim_per_head)
-            stacks = [(name, shape, dtype) for name in ("k", "v")]
-            if cfg.cache_dtype == "int8":
-                stacks = [(name, shape, jnp.int8) for name in ("k", "v")]
-                stacks += [(name, shape[:-1], jnp.float32) for name in ("k_scale", "v_scale")]
-            stacks = [self.variable("cache", name, jnp.zeros, shape, dt) for name, shape, dt in stacks]
-            layers = nn.scan(
-                block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
-                length=cfg.num_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-                # Nothing is broadcast out, and the check's extra trace (a partial evaluation)
-                # fails on the GPU decode kernel's pallas_call ("broadcasted variable has a
-                # data dependency on the scan body", jax 0.11.2).
-                check_constancy_invariants=False,
-            )(cfg, deterministic, decode, self.parallel, name="layers")
-            carry = (x, *(stack.value for stack in stacks))
-            (x, *values), _ = layers(carry, segment_ids, rotary, cache_index, jnp.arange(cfg.num_layers))
-            for stack, value in zip(stacks, values):
-                stack.value = value
-        elif cfg.scan_layers:
-            layers = nn.scan(
-                block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, deterministic, decode, self.parallel, name="layers")
-            x, _ = layers(x, segment_ids, rotary, cache_index)
-        else:
-            for i in range(cfg.num_layers):
-                x, _ = block(cfg, deterministic, decode, self.parallel, name=f"layer_{i}")(
-                    x, segment_ids, rotary, cache_index
-                )
-
-        scale = self.param(
-            "ln_f_scale",
-            nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
-            (cfg.d_model,),
-            param_dtype,
-        )
-        bias = self.param(
-            "ln_f_bias",
-            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
-            (cfg.d_model,),
-            param_dtype,
+        x = self.layers(x, segment_ids, rotary, cache_index, deterministic=deterministic, decode=decode)
+        norm_params = tuple(
+            self.param(
+                name,
+                nn.with_logical_partitioning(init, ("embed",)),
+                (cfg.d_model,),
+                jnp.dtype(cfg.param_dtype),
+            )
+            for name, init in (
+                ("ln_f_scale", nn.initializers.ones_init()),
+                ("ln_f_bias", nn.initializers.zeros_init()),
+            )
         )
         eps = cfg.layer_norm_epsilon
-        if cfg.tie_embeddings:
-            head = embedding.T
-        else:
-            head = self.param(
-                "lm_head",
-                nn.with_logical_partitioning(normal, ("embed", "vocab")),
-                (cfg.d_model, cfg.vocab_size),
-                param_dtype,
-            )
-        if par is not None:
-            x = jax.lax.with_sharding_constraint(x, par.activations())
-            head = jax.lax.with_sharding_constraint(head, par.sharding(None, "tensor"))
-        if targets is not None and cfg.chunked_loss:  # the final norm, chunk by chunk too
-            return blockwise_cross_entropy(
-                x,
-                head,
-                targets,
-                chunk_size=cfg.loss_chunk_size,
-                mask=loss_mask,
-                norm=lambda p, h: layer_norm(h, *p, eps),
-                norm_params=(scale, bias),
-                shards=shards,
-            )
-        x = layer_norm(x, scale, bias, eps)
-        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dtype), preferred_element_type=jnp.float32)
-        if targets is None:
-            return logits if perm is None else from_layout(logits, perm)
-        return cross_entropy(logits, targets, loss_mask)
+        return self.output(
+            x,
+            embedding,
+            lambda p, h: layer_norm(h, *p, eps),
+            norm_params,
+            targets=targets,
+            loss_mask=loss_mask,
+            perm=perm,
+            shards=shards,
+            decode=decode,
+        )

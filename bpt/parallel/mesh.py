@@ -12,7 +12,7 @@ Mesh axes, outermost first: data, fsdp, sequence, tensor. The innermost axes tal
 - tensor: attention heads and the FFN's hidden units are split (Megatron style).
 
 Parameters carry logical axis names (embed, heads, kv_heads, head_dim, mlp, vocab,
-positions, layers) from nn.with_logical_partitioning; PARAM_RULES maps them to mesh axes.
+positions, layers, qk) from nn.with_logical_partitioning; PARAM_RULES maps them to mesh axes.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ PARAM_RULES = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
+    ("qk", None),  # FLASH's shared query/key base: small, replicated
     ("positions", None),
     ("layers", None),
 )

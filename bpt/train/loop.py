@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 from bpt.config import base_config, check_config, model_config
 from bpt.data.datasets import Prefetcher, make_dataset, put_batch
-from bpt.models.gpt import GPT
+from bpt.models import FLASHConfig, make_model
+from bpt.models.lm import CausalLM
 from bpt.sample import generate
 from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
@@ -40,7 +41,9 @@ def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:
 class Reporter:
     """Turns the metrics of the steps since the last log into one metrics.jsonl line."""
 
-    def __init__(self, config: ConfigDict, workdir: Path, eval_data: list[dict], bar, model: GPT, eval_fn):
+    def __init__(
+        self, config: ConfigDict, workdir: Path, eval_data: list[dict], bar, model: CausalLM, eval_fn
+    ):
         self.config, self.eval_data, self.bar = config, eval_data, bar
         self.writer = MetricsWriter(workdir) if jax.process_index() == 0 else None
         self.schedule = learning_rate_schedule(config.train)
@@ -151,15 +154,14 @@ class StopRequest:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def setup(config: ConfigDict) -> tuple[object, GPT, TrainState]:
+def setup(config: ConfigDict) -> tuple[object, CausalLM, TrainState]:
     """The run's dataset, model (on the mesh config.mesh describes) and initial train state,
     after checking the config."""
     check_config(config)
     parallel = make_parallelism(config)
     dataset = make_dataset(config.data, config.seed)
-    model = GPT(
-        model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len),
-        parallel=parallel,
+    model = make_model(
+        model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len), parallel
     )
     state = create_state(config, model, jax.random.fold_in(jax.random.PRNGKey(config.seed), 0))
     return dataset, model, state
@@ -276,8 +278,10 @@ def out_of_memory_message(config: ConfigDict, need: int | None = None, budget: i
         hints.append(
             "model.offload_layer_inputs=True" + (" with model.remat_group=1" if m.remat_group > 1 else "")
         )
-    if m.attention_mode != "blockwise_parallel":
+    if m.family == "gpt" and m.attention_mode != "blockwise_parallel":
         hints.append("model.attention_mode=blockwise_parallel")
+    if m.family == "flash" and m.attention == "quadratic":
+        hints.append("model.attention=mixed_chunk")
     if max(m.q_chunk_size, m.kv_chunk_size, m.loss_chunk_size) > 512:
         hints.append("smaller model.q_chunk_size / kv_chunk_size / loss_chunk_size")
     if config.train.optimizer_state_dtype == "float32":
@@ -342,9 +346,14 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     dataset, model, state = setup(config)
     rng = jax.random.PRNGKey(config.seed)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
+    mc = model.config
+    what = (
+        f"FLASH, attention={mc.attention}, chunk_size={mc.chunk_size}"
+        if isinstance(mc, FLASHConfig)
+        else f"attention_mode={mc.attention_mode}, attention_impl={mc.attention_impl}"
+    )
     say(
-        f"model: {num_params / 1e6:.2f}M parameters, attention_mode={model.config.attention_mode}, "
-        f"attention_impl={model.config.attention_impl}; data: {config.data.name}, seq_len={config.data.seq_len}"
+        f"model: {num_params / 1e6:.2f}M parameters, {what}; data: {config.data.name}, seq_len={config.data.seq_len}"
     )
 
     with Checkpoints(

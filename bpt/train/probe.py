@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from bpt.config import check_config, model_config
-from bpt.models.gpt import GPT
+from bpt.models import make_model
 from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.state import jit_initializer, jit_steps, make_parallelism
 
@@ -81,9 +81,8 @@ class TrainingStep:
         self.config = config
         vocab_size = config.model.vocab_size or vocab_size  # random tokens: no tokenizer to fit
         self.parallel = make_parallelism(config, devices)
-        self.model = GPT(
-            model_config(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len),
-            parallel=self.parallel,
+        self.model = make_model(
+            model_config(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len), self.parallel
         )
         self.shape = (config.train.batch_size, config.data.seq_len)
         self.init, shardings = jit_initializer(config, self.model)  # one state tree for all uses

@@ -15,7 +15,7 @@ from flax.training.train_state import TrainState
 from ml_collections import ConfigDict
 
 from bpt.config import check_mesh
-from bpt.models.gpt import GPT
+from bpt.models.lm import CausalLM
 from bpt.parallel.mesh import Parallelism, like_params, make_mesh, param_shardings
 from bpt.train.optimizer import make_optimizer
 from bpt.train.step import eval_step, make_train_step
@@ -32,13 +32,13 @@ def make_parallelism(config: ConfigDict, devices=None) -> Parallelism | None:
     return Parallelism(mesh, context_parallel=m.context_parallel, load_balance=m.load_balance)
 
 
-def _boxed_params(model: GPT, rng):
+def _boxed_params(model: CausalLM, rng):
     # One token is enough: parameters depend on the shapes in the config, not on the input's
     # length, and a long dummy sequence would cost a whole forward pass at initialization.
     return model.clone(parallel=None).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
 
 
-def state_initializer(config: ConfigDict, model: GPT):
+def state_initializer(config: ConfigDict, model: CausalLM):
     """rng -> initial parameters and optimizer state, to be jit-ed (no host round trip). Every
     state it makes shares one optimizer object, so one compiled step takes them all."""
     tx = make_optimizer(config.train)
@@ -50,7 +50,7 @@ def state_initializer(config: ConfigDict, model: GPT):
     return init
 
 
-def state_shardings(config: ConfigDict, model: GPT, parallel: Parallelism, init=None):
+def state_shardings(config: ConfigDict, model: CausalLM, parallel: Parallelism, init=None):
     """A TrainState of NamedShardings: parameters by their logical names, AdamW's moments like
     their parameters, the step count replicated."""
     init = init or state_initializer(config, model)
@@ -64,7 +64,7 @@ def state_shardings(config: ConfigDict, model: GPT, parallel: Parallelism, init=
     )
 
 
-def jit_initializer(config: ConfigDict, model: GPT):
+def jit_initializer(config: ConfigDict, model: CausalLM):
     """(init, shardings): init is rng -> the initial TrainState, jit-ed to create it already
     laid out on model's mesh; shardings is that layout (a TrainState of NamedShardings), or
     None on one device."""
@@ -75,12 +75,12 @@ def jit_initializer(config: ConfigDict, model: GPT):
     return jax.jit(init, out_shardings=shardings), shardings
 
 
-def create_state(config: ConfigDict, model: GPT, rng) -> TrainState:
+def create_state(config: ConfigDict, model: CausalLM, rng) -> TrainState:
     """Initial parameters and optimizer state, built inside jit (sharded on the model's mesh if any)."""
     return jit_initializer(config, model)[0](rng)
 
 
-def jit_steps(config: ConfigDict, model: GPT, shardings):
+def jit_steps(config: ConfigDict, model: CausalLM, shardings):
     """(train_step, eval_step, batch_sharding), jit-ed with the state's shardings (from
     jit_initializer) and the batch's on the model's mesh (batch_sharding None on one device)."""
     tc, parallel = config.train, model.parallel

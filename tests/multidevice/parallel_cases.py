@@ -374,3 +374,29 @@ def test_two_processes_train_as_one(tmp_path):
     ]  # noqa: E731
     np.testing.assert_allclose(read("two"), read("one"), rtol=1e-4)
     assert "model:" in outputs[0] and "model:" not in outputs[1]  # process 0 speaks for the run
+
+
+def test_flash_on_a_mesh_logs_the_one_device_losses():
+    """FLASH on data 2 x fsdp 2 x tensor 2 (u, v and W_o split over tensor, every weight over
+    fsdp) logs the losses of one device; its sequence cannot be sharded yet (a clear error)."""
+    import bpt.train.loop as loop
+    from bpt.train.state import make_parallelism
+
+    def flash_config(**mesh):
+        c = tiny_config(**mesh)
+        c.model.update(family="flash", chunk_size=16, qk_dim=16)
+        return c
+
+    original = loop.make_parallelism
+    loop.make_parallelism = lambda config: make_parallelism(config, jax.devices()[:1])
+    try:
+        expected = losses(flash_config())[0]
+    finally:
+        loop.make_parallelism = original
+    found, state, _ = losses(flash_config(data=2, fsdp=2, tensor=2))
+    np.testing.assert_allclose(found, expected, rtol=1e-4)
+    layers = state.params["layers"]
+    assert tuple(layers["w_u"].sharding.spec) == (None, "fsdp", "tensor")
+    assert tuple(layers["w_o"].sharding.spec) == (None, "tensor", "fsdp")
+    with pytest.raises(ValueError, match="does not run with mesh.sequence > 1"):
+        setup(flash_config(sequence=8))

@@ -1,0 +1,530 @@
+"""FLASH (Hua et al. 2022, "Transformer Quality in Linear Time"): a causal LM whose layers are
+Gated Attention Units with mixed chunk attention.
+
+One GAU replaces the attention + FFN pair. From the normalized input h:
+
+    u = silu(h W_u), v = silu(h W_v)           [seq, e * d_model]  (e: the expansion)
+    z = silu(h W_z)                            [seq, qk_dim]      a shared low-dimensional base
+    queries and keys = z * gamma_i + beta_i    (per-dimension scale and offset, with rotary
+                                                positions or a relative position bias)
+    out = x + (u * relu^2-attention(v)) W_o
+
+attention="quadratic" (FLASH-Quad) attends over the whole causal prefix with relu^2 scores
+scaled by 1/n (n = model.max_seq_len); "mixed_chunk" (FLASH) attends quadratically inside
+chunks of G = chunk_size tokens (scale 1/G) and linearly to all earlier chunks (a running
+[qk_dim, e * d_model] sum, scale 1/n): linear time and memory in the sequence length
+(bpt.ops.gau). Decoding with mixed_chunk keeps per layer that running sum and the current
+chunk's keys and values, whatever the context: the cache does not grow.
+
+The embedding, the layer stack (scan, remat, groups, decode stacks), the final norm, the LM
+head and the chunked loss are the GPT's (bpt.models.lm.CausalLM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from bpt.models.lm import (
+    LAYER_INPUT,
+    CausalLM,
+    LMConfigMixin,
+    apply_rotary,
+    dropout,
+    layer_norm,
+    rotary_tables,
+)
+from bpt.ops.chunked import CrossEntropy
+from bpt.ops.gau import chunk_sums, mixed_chunk_attention, relative_buckets, relu2, relu2_attention_reference
+from bpt.ops.remat import check_policy
+from bpt.parallel.mesh import Parallelism
+
+Array = jax.Array
+FLASH_ATTENTION = ("mixed_chunk", "quadratic")
+NORMS = ("scale_norm", "layer_norm")
+FLASH_POSITIONS = ("rotary", "relative_bias")
+LOSS_IMPLS = ("auto", "chunked", "full")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class FLASHConfig(LMConfigMixin):
+    vocab_size: int
+    num_layers: int
+    d_model: int
+    chunk_size: int = 256  # G: mixed_chunk's chunk of quadratic attention
+    attention: str = "mixed_chunk"
+    expansion: float = 2.0  # e: u and v are e * d_model wide
+    qk_dim: int = 128  # s: the shared base of queries and keys
+    norm: str = "scale_norm"
+    position_embedding: str = "rotary"  # or relative_bias: T5's bucketed bias on the relu^2 scores
+    rope_theta: float = 10000.0
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    max_seq_len: int = 2048  # n in the 1/n scaling: the training context
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    layer_norm_epsilon: float = 1e-5
+    scan_layers: bool = True
+    remat_layer: str = "nothing_saveable"
+    remat_group: int = 1
+    offload_layer_inputs: bool = False
+    loss_impl: str = "auto"  # auto: chunked (linear memory, as every other part of FLASH)
+    loss_chunk_size: int = 512
+
+    def __post_init__(self):
+        for name, options in (
+            ("attention", FLASH_ATTENTION),
+            ("norm", NORMS),
+            ("position_embedding", FLASH_POSITIONS),
+            ("loss_impl", LOSS_IMPLS),
+            ("dtype", DTYPES),
+            ("param_dtype", DTYPES),
+        ):
+            if getattr(self, name) not in options:
+                raise ValueError(
+                    f"unknown model.{name} {getattr(self, name)!r} for FLASH; allowed: {', '.join(options)}"
+                )
+        check_policy(self.remat_layer, "model.remat_layer")
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "d_model",
+            "chunk_size",
+            "qk_dim",
+            "max_seq_len",
+            "loss_chunk_size",
+            "relative_buckets",
+            "relative_max_distance",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+        for name in ("expansion", "rope_theta", "layer_norm_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name} must be > 0; got {getattr(self, name)!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout!r}")
+        if self.position_embedding == "rotary" and self.qk_dim % 2:
+            raise ValueError(f"rotary positions need an even model.qk_dim; got {self.qk_dim}")
+        if self.relative_buckets < 2 or self.relative_max_distance <= self.relative_buckets // 2:
+            raise ValueError(
+                "model.relative_buckets must be >= 2 and model.relative_max_distance above half of it; "
+                f"got {self.relative_buckets}, {self.relative_max_distance}"
+            )
+        self.check_stack()
+
+    @property
+    def chunked_loss(self) -> bool:
+        return self.loss_impl != "full"
+
+    @property
+    def hidden_dim(self) -> int:
+        """e * d_model: the width of u and v."""
+        return int(self.expansion * self.d_model)
+
+    @property
+    def num_qk(self) -> int:
+        """Query/key pairs from the shared base: quadratic and linear (mixed_chunk), or one."""
+        return 4 if self.attention == "mixed_chunk" else 2
+
+    # The chunking the sampler pads prompts to (bpt.sample reads these of every family).
+    @property
+    def q_chunk_size(self) -> int:
+        return self.chunk_size
+
+    @property
+    def kv_chunk_size(self) -> int:
+        return self.chunk_size
+
+    @property
+    def quad_scale(self) -> float:
+        return 1.0 / (self.chunk_size if self.attention == "mixed_chunk" else self.max_seq_len)
+
+    @property
+    def lin_scale(self) -> float:
+        return 1.0 / self.max_seq_len
+
+    def num_params(self, *, embeddings: bool = True) -> int:
+        """Parameter count (weights and biases), computed from the shapes alone."""
+        d, e, s = self.d_model, self.hidden_dim, self.qk_dim
+        norm = 1 if self.norm == "scale_norm" else 2 * d
+        bias = self.relative_buckets if self.position_embedding == "relative_bias" else 0
+        per_layer = norm + 2 * (d * e + e) + d * s + s + 2 * self.num_qk * s + e * d + d + bias
+        total = self.num_layers * per_layer + norm
+        if embeddings:
+            total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return total
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of a forward and backward pass per token (3x the forward's): the
+        matmuls of the layers and the LM head, the relu^2 scores and their values (causal:
+        half of a chunk on average, or half the sequence for quadratic), and the linear
+        part's k v^T and q S (2 s e multiply-adds each)."""
+        d, e, s = self.d_model, self.hidden_dim, self.qk_dim
+        dense = self.num_layers * (3 * d * e + d * s) + d * self.vocab_size
+        window = self.chunk_size if self.attention == "mixed_chunk" else seq_len
+        attention = window * (s + e) + (4 * s * e if self.attention == "mixed_chunk" else 0)
+        return 6.0 * dense + 3.0 * self.num_layers * attention
+
+
+# ----------------------------------------------------------------------------- pure math
+
+
+def scale_norm(x: Array, scale: Array, eps: float) -> Array:
+    """ScaleNorm (Nguyen & Salazar 2019): scale * x / ||x||, one learned scalar."""
+    x32 = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=-1, keepdims=True))
+    return (x32 * (scale.astype(jnp.float32) / jnp.maximum(norm, eps))).astype(x.dtype)
+
+
+def bias_table(table: Array, distance: Array, cfg: FLASHConfig) -> Array:
+    """The relative position bias for causal distances (any shape)."""
+    return table[relative_buckets(distance, cfg.relative_buckets, cfg.relative_max_distance)]
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+class GAULayer(nn.Module):
+    """One Gated Attention Unit with its residual; __call__ returns (x, None) for nn.scan."""
+
+    config: FLASHConfig
+    deterministic: bool = True
+    decode: bool = False  # use and update the cache (collection "cache")
+    parallel: Parallelism | None = None
+
+    def _param(self, name, shape, axes, init) -> Array:
+        cfg = self.config
+        param = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype))
+        return param.astype(jnp.dtype(cfg.dtype))
+
+    def _params(self) -> dict:
+        cfg = self.config
+        d, e, s = cfg.d_model, cfg.hidden_dim, cfg.qk_dim
+        normal = nn.initializers.normal(0.02)
+        residual = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
+        zeros, ones = nn.initializers.zeros_init(), nn.initializers.ones_init()
+        p = {}
+        if cfg.norm == "scale_norm":
+            p["norm_scale"] = self._param("norm_scale", (), (), nn.initializers.constant(math.sqrt(d)))
+        else:
+            p["ln_scale"] = self._param("ln_scale", (d,), ("embed",), ones)
+            p["ln_bias"] = self._param("ln_bias", (d,), ("embed",), zeros)
+        p.update(
+            w_u=self._param("w_u", (d, e), ("embed", "mlp"), normal),
+            b_u=self._param("b_u", (e,), ("mlp",), zeros),
+            w_v=self._param("w_v", (d, e), ("embed", "mlp"), normal),
+            b_v=self._param("b_v", (e,), ("mlp",), zeros),
+            w_z=self._param("w_z", (d, s), ("embed", "qk"), normal),
+            b_z=self._param("b_z", (s,), ("qk",), zeros),
+            qk_scale=self._param("qk_scale", (cfg.num_qk, s), (None, "qk"), normal),
+            qk_offset=self._param("qk_offset", (cfg.num_qk, s), (None, "qk"), zeros),
+            w_o=self._param("w_o", (e, d), ("mlp", "embed"), residual),
+            b_o=self._param("b_o", (d,), ("embed",), zeros),
+        )
+        if cfg.position_embedding == "relative_bias":
+            p["relative_bias"] = self._param("relative_bias", (cfg.relative_buckets,), (None,), zeros)
+        return p
+
+    @nn.compact
+    def __call__(self, x, segment_ids, positions, cache_index=None, layer=None):
+        """x [batch, seq, d_model]; positions [seq] or [batch, seq] (with the decode call's
+        valid counts as (positions, valid) while decoding)."""
+        cfg = self.config
+        stacks = None
+        if layer is not None:  # decoding a scanned stack: the carry holds every layer's cache
+            x, *stacks = x
+        par = None if self.decode else self.parallel
+        if par is not None:
+            x = jax.lax.with_sharding_constraint(x, par.activations())
+        valid = None
+        if self.decode:
+            positions, valid = positions
+        else:
+            x = checkpoint_name(x, LAYER_INPUT)
+        p = self._params()
+        if cfg.norm == "scale_norm":
+            h = scale_norm(x, p["norm_scale"], cfg.layer_norm_epsilon)
+        else:
+            h = layer_norm(x, p["ln_scale"], p["ln_bias"], cfg.layer_norm_epsilon)
+        u = jax.nn.silu(h @ p["w_u"] + p["b_u"])
+        v = jax.nn.silu(h @ p["w_v"] + p["b_v"])
+        z = jax.nn.silu(h @ p["w_z"] + p["b_z"])
+        qk = z[..., None, :] * p["qk_scale"] + p["qk_offset"]  # [batch, seq, num_qk, s]
+        if cfg.position_embedding == "rotary":
+            qk = apply_rotary(qk, *rotary_tables(positions, cfg.qk_dim, cfg.rope_theta))
+        qk = [qk[:, :, i] for i in range(cfg.num_qk)]
+        table = p.get("relative_bias")
+        if self.decode:
+            a, stacks = self._cached_attention(qk, v, table, positions, valid, cache_index, stacks, layer)
+        else:
+            a = self._attention(qk, v, table, segment_ids)
+        out = (u * a) @ p["w_o"] + p["b_o"]
+        rng = None if self.deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
+        x = x + dropout(out, cfg.dropout, rng)
+        return (x if stacks is None else (x, *stacks)), None
+
+    def _attention(self, qk, v, table, segment_ids):
+        cfg = self.config
+        t = v.shape[1]
+        if cfg.attention == "quadratic":
+            pos = jnp.arange(t)
+            bias = None if table is None else bias_table(table, pos[:, None] - pos[None, :], cfg)
+            quad_q, quad_k = qk
+            return relu2_attention_reference(
+                quad_q, quad_k, v, scale=cfg.quad_scale, bias=bias, segment_ids=segment_ids
+            )
+        g = cfg.chunk_size
+        pad = -t % g  # padded at the end: causal attention never lets them reach a real token
+        if pad:
+            widths = ((0, 0), (0, pad), (0, 0))
+            qk, v = [jnp.pad(x, widths) for x in qk], jnp.pad(v, widths)
+            if segment_ids is not None:
+                segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
+        pos = jnp.arange(g)
+        bias = None if table is None else bias_table(table, pos[:, None] - pos[None, :], cfg)
+        out = mixed_chunk_attention(
+            *qk,
+            v,
+            chunk_size=g,
+            quad_scale=cfg.quad_scale,
+            lin_scale=cfg.lin_scale,
+            bias=bias,
+            segment_ids=segment_ids,
+        )
+        return out[:, :t]
+
+    # ------------------------------------------------------------------------ decoding
+
+    def _cached_attention(self, qk, v, table, positions, valid, cache_index, stacks, layer):
+        """Attention while decoding, and the cache. mixed_chunk keeps (state [batch, s, e]
+        float32: the linear sum over every chunk before the current one; the current chunk's
+        quad_k, lin_k [batch, G, s] and v [batch, G, e]); quadratic keeps every position's
+        quad_k and v. stacks: those of all layers (the scanned stack's carry), read and
+        written at `layer`; None: this layer's own cache variables.
+
+        cache_index None: a prefill from position 0; else the call continues each sequence
+        at positions [batch, seq] (one token, or a prompt's later chunk: those start at a
+        multiple of chunk_size). valid [batch]: the call's real tokens (the rest padding).
+        """
+        cfg = self.config
+        batch, length = v.shape[:2]
+        names = [name for name, _, _ in cache_shapes(cfg, batch, 1)]
+        if stacks is None:
+            shapes = {name: (shape[1:], dtype) for name, shape, dtype in cache_shapes(cfg, batch, length)}
+            own = [self.variable("cache", n, jnp.zeros, *shapes[n]) for n in names]
+            caches = [variable.value for variable in own]
+        else:
+            caches = [jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False) for stack in stacks]
+        caches = dict(zip(names, caches))
+        if cache_index is None:  # a prefill starts the cache over
+            caches = {n: jnp.zeros_like(c) for n, c in caches.items()}
+        valid = jnp.full((batch,), length, jnp.int32) if valid is None else valid
+        if cfg.attention == "quadratic":
+            a, caches = _quadratic_decode(cfg, qk, v, table, positions, caches)
+        elif length == 1:
+            a, caches = _mixed_decode_token(cfg, qk, v, table, positions[:, 0], caches)
+        else:
+            a, caches = _mixed_decode_chunks(cfg, qk, v, table, valid, caches)
+        new = [caches[n] for n in names]
+        if stacks is None:
+            for variable, value in zip(own, new):
+                variable.value = value
+            return a, None
+        stacks = [
+            jax.lax.dynamic_update_index_in_dim(s, c.astype(s.dtype), layer, 0) for s, c in zip(stacks, new)
+        ]
+        return a, stacks
+
+
+def cache_shapes(cfg: FLASHConfig, batch: int, slots: int) -> list[tuple[str, tuple[int, ...], jnp.dtype]]:
+    """(name, shape, dtype) of one layer's decode cache, each with a leading layer axis:
+    constant-size with mixed_chunk, `slots` positions with quadratic."""
+    s, e, dtype, layers = cfg.qk_dim, cfg.hidden_dim, jnp.dtype(cfg.dtype), cfg.num_layers
+    if cfg.attention == "quadratic":
+        return [("quad_k", (layers, batch, slots, s), dtype), ("v", (layers, batch, slots, e), dtype)]
+    g = cfg.chunk_size
+    return [
+        ("state", (layers, batch, s, e), jnp.float32),
+        ("quad_k", (layers, batch, g, s), dtype),
+        ("lin_k", (layers, batch, g, s), dtype),
+        ("v", (layers, batch, g, e), dtype),
+    ]
+
+
+def _buffer_scores(cfg, q, keys, table, query_pos, key_pos, scale):
+    """relu^2 weights [batch, q_len, slots] of queries at query_pos [batch, q_len] over keys at
+    key_pos [batch, slots], zero where a key comes after the query."""
+    scores = jnp.einsum("bqs,bks->bqk", q, keys, preferred_element_type=jnp.float32) * scale
+    distance = query_pos[:, :, None] - key_pos[:, None, :]
+    if table is not None:
+        scores = scores + bias_table(table, distance, cfg).astype(jnp.float32)
+    return jnp.where(distance >= 0, relu2(scores), 0.0)
+
+
+def _quadratic_decode(cfg, qk, v, table, positions, caches):
+    rows = jnp.arange(v.shape[0])[:, None]
+    slots = caches["v"].shape[1]
+    at = jnp.where(positions < slots, positions, slots)
+    quad_q, quad_k = qk
+    caches = {
+        "quad_k": caches["quad_k"].at[rows, at].set(quad_k.astype(caches["quad_k"].dtype), mode="drop"),
+        "v": caches["v"].at[rows, at].set(v.astype(caches["v"].dtype), mode="drop"),
+    }
+    key_pos = jnp.broadcast_to(jnp.arange(slots), (v.shape[0], slots))
+    w = _buffer_scores(cfg, quad_q, caches["quad_k"], table, positions, key_pos, cfg.quad_scale)
+    a = jnp.einsum("bqk,bke->bqe", w, caches["v"], preferred_element_type=jnp.float32)
+    return a.astype(v.dtype), caches
+
+
+def _fold(caches, where):
+    """The current chunk's linear sum added to the state, and the chunk cleared, in the rows
+    where `where` [batch]."""
+    added = jnp.einsum("bgs,bge->bse", caches["lin_k"], caches["v"], preferred_element_type=jnp.float32)
+    out = {"state": caches["state"] + jnp.where(where[:, None, None], added, 0.0)}
+    for name in ("quad_k", "lin_k", "v"):
+        out[name] = jnp.where(where[:, None, None], 0, caches[name]).astype(caches[name].dtype)
+    return out
+
+
+def _mixed_decode_token(cfg, qk, v, table, position, caches):
+    """One token a sequence at position [batch]: a new chunk folds the finished one into the
+    state first; then the token's keys go to its slot, and it attends to its chunk so far
+    (quadratic) and to the state (linear)."""
+    g = cfg.chunk_size
+    slot = position % g
+    caches = _fold(caches, (slot == 0) & (position > 0))
+    rows = jnp.arange(v.shape[0])
+    quad_q, quad_k, lin_q, lin_k = qk
+    for name, new in (("quad_k", quad_k), ("lin_k", lin_k), ("v", v)):
+        caches[name] = caches[name].at[rows, slot].set(new[:, 0].astype(caches[name].dtype))
+    key_pos = (position - slot)[:, None] + jnp.arange(g)
+    w = _buffer_scores(cfg, quad_q, caches["quad_k"], table, position[:, None], key_pos, cfg.quad_scale)
+    quad = jnp.einsum("bqk,bke->bqe", w, caches["v"], preferred_element_type=jnp.float32)
+    lin = jnp.einsum("bqs,bse->bqe", lin_q.astype(jnp.float32), caches["state"]) * cfg.lin_scale
+    return (quad + lin).astype(v.dtype), caches
+
+
+def _mixed_decode_chunks(cfg, qk, v, table, valid, caches):
+    """Several tokens of each sequence, starting at a chunk boundary (a prefill, or a prompt's
+    later chunk): the last chunk before them is folded into the state, they attend chunk by
+    chunk as in training (bpt.ops.gau.mixed_chunk_attention, from that state), and the
+    state then holds every chunk before the one of the last valid token, which becomes
+    the current chunk. Rows with no valid token keep their cache as it was."""
+    g = cfg.chunk_size
+    batch, t = v.shape[:2]
+    active = valid > 0
+    caches = _fold(caches, active)
+    pad = -t % g
+    widths = ((0, 0), (0, pad), (0, 0))
+    qk, v = [jnp.pad(x, widths) for x in qk], jnp.pad(v, widths)
+    pos = jnp.arange(g)
+    bias = None if table is None else bias_table(table, pos[:, None] - pos[None, :], cfg)
+    a = mixed_chunk_attention(
+        *qk,
+        v,
+        chunk_size=g,
+        quad_scale=cfg.quad_scale,
+        lin_scale=cfg.lin_scale,
+        bias=bias,
+        initial_state=caches["state"],
+    )[:, :t]
+    real = jnp.arange(t + pad)[None, :] < valid[:, None]
+    sums = chunk_sums(qk[3], v, g, real)  # [batch, chunks, s, e]
+    current = jnp.maximum(valid - 1, 0) // g  # the chunk of the last valid token
+    before = jnp.cumsum(sums, axis=1) - sums  # the chunks before each chunk
+    state = caches["state"] + jnp.take_along_axis(before, current[:, None, None, None], axis=1)[:, 0]
+
+    def chunk_of(x):  # [batch, t + pad, ...] -> the current chunk [batch, G, ...]
+        chunks = x.reshape(batch, (t + pad) // g, g, x.shape[-1])
+        return jnp.take_along_axis(chunks, current[:, None, None, None], axis=1)[:, 0]
+
+    new = {"state": state, "quad_k": chunk_of(qk[1]), "lin_k": chunk_of(qk[3]), "v": chunk_of(v)}
+    caches = {
+        n: jnp.where(active.reshape(-1, *[1] * (c.ndim - 1)), new[n].astype(c.dtype), c)
+        for n, c in caches.items()
+    }
+    return a, caches
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class FLASH(CausalLM):
+    """The FLASH language model; same call contract as bpt.models.gpt.GPT."""
+
+    config: FLASHConfig
+    parallel: Parallelism | None = None
+
+    def layer_class(self):
+        return GAULayer
+
+    def cache_stacks(self, batch: int, seq_len: int):
+        return cache_shapes(self.config, batch, seq_len)
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        *,
+        targets: Array | None = None,
+        loss_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        positions: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        extend: bool = False,
+        valid: Array | None = None,
+    ) -> Array | CrossEntropy:
+        """As GPT.__call__. While decoding, valid [batch] counts each sequence's real tokens
+        in this call (the rest are padding): only they enter the recurrent state, and the
+        cache's position moves past them alone."""
+        cfg = self.config
+        par = None if decode else self.parallel
+        if par is not None and par.sequence > 1:
+            raise ValueError(
+                "FLASH does not run with mesh.sequence > 1 yet; use mesh.data, mesh.fsdp or mesh.tensor"
+            )
+        seq_len = tokens.shape[1]
+        cache_index = None
+        if decode:
+            cache_index, positions = self.decode_positions(tokens, extend, valid)
+        elif positions is None:
+            positions = jnp.arange(seq_len)
+        x, embedding = self.embed(tokens, decode)
+        if not deterministic and cfg.dropout > 0:
+            x = dropout(x, cfg.dropout, self.make_rng("dropout"))
+        extra = (positions, valid) if decode else positions
+        x = self.layers(x, segment_ids, extra, cache_index, deterministic=deterministic, decode=decode)
+        d, eps = cfg.d_model, cfg.layer_norm_epsilon
+        embed_param = lambda name, shape, axes, init: self.param(  # noqa: E731
+            name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype)
+        )
+        if cfg.norm == "scale_norm":
+            norm_params = embed_param("norm_f_scale", (), (), nn.initializers.constant(math.sqrt(d)))
+            norm = lambda p, h: scale_norm(h, p, eps)  # noqa: E731
+        else:
+            norm_params = (
+                embed_param("ln_f_scale", (d,), ("embed",), nn.initializers.ones_init()),
+                embed_param("ln_f_bias", (d,), ("embed",), nn.initializers.zeros_init()),
+            )
+            norm = lambda p, h: layer_norm(h, *p, eps)  # noqa: E731
+        return self.output(
+            x,
+            embedding,
+            norm,
+            norm_params,
+            targets=targets,
+            loss_mask=loss_mask,
+            perm=None,
+            shards=1,
+            decode=decode,
+        )

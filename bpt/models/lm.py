@@ -1,0 +1,309 @@
+"""What every model family shares: a causal LM around a stack of identical layers.
+
+CausalLM (a base for flax modules that have `config` and `parallel` fields) provides the
+token embedding, the layer stack (nn.scan with remat, nested remat groups, offloaded layer
+inputs, or unrolled; while decoding, the layers' caches carried through the scan as stacks
+[layers, batch, ...] that each layer updates in place), the final norm, the LM head and the
+loss (chunked or full), and the decode positions. A family brings its layer (a module
+called as layer(x, segment_ids, extra, cache_index, layer_index) -> (x, None)), its final
+norm, and the shapes of its decode caches.
+
+Families share these config fields: vocab_size, num_layers, d_model, max_seq_len,
+tie_embeddings, dropout, dtype, param_dtype, scan_layers, remat_layer, remat_group,
+offload_layer_inputs, loss_chunk_size, plus the properties layer_policy and chunked_loss
+(LMConfigMixin).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bpt.ops.chunked import blockwise_cross_entropy, cross_entropy
+from bpt.ops.remat import POLICIES
+from bpt.parallel.ring import from_layout, layout_permutation, to_layout
+
+Array = jax.Array
+LAYER_INPUT = "layer_input"  # the checkpoint name of each layer's input (for offloading)
+
+
+class LMConfigMixin:
+    """Properties every family's config derives the same way from the shared fields."""
+
+    @property
+    def chunked_loss(self) -> bool:
+        if self.loss_impl == "auto":
+            return self.attention_mode == "blockwise_parallel"
+        return self.loss_impl == "chunked"
+
+    @property
+    def layer_policy(self):
+        """The checkpoint policy of one layer: remat_layer's, and with offload_layer_inputs
+        the layer's input (named LAYER_INPUT) moved to host memory as well."""
+        policy = POLICIES[self.remat_layer]
+        if not self.offload_layer_inputs:
+            return policy
+        offload = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[LAYER_INPUT],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+
+        def policy_with_offload(prim, *args, **params):
+            if prim.name == "name" and params.get("name") == LAYER_INPUT:  # a checkpoint_name
+                return offload(prim, *args, **params)
+            return policy(prim, *args, **params)
+
+        return policy_with_offload
+
+    def check_stack(self) -> None:
+        """The layer stack's settings (raises ValueError naming the first that cannot work)."""
+        if (
+            isinstance(self.remat_group, bool)
+            or not isinstance(self.remat_group, int)
+            or self.remat_group < 1
+        ):
+            raise ValueError(f"model.remat_group must be a positive integer; got {self.remat_group!r}")
+        if self.remat_group > 1:
+            if self.num_layers % self.remat_group:
+                raise ValueError(
+                    f"model.remat_group={self.remat_group} must divide model.num_layers={self.num_layers}"
+                )
+            if not self.scan_layers:
+                raise ValueError("model.remat_group > 1 needs model.scan_layers=True")
+        if self.offload_layer_inputs and (self.remat_layer == "none" or self.remat_group > 1):
+            raise ValueError(
+                "model.offload_layer_inputs needs model.remat_layer other than 'none' and "
+                f"model.remat_group=1; got remat_layer={self.remat_layer!r}, remat_group={self.remat_group}"
+            )
+
+
+def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(axis=-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos and sin tables [..., head_dim // 2] for rotary position embeddings, from positions
+    [seq] (every sequence alike) or [batch, seq]."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotates pairs (x[..., i], x[..., i + d/2]) of x [batch, seq, heads, d] by position."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # over the heads
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def dropout(x: Array, rate: float, rng: Array | None) -> Array:
+    if rng is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def fold_rng(rng: Array | None, *data) -> Array | None:
+    if rng is None:
+        return None
+    for d in data:
+        rng = jax.random.fold_in(rng, d)
+    return rng
+
+
+class CausalLM(nn.Module):
+    """Base of the model families (see the module docstring). Subclasses define the fields
+    `config` and `parallel` and the method layer_class()."""
+
+    def layer_class(self) -> type[nn.Module]:
+        raise NotImplementedError
+
+    def cache_stacks(self, batch: int, seq_len: int) -> list[tuple[str, tuple[int, ...], jnp.dtype]]:
+        """(name, shape, dtype) of each decode cache stack [layers, batch, ...]."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------ the pieces
+
+    def decode_positions(self, tokens: Array, extend: bool, valid: Array | None):
+        """(cache_index, positions [batch, seq]) while decoding, and the cache "index" [batch]
+        (where each sequence's next token goes) moved past this call's tokens: past `valid`
+        of them where given (the rest are padding), else all. cache_index is None for a
+        prefill (several tokens from position 0)."""
+        batch, seq_len = tokens.shape
+        index = self.variable("cache", "index", lambda: jnp.zeros((batch,), jnp.int32))
+        cache_index = index.value if seq_len == 1 or extend else None
+        start = jnp.zeros((batch,), jnp.int32) if cache_index is None else cache_index
+        index.value = start + (seq_len if valid is None else valid)
+        return cache_index, start[:, None] + jnp.arange(seq_len)
+
+    def load_balance(self, seq_len: int, decode: bool, tokens, targets, loss_mask, segment_ids, positions):
+        """With the sequence sharded: the inputs permuted once into the load-balanced layout
+        (positions follow them). Returns (perm or None, shards, the permuted inputs)."""
+        par = None if decode else self.parallel
+        shards = 1 if par is None else par.sequence
+        if shards == 1:
+            return None, 1, (tokens, targets, loss_mask, segment_ids, positions)
+        perm = layout_permutation(seq_len, shards, par.load_balance)
+        tokens, targets, loss_mask, segment_ids = (
+            None if x is None else to_layout(x, perm) for x in (tokens, targets, loss_mask, segment_ids)
+        )
+        return perm, shards, (tokens, targets, loss_mask, segment_ids, to_layout(positions, perm, axis=0))
+
+    def embed(self, tokens: Array, decode: bool) -> tuple[Array, Array]:
+        """(x [batch, seq, d_model] in the compute dtype, the embedding table)."""
+        cfg = self.config
+        par = None if decode else self.parallel
+        embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+            (cfg.vocab_size, cfg.d_model),
+            jnp.dtype(cfg.param_dtype),
+        )
+        if par is not None:  # gathered over the FSDP axes once, as FSDP gathers every weight
+            embedding = jax.lax.with_sharding_constraint(embedding, par.sharding("tensor", None))
+        x = jnp.take(embedding, tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+        if par is not None:
+            x = jax.lax.with_sharding_constraint(x, par.activations())
+        return x, embedding
+
+    def layers(
+        self, x: Array, segment_ids, extra, cache_index, *, deterministic: bool, decode: bool
+    ) -> Array:
+        """The layer stack, by config: scanned (with remat groups, or decode stacks) or unrolled."""
+        cfg = self.config
+        layer = self.layer_class()
+        if cfg.remat_layer != "none" and not decode:
+            layer = nn.remat(layer, policy=cfg.layer_policy, prevent_cse=not cfg.scan_layers)
+        args = (cfg, deterministic, decode, self.parallel)
+        if cfg.scan_layers and cfg.remat_group > 1 and not decode and not self.is_initializing():
+            return self._grouped_layers(x, segment_ids, extra, deterministic)
+        if cfg.scan_layers and decode:
+            # The layers' caches are stacks [layers, batch, ...] carried through the scan, each
+            # layer writing and reading its own part in place: scanned over as inputs and
+            # outputs instead, the whole cache would be copied every call.
+            stacks = [
+                self.variable("cache", name, jnp.zeros, shape, dtype)
+                for name, shape, dtype in self.cache_stacks(x.shape[0], x.shape[1])
+            ]
+            scanned = nn.scan(
+                layer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+                # Nothing is broadcast out, and the check's extra trace (a partial evaluation)
+                # fails on the GPU decode kernel's pallas_call ("broadcasted variable has a
+                # data dependency on the scan body", jax 0.11.2).
+                check_constancy_invariants=False,
+            )(*args, name="layers")
+            carry = (x, *(stack.value for stack in stacks))
+            (x, *values), _ = scanned(carry, segment_ids, extra, cache_index, jnp.arange(cfg.num_layers))
+            for stack, value in zip(stacks, values):
+                stack.value = value
+            return x
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                layer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(*args, name="layers")
+            return scanned(x, segment_ids, extra, cache_index)[0]
+        for i in range(cfg.num_layers):
+            x, _ = layer(*args, name=f"layer_{i}")(x, segment_ids, extra, cache_index)
+        return x
+
+    def _grouped_layers(self, x: Array, segment_ids, extra, deterministic: bool) -> Array:
+        """The layer stack as a scan over groups of remat_group layers, each group one
+        checkpoint around a scan over its layers (each layer its own checkpoint, as without
+        groups). The parameters keep the layout of the plain scan, [num_layers, ...].
+
+        Dropout draws its masks per layer from the "dropout" stream folded with the layer's
+        index, so they differ from the plain scan's.
+        """
+        cfg = self.config
+        size = cfg.remat_group
+        stacked = nn.meta.unbox(self.variables["params"]["layers"])
+        grouped = jax.tree.map(lambda a: a.reshape(cfg.num_layers // size, size, *a.shape[1:]), stacked)
+        rng = None if deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
+        # A pure function of its parameters:
+        block = self.layer_class()(cfg, deterministic, parallel=self.parallel, parent=None)
+
+        def layer(x, inputs):
+            params, index = inputs
+            rngs = None if rng is None else {"dropout": jax.random.fold_in(rng, index)}
+            return block.apply({"params": params}, x, segment_ids, extra, rngs=rngs)
+
+        if cfg.remat_layer != "none":
+            layer = jax.checkpoint(layer, policy=cfg.layer_policy, prevent_cse=False)
+
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+        def group(x, inputs):
+            params, first = inputs
+            x, _ = jax.lax.scan(layer, x, (params, first + jnp.arange(size)))
+            return x, None
+
+        firsts = jnp.arange(0, cfg.num_layers, size)
+        x, _ = jax.lax.scan(group, x, (grouped, firsts))
+        return x
+
+    def output(
+        self,
+        x: Array,
+        embedding: Array,
+        norm,
+        norm_params,
+        *,
+        targets,
+        loss_mask,
+        perm,
+        shards: int,
+        decode: bool,
+    ):
+        """The final norm (norm(norm_params, x)), the LM head (the embedding, tied, or its own
+        "lm_head") and, given targets, the CrossEntropy: chunk by chunk (with the norm) when
+        config.chunked_loss, else from full logits. Logits come back in natural token order."""
+        cfg = self.config
+        par = None if decode else self.parallel
+        if cfg.tie_embeddings:
+            head = embedding.T
+        else:
+            head = self.param(
+                "lm_head",
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
+                (cfg.d_model, cfg.vocab_size),
+                jnp.dtype(cfg.param_dtype),
+            )
+        if par is not None:
+            x = jax.lax.with_sharding_constraint(x, par.activations())
+            head = jax.lax.with_sharding_constraint(head, par.sharding(None, "tensor"))
+        if targets is not None and cfg.chunked_loss:  # the final norm, chunk by chunk too
+            return blockwise_cross_entropy(
+                x,
+                head,
+                targets,
+                chunk_size=cfg.loss_chunk_size,
+                mask=loss_mask,
+                norm=norm,
+                norm_params=norm_params,
+                shards=shards,
+            )
+        x = norm(norm_params, x)
+        logits = jnp.einsum(
+            "bsd,dv->bsv", x, head.astype(jnp.dtype(cfg.dtype)), preferred_element_type=jnp.float32
+        )
+        if targets is None:
+            return logits if perm is None else from_layout(logits, perm)
+        return cross_entropy(logits, targets, loss_mask)

@@ -1,0 +1,180 @@
+"""The attention of the Gated Attention Unit (FLASH, Hua et al. 2022): relu^2, no softmax.
+
+One head of qk_dim s over values of width e (the unit's expanded width). With scores
+z_ij = q_i . k_j * scale + b_(i-j) (b: an optional relative position bias):
+
+    quadratic (FLASH-Quad)  out_i = sum_(j <= i) relu(z_ij)^2 v_j,  scale 1/n
+    mixed chunk (FLASH)     the sequence in chunks of G tokens;
+                            inside i's chunk:   sum_(j <= i) relu(z_ij)^2 v_j,  scale 1/G
+                            earlier chunks:     ql_i . sum_j (kl_j v_j^T) * lin_scale
+
+The mixed form keeps two query/key pairs (quadratic and linear) made from one shared base.
+Its linear part is a running sum over chunks, [s, e] per chunk in float32, so memory and
+work grow linearly with the sequence; decoding keeps that sum and the current chunk only
+(bpt.models.flash).
+
+Segment ids (packed documents, each one contiguous run of ids) keep both parts inside a
+document. References that materialize [seq, seq] are beside each fast path, as for softmax
+attention in bpt.ops.reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def relative_buckets(distance: Array, num_buckets: int = 32, max_distance: int = 128) -> Array:
+    """T5's bucket of each causal distance i - j >= 0: one bucket per distance below
+    num_buckets / 2, then logarithmically wider buckets up to max_distance (the last bucket
+    holds everything beyond)."""
+    exact = num_buckets // 2
+    distance = jnp.maximum(distance, 0)
+    log_ratio = jnp.log(jnp.maximum(distance, 1) / exact) / math.log(max_distance / exact)
+    far = exact + (log_ratio * (num_buckets - exact)).astype(jnp.int32)
+    return jnp.where(distance < exact, distance, jnp.minimum(far, num_buckets - 1)).astype(jnp.int32)
+
+
+def relu2(scores: Array) -> Array:
+    return jnp.square(jax.nn.relu(scores))
+
+
+def _scores(q: Array, k: Array, scale: float, bias: Array | None) -> Array:
+    s = jnp.einsum("...is,...js->...ij", q, k, preferred_element_type=jnp.float32) * scale
+    return s if bias is None else s + bias.astype(jnp.float32)
+
+
+def _same_segment(q_seg: Array | None, kv_seg: Array | None) -> Array | bool:
+    if q_seg is None:
+        return True
+    return q_seg[..., :, None] == kv_seg[..., None, :]
+
+
+def relu2_attention_reference(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: float,
+    causal: bool = True,
+    bias: Array | None = None,
+    segment_ids: Array | None = None,
+) -> Array:
+    """FLASH-Quad, materialized: q, k [batch, seq, s], v [batch, seq, e] -> [batch, seq, e];
+    bias [seq, seq] added to the scaled scores (before the relu)."""
+    weights = relu2(_scores(q, k, scale, bias))
+    t = q.shape[1]
+    mask = _same_segment(segment_ids, segment_ids)
+    if causal:
+        mask = mask & jnp.tril(jnp.ones((t, t), bool))
+    weights = jnp.where(mask, weights, 0.0)
+    return jnp.einsum("bij,bje->bie", weights, v, preferred_element_type=jnp.float32).astype(v.dtype)
+
+
+def mixed_chunk_reference(
+    quad_q: Array,
+    quad_k: Array,
+    lin_q: Array,
+    lin_k: Array,
+    v: Array,
+    *,
+    chunk_size: int,
+    quad_scale: float,
+    lin_scale: float,
+    bias: Array | None = None,
+    segment_ids: Array | None = None,
+) -> Array:
+    """Causal mixed chunk attention, materialized as two [seq, seq] matrices (bias [seq, seq]
+    applies to the quadratic part)."""
+    t = quad_q.shape[1]
+    pos = jnp.arange(t)
+    chunk = pos // chunk_size
+    same = _same_segment(segment_ids, segment_ids)
+    inside = (chunk[:, None] == chunk[None, :]) & (pos[:, None] >= pos[None, :]) & same
+    earlier = (chunk[:, None] > chunk[None, :]) & same
+    quad = jnp.where(inside, relu2(_scores(quad_q, quad_k, quad_scale, bias)), 0.0)
+    lin = jnp.where(earlier, _scores(lin_q, lin_k, lin_scale, None), 0.0)
+    return jnp.einsum("bij,bje->bie", quad + lin, v, preferred_element_type=jnp.float32).astype(v.dtype)
+
+
+def chunk_sums(lin_k: Array, v: Array, chunk_size: int, mask: Array | None = None) -> Array:
+    """sum of lin_k_j v_j^T over each chunk: [batch, seq, s], [batch, seq, e] -> [batch,
+    chunks, s, e] float32; mask [batch, seq] leaves tokens out."""
+    b, t, s = lin_k.shape
+    if mask is not None:
+        lin_k = lin_k * mask[..., None].astype(lin_k.dtype)
+    return jnp.einsum(
+        "bcjs,bcje->bcse",
+        lin_k.reshape(b, t // chunk_size, chunk_size, s),
+        v.reshape(b, t // chunk_size, chunk_size, v.shape[-1]),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _states_entering_chunks(lin_k: Array, v: Array, chunk_size: int, seg: Array | None) -> Array:
+    """[batch, chunks, s, e] float32: for each chunk, sum(lin_k_j v_j^T) over the tokens before
+    it that belong to the document its first token belongs to (all tokens before it without
+    segment ids)."""
+    b, t, _ = lin_k.shape
+    c = t // chunk_size
+    if seg is None:
+        sums = chunk_sums(lin_k, v, chunk_size)
+        inclusive = jnp.cumsum(sums, axis=1)
+        return jnp.concatenate([jnp.zeros_like(sums[:, :1]), inclusive[:, :-1]], axis=1)
+    seg = seg.reshape(b, c, chunk_size)
+    first = seg[:, :, 0]  # the document each chunk starts in
+    following = jnp.concatenate([first[:, 1:], first[:, -1:]], axis=1)  # ... and the next one
+    # S_(c+1) = carry_c * S_c + (chunk c's tokens of the document chunk c + 1 starts in): the
+    # state carries on while one document spans the chunk boundary, and restarts otherwise.
+    added = chunk_sums(lin_k, v, chunk_size, (seg == following[..., None]).reshape(b, t))
+    carry = (following == first).astype(jnp.float32)
+
+    def combine(left, right):
+        (a1, s1), (a2, s2) = left, right
+        return a1 * a2, a2[..., None, None] * s1 + s2
+
+    _, inclusive = jax.lax.associative_scan(combine, (carry, added), axis=1)
+    return jnp.concatenate([jnp.zeros_like(added[:, :1]), inclusive[:, :-1]], axis=1)
+
+
+def mixed_chunk_attention(
+    quad_q: Array,
+    quad_k: Array,
+    lin_q: Array,
+    lin_k: Array,
+    v: Array,
+    *,
+    chunk_size: int,
+    quad_scale: float,
+    lin_scale: float,
+    bias: Array | None = None,
+    segment_ids: Array | None = None,
+    initial_state: Array | None = None,
+) -> Array:
+    """Causal mixed chunk attention, chunk by chunk: [G, G] scores per chunk and one running
+    [s, e] sum, never [seq, seq]. seq must be a multiple of chunk_size; bias [G, G] is the
+    quadratic part's relative bias inside a chunk (chunks start at multiples of G, so it is
+    the same for all). initial_state [batch, s, e]: the linear sum of the tokens before this
+    sequence (decoding a prompt's later part; no segment ids then)."""
+    b, t, _ = quad_q.shape
+    if t % chunk_size:
+        raise ValueError(f"the sequence ({t} tokens) must be a multiple of chunk_size={chunk_size}")
+    c, g = t // chunk_size, chunk_size
+    chunks = lambda x: x.reshape(b, c, g, x.shape[-1])  # noqa: E731
+    seg = None if segment_ids is None else segment_ids.reshape(b, c, g)
+    mask = _same_segment(seg, seg) & jnp.tril(jnp.ones((g, g), bool))
+    weights = jnp.where(mask, relu2(_scores(chunks(quad_q), chunks(quad_k), quad_scale, bias)), 0.0)
+    quad = jnp.einsum(
+        "bcij,bcje->bcie", weights.astype(v.dtype), chunks(v), preferred_element_type=jnp.float32
+    )
+    state = _states_entering_chunks(lin_k, v, chunk_size, segment_ids)
+    if initial_state is not None:
+        state = state + initial_state[:, None].astype(jnp.float32)
+    lin = jnp.einsum("bcis,bcse->bcie", chunks(lin_q).astype(jnp.float32), state) * lin_scale
+    if seg is not None:  # only queries in the document their chunk starts in see earlier chunks
+        lin = lin * (seg == seg[:, :, :1])[..., None]
+    return (quad + lin).reshape(b, t, v.shape[-1]).astype(v.dtype)

