@@ -31,16 +31,18 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from bpt.models.lm import (
+    DTYPES,
     LAYER_INPUT,
+    LOSS_IMPLS,
     CausalLM,
+    Layer,
     LMConfigMixin,
     apply_rotary,
     dropout,
     layer_norm,
     rotary_tables,
 )
-from bpt.ops.chunked import CrossEntropy
-from bpt.ops.gau import chunk_sums, mixed_chunk_attention, relative_buckets, relu2, relu2_attention_reference
+from bpt.ops.gau import mixed_chunk_attention, relative_buckets, relu2, relu2_attention_reference
 from bpt.ops.remat import check_policy
 from bpt.parallel.mesh import Parallelism
 
@@ -48,8 +50,6 @@ Array = jax.Array
 FLASH_ATTENTION = ("mixed_chunk", "quadratic")
 NORMS = ("scale_norm", "layer_norm")
 FLASH_POSITIONS = ("rotary", "relative_bias")
-LOSS_IMPLS = ("auto", "chunked", "full")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,18 +193,10 @@ def bias_table(table: Array, distance: Array, cfg: FLASHConfig) -> Array:
 # ----------------------------------------------------------------------------- the layer
 
 
-class GAULayer(nn.Module):
+class GAULayer(Layer):
     """One Gated Attention Unit with its residual; __call__ returns (x, None) for nn.scan."""
 
     config: FLASHConfig
-    deterministic: bool = True
-    decode: bool = False  # use and update the cache (collection "cache")
-    parallel: Parallelism | None = None
-
-    def _param(self, name, shape, axes, init) -> Array:
-        cfg = self.config
-        param = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype))
-        return param.astype(jnp.dtype(cfg.dtype))
 
     def _params(self) -> dict:
         cfg = self.config
@@ -243,6 +235,10 @@ class GAULayer(nn.Module):
         if layer is not None:  # decoding a scanned stack: the carry holds every layer's cache
             x, *stacks = x
         par = None if self.decode else self.parallel
+        if par is not None and par.sequence > 1:
+            raise ValueError(
+                "FLASH does not run with mesh.sequence > 1 yet; use mesh.data, mesh.fsdp or mesh.tensor"
+            )
         if par is not None:
             x = jax.lax.with_sharding_constraint(x, par.activations())
         valid = None
@@ -317,10 +313,10 @@ class GAULayer(nn.Module):
         """
         cfg = self.config
         batch, length = v.shape[:2]
-        names = [name for name, _, _ in cache_shapes(cfg, batch, 1)]
+        shapes = cache_shapes(cfg, batch, length)  # with a layer axis first
+        names = [name for name, _, _ in shapes]
         if stacks is None:
-            shapes = {name: (shape[1:], dtype) for name, shape, dtype in cache_shapes(cfg, batch, length)}
-            own = [self.variable("cache", n, jnp.zeros, *shapes[n]) for n in names]
+            own = [self.variable("cache", n, jnp.zeros, shape[1:], dtype) for n, shape, dtype in shapes]
             caches = [variable.value for variable in own]
         else:
             caches = [jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False) for stack in stacks]
@@ -428,26 +424,31 @@ def _mixed_decode_chunks(cfg, qk, v, table, valid, caches):
     qk, v = [jnp.pad(x, widths) for x in qk], jnp.pad(v, widths)
     pos = jnp.arange(g)
     bias = None if table is None else bias_table(table, pos[:, None] - pos[None, :], cfg)
-    a = mixed_chunk_attention(
-        *qk,
+    real = jnp.arange(t + pad)[None, :] < valid[:, None]
+    quad_q, quad_k, lin_q, lin_k = qk
+    lin_k = lin_k * real[..., None].astype(lin_k.dtype)  # padding stays out of the state
+    a, states = mixed_chunk_attention(
+        quad_q,
+        quad_k,
+        lin_q,
+        lin_k,
         v,
         chunk_size=g,
         quad_scale=cfg.quad_scale,
         lin_scale=cfg.lin_scale,
         bias=bias,
         initial_state=caches["state"],
-    )[:, :t]
-    real = jnp.arange(t + pad)[None, :] < valid[:, None]
-    sums = chunk_sums(qk[3], v, g, real)  # [batch, chunks, s, e]
+        return_states=True,
+    )
+    a = a[:, :t]
     current = jnp.maximum(valid - 1, 0) // g  # the chunk of the last valid token
-    before = jnp.cumsum(sums, axis=1) - sums  # the chunks before each chunk
-    state = caches["state"] + jnp.take_along_axis(before, current[:, None, None, None], axis=1)[:, 0]
+    state = jnp.take_along_axis(states, current[:, None, None, None], axis=1)[:, 0]
 
     def chunk_of(x):  # [batch, t + pad, ...] -> the current chunk [batch, G, ...]
         chunks = x.reshape(batch, (t + pad) // g, g, x.shape[-1])
         return jnp.take_along_axis(chunks, current[:, None, None, None], axis=1)[:, 0]
 
-    new = {"state": state, "quad_k": chunk_of(qk[1]), "lin_k": chunk_of(qk[3]), "v": chunk_of(v)}
+    new = {"state": state, "quad_k": chunk_of(quad_k), "lin_k": chunk_of(lin_k), "v": chunk_of(v)}
     caches = {
         n: jnp.where(active.reshape(-1, *[1] * (c.ndim - 1)), new[n].astype(c.dtype), c)
         for n, c in caches.items()
@@ -459,7 +460,8 @@ def _mixed_decode_chunks(cfg, qk, v, table, valid, caches):
 
 
 class FLASH(CausalLM):
-    """The FLASH language model; same call contract as bpt.models.gpt.GPT."""
+    """The FLASH language model; the call contract of every family (bpt.models.lm.CausalLM).
+    While decoding, a call's valid counts keep its padding out of the recurrent state."""
 
     config: FLASHConfig
     parallel: Parallelism | None = None
@@ -467,64 +469,26 @@ class FLASH(CausalLM):
     def layer_class(self):
         return GAULayer
 
-    def cache_stacks(self, batch: int, seq_len: int):
-        return cache_shapes(self.config, batch, seq_len)
+    def cache_shapes(self, batch: int, slots: int):
+        return cache_shapes(self.config, batch, slots)
 
-    @nn.compact
-    def __call__(
-        self,
-        tokens: Array,
-        *,
-        targets: Array | None = None,
-        loss_mask: Array | None = None,
-        segment_ids: Array | None = None,
-        positions: Array | None = None,
-        deterministic: bool = True,
-        decode: bool = False,
-        extend: bool = False,
-        valid: Array | None = None,
-    ) -> Array | CrossEntropy:
-        """As GPT.__call__. While decoding, valid [batch] counts each sequence's real tokens
-        in this call (the rest are padding): only they enter the recurrent state, and the
-        cache's position moves past them alone."""
+    def position_inputs(self, x: Array, positions: Array, valid, decode: bool):
+        return x, ((positions, valid) if decode else positions)
+
+    def final_norm(self):
         cfg = self.config
-        par = None if decode else self.parallel
-        if par is not None and par.sequence > 1:
-            raise ValueError(
-                "FLASH does not run with mesh.sequence > 1 yet; use mesh.data, mesh.fsdp or mesh.tensor"
-            )
-        seq_len = tokens.shape[1]
-        cache_index = None
-        if decode:
-            cache_index, positions = self.decode_positions(tokens, extend, valid)
-        elif positions is None:
-            positions = jnp.arange(seq_len)
-        x, embedding = self.embed(tokens, decode)
-        if not deterministic and cfg.dropout > 0:
-            x = dropout(x, cfg.dropout, self.make_rng("dropout"))
-        extra = (positions, valid) if decode else positions
-        x = self.layers(x, segment_ids, extra, cache_index, deterministic=deterministic, decode=decode)
         d, eps = cfg.d_model, cfg.layer_norm_epsilon
-        embed_param = lambda name, shape, axes, init: self.param(  # noqa: E731
-            name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype)
-        )
-        if cfg.norm == "scale_norm":
-            norm_params = embed_param("norm_f_scale", (), (), nn.initializers.constant(math.sqrt(d)))
-            norm = lambda p, h: scale_norm(h, p, eps)  # noqa: E731
-        else:
-            norm_params = (
-                embed_param("ln_f_scale", (d,), ("embed",), nn.initializers.ones_init()),
-                embed_param("ln_f_bias", (d,), ("embed",), nn.initializers.zeros_init()),
+
+        def param(name, shape, axes, init):
+            return self.param(
+                name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype)
             )
-            norm = lambda p, h: layer_norm(h, *p, eps)  # noqa: E731
-        return self.output(
-            x,
-            embedding,
-            norm,
-            norm_params,
-            targets=targets,
-            loss_mask=loss_mask,
-            perm=None,
-            shards=1,
-            decode=decode,
+
+        if cfg.norm == "scale_norm":
+            scale = param("norm_f_scale", (), (), nn.initializers.constant(math.sqrt(d)))
+            return (lambda p, h: scale_norm(h, p, eps)), scale
+        params = (
+            param("ln_f_scale", (d,), ("embed",), nn.initializers.ones_init()),
+            param("ln_f_bias", (d,), ("embed",), nn.initializers.zeros_init()),
         )
+        return (lambda p, h: layer_norm(h, *p, eps)), params

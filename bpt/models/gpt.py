@@ -26,8 +26,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from bpt.models.lm import (
+    DTYPES,
     LAYER_INPUT,
+    LOSS_IMPLS,
     CausalLM,
+    Layer,
     LMConfigMixin,
     apply_rotary,
     dropout,
@@ -48,8 +51,6 @@ Array = jax.Array
 ATTENTION_MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
 CACHE_DTYPES = ("auto", "int8")
 POSITION_EMBEDDINGS = ("rotary", "learned")
-DTYPES = ("float32", "bfloat16", "float16")
-LOSS_IMPLS = ("auto", "chunked", "full")
 __all__ = [
     "GPT",
     "GPTConfig",
@@ -183,6 +184,12 @@ class GPTConfig(LMConfigMixin):
     def mlp_dim(self) -> int:
         return int(self.mlp_ratio * self.d_model)
 
+    @property
+    def chunked_loss(self) -> bool:
+        if self.loss_impl == "auto":
+            return self.attention_mode == "blockwise_parallel"
+        return self.loss_impl == "chunked"
+
     def num_params(self, *, embeddings: bool = True) -> int:
         """Parameter count (weights and biases), computed from the shapes alone."""
         d, h, kv, hd, f = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head, self.mlp_dim
@@ -224,18 +231,10 @@ def post_attention_weights(p: dict) -> dict:
 # ----------------------------------------------------------------------------- modules
 
 
-class Block(nn.Module):
+class Block(Layer):
     """One pre-LayerNorm transformer layer; __call__ returns (x, None) for nn.scan."""
 
     config: GPTConfig
-    deterministic: bool = True
-    decode: bool = False  # use and update the key/value cache (collection "cache")
-    parallel: Parallelism | None = None  # the mesh; None: one device
-
-    def _param(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init) -> Array:
-        cfg = self.config
-        param = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype))
-        return param.astype(jnp.dtype(cfg.dtype))
 
     def _params(self) -> dict:
         cfg = self.config
@@ -466,70 +465,37 @@ class GPT(CausalLM):
     def layer_class(self):
         return Block
 
-    def cache_stacks(self, batch: int, seq_len: int):
+    def cache_shapes(self, batch: int, slots: int):
         cfg = self.config
-        shape = (cfg.num_layers, batch, seq_len, cfg.kv_heads, cfg.dim_per_head)
+        shape = (cfg.num_layers, batch, slots, cfg.kv_heads, cfg.dim_per_head)
         if cfg.cache_dtype == "int8":
             return [(n, shape, jnp.int8) for n in ("k", "v")] + [
                 (n, shape[:-1], jnp.float32) for n in ("k_scale", "v_scale")
             ]
         return [(n, shape, jnp.dtype(cfg.dtype)) for n in ("k", "v")]
 
-    @nn.compact
-    def __call__(
-        self,
-        tokens: Array,
-        *,
-        targets: Array | None = None,
-        loss_mask: Array | None = None,
-        segment_ids: Array | None = None,
-        positions: Array | None = None,
-        deterministic: bool = True,
-        decode: bool = False,
-        extend: bool = False,
-        valid: Array | None = None,
-    ) -> Array | CrossEntropy:
-        """tokens [batch, seq] int -> logits [batch, seq, vocab] float32, or, given targets
-        [batch, seq], the CrossEntropy of the next-token predictions (loss_mask weights them).
-
-        decode=True reads and updates the key/value cache (collection "cache", see
-        bpt.sample): several tokens are a prefill from position 0, one token continues; with
-        extend=True several tokens continue too (the later chunks of a long prompt). valid
-        [batch]: how many of this call's tokens are real (the rest, padding, are written to
-        the cache but no later token attends to them once the positions are set).
-        """
+    def position_inputs(self, x: Array, positions: Array, valid, decode: bool):
+        """Learned positions are added to x; rotary tables go to the layers. valid is not
+        needed: padding written to the cache is overwritten before any token attends to it."""
         cfg = self.config
-        seq_len = tokens.shape[1]
-        cache_index = None
-        if decode:
-            # Padding is written and never attended to (bpt.sample sets the positions after)
-            cache_index, positions = self.decode_positions(tokens, extend, None)
-        elif positions is None:
-            positions = jnp.arange(seq_len)
-        perm, shards, (tokens, targets, loss_mask, segment_ids, positions) = self.load_balance(
-            seq_len, decode, tokens, targets, loss_mask, segment_ids, positions
-        )
-        x, embedding = self.embed(tokens, decode)
-        rotary = None
-        if cfg.position_embedding == "learned":
-            if seq_len > cfg.max_seq_len:
-                raise ValueError(
-                    f"sequence length {seq_len} exceeds model.max_seq_len={cfg.max_seq_len} "
-                    "of the learned position table"
-                )
-            table = self.param(
-                "position_embedding",
-                nn.with_logical_partitioning(nn.initializers.normal(0.02), ("positions", "embed")),
-                (cfg.max_seq_len, cfg.d_model),
-                jnp.dtype(cfg.param_dtype),
+        if cfg.position_embedding == "rotary":
+            return x, rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta)
+        if x.shape[1] > cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {x.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len} "
+                "of the learned position table"
             )
-            x = x + jnp.take(table, positions, axis=0).astype(x.dtype)
-        else:
-            rotary = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta)
-        if not deterministic and cfg.dropout > 0:
-            x = dropout(x, cfg.dropout, self.make_rng("dropout"))
-        x = self.layers(x, segment_ids, rotary, cache_index, deterministic=deterministic, decode=decode)
-        norm_params = tuple(
+        table = self.param(
+            "position_embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), ("positions", "embed")),
+            (cfg.max_seq_len, cfg.d_model),
+            jnp.dtype(cfg.param_dtype),
+        )
+        return x + jnp.take(table, positions, axis=0).astype(x.dtype), None
+
+    def final_norm(self):
+        cfg = self.config
+        params = tuple(
             self.param(
                 name,
                 nn.with_logical_partitioning(init, ("embed",)),
@@ -542,14 +508,4 @@ class GPT(CausalLM):
             )
         )
         eps = cfg.layer_norm_epsilon
-        return self.output(
-            x,
-            embedding,
-            lambda p, h: layer_norm(h, *p, eps),
-            norm_params,
-            targets=targets,
-            loss_mask=loss_mask,
-            perm=perm,
-            shards=shards,
-            decode=decode,
-        )
+        return (lambda p, h: layer_norm(h, *p, eps)), params

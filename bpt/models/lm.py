@@ -1,43 +1,48 @@
 """What every model family shares: a causal LM around a stack of identical layers.
 
-CausalLM (a base for flax modules that have `config` and `parallel` fields) provides the
-token embedding, the layer stack (nn.scan with remat, nested remat groups, offloaded layer
-inputs, or unrolled; while decoding, the layers' caches carried through the scan as stacks
-[layers, batch, ...] that each layer updates in place), the final norm, the LM head and the
-loss (chunked or full), and the decode positions. A family brings its layer (a module
-called as layer(x, segment_ids, extra, cache_index, layer_index) -> (x, None)), its final
-norm, and the shapes of its decode caches.
+CausalLM (the base of GPT and FLASH) is the whole model's call: decode positions, the
+load-balanced token layout under sequence sharding, the token embedding, the layer stack
+(nn.scan with remat, nested remat groups, offloaded layer inputs, or unrolled; while
+decoding, the layers' caches carried through the scan as stacks [layers, batch, ...] that
+each layer updates in place), the final norm, the LM head and the loss (chunked or full).
+A family subclass has the fields `config` and `parallel` and brings four things:
+
+    layer_class()                              its layer: layer(config, deterministic, decode,
+                                               parallel)(x, segment_ids, extra, cache_index,
+                                               layer_index) -> (x, None)
+    cache_shapes(batch, slots)                 (name, shape, dtype) of its decode stacks
+    position_inputs(x, positions, valid, decode)  -> (x, extra): what its layers read of the
+                                               positions (and of a decode call's valid counts)
+    final_norm()                               -> (norm(params, x), params)
 
 Families share these config fields: vocab_size, num_layers, d_model, max_seq_len,
 tie_embeddings, dropout, dtype, param_dtype, scan_layers, remat_layer, remat_group,
-offload_layer_inputs, loss_chunk_size, plus the properties layer_policy and chunked_loss
-(LMConfigMixin).
+offload_layer_inputs, loss_impl, loss_chunk_size; their configs have the properties
+layer_policy (LMConfigMixin) and chunked_loss.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bpt.ops.chunked import blockwise_cross_entropy, cross_entropy
+from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy
 from bpt.ops.remat import POLICIES
+from bpt.parallel.mesh import Parallelism
 from bpt.parallel.ring import from_layout, layout_permutation, to_layout
 
 Array = jax.Array
 LAYER_INPUT = "layer_input"  # the checkpoint name of each layer's input (for offloading)
+DTYPES = ("float32", "bfloat16", "float16")
+LOSS_IMPLS = ("auto", "chunked", "full")
 
 
 class LMConfigMixin:
     """Properties every family's config derives the same way from the shared fields."""
-
-    @property
-    def chunked_loss(self) -> bool:
-        if self.loss_impl == "auto":
-            return self.attention_mode == "blockwise_parallel"
-        return self.loss_impl == "chunked"
 
     @property
     def layer_policy(self):
@@ -120,29 +125,87 @@ def fold_rng(rng: Array | None, *data) -> Array | None:
     return rng
 
 
+class Layer(nn.Module):
+    """Base of a family's layer: its fields, and its parameters made with logical axis names
+    in param_dtype and used in the compute dtype."""
+
+    config: Any  # the family's config
+    deterministic: bool = True
+    decode: bool = False  # use and update the cache (collection "cache")
+    parallel: Parallelism | None = None  # the mesh; None: one device
+
+    def _param(self, name: str, shape: tuple[int, ...], axes: tuple, init) -> Array:
+        cfg = self.config
+        param = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype))
+        return param.astype(jnp.dtype(cfg.dtype))
+
+
 class CausalLM(nn.Module):
-    """Base of the model families (see the module docstring). Subclasses define the fields
-    `config` and `parallel` and the method layer_class()."""
+    """Base of the model families (see the module docstring)."""
 
-    def layer_class(self) -> type[nn.Module]:
-        raise NotImplementedError
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        *,
+        targets: Array | None = None,
+        loss_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        positions: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        extend: bool = False,
+        valid: Array | None = None,
+    ) -> Array | CrossEntropy:
+        """tokens [batch, seq] int -> logits [batch, seq, vocab] float32, or, given targets
+        [batch, seq], the CrossEntropy of the next-token predictions (loss_mask weights them).
 
-    def cache_stacks(self, batch: int, seq_len: int) -> list[tuple[str, tuple[int, ...], jnp.dtype]]:
-        """(name, shape, dtype) of each decode cache stack [layers, batch, ...]."""
-        raise NotImplementedError
+        decode=True reads and updates the cache (collection "cache", see bpt.sample): several
+        tokens are a prefill from position 0, one token continues; with extend=True several
+        tokens continue too (the later chunks of a long prompt). valid [batch]: how many of
+        this call's tokens are real, the rest padding (a family whose cache is a recurrent
+        state keeps padding out of it; one that keeps every position overwrites it later).
+        """
+        cfg = self.config
+        seq_len = tokens.shape[1]
+        cache_index = None
+        if decode:
+            cache_index, positions = self.decode_positions(tokens, extend)
+        elif positions is None:
+            positions = jnp.arange(seq_len)
+        perm, shards, (tokens, targets, loss_mask, segment_ids, positions) = self.load_balance(
+            seq_len, decode, tokens, targets, loss_mask, segment_ids, positions
+        )
+        x, embedding = self.embed(tokens, decode)
+        x, extra = self.position_inputs(x, positions, valid, decode)
+        if not deterministic and cfg.dropout > 0:
+            x = dropout(x, cfg.dropout, self.make_rng("dropout"))
+        x = self.layers(x, segment_ids, extra, cache_index, deterministic=deterministic, decode=decode)
+        norm, norm_params = self.final_norm()
+        return self.output(
+            x,
+            embedding,
+            norm,
+            norm_params,
+            targets=targets,
+            loss_mask=loss_mask,
+            perm=perm,
+            shards=shards,
+            decode=decode,
+        )
 
     # ------------------------------------------------------------------------ the pieces
 
-    def decode_positions(self, tokens: Array, extend: bool, valid: Array | None):
+    def decode_positions(self, tokens: Array, extend: bool):
         """(cache_index, positions [batch, seq]) while decoding, and the cache "index" [batch]
-        (where each sequence's next token goes) moved past this call's tokens: past `valid`
-        of them where given (the rest are padding), else all. cache_index is None for a
-        prefill (several tokens from position 0)."""
+        (where each sequence's next token goes) moved past this call's tokens. cache_index
+        is None for a prefill (several tokens from position 0). A batch of prompts of
+        different lengths sets the index to each length afterwards (bpt.sample.prefill)."""
         batch, seq_len = tokens.shape
         index = self.variable("cache", "index", lambda: jnp.zeros((batch,), jnp.int32))
         cache_index = index.value if seq_len == 1 or extend else None
         start = jnp.zeros((batch,), jnp.int32) if cache_index is None else cache_index
-        index.value = start + (seq_len if valid is None else valid)
+        index.value = start + seq_len
         return cache_index, start[:, None] + jnp.arange(seq_len)
 
     def load_balance(self, seq_len: int, decode: bool, tokens, targets, loss_mask, segment_ids, positions):
@@ -192,7 +255,7 @@ class CausalLM(nn.Module):
             # outputs instead, the whole cache would be copied every call.
             stacks = [
                 self.variable("cache", name, jnp.zeros, shape, dtype)
-                for name, shape, dtype in self.cache_stacks(x.shape[0], x.shape[1])
+                for name, shape, dtype in self.cache_shapes(x.shape[0], x.shape[1])
             ]
             scanned = nn.scan(
                 layer,

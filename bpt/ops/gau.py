@@ -154,12 +154,14 @@ def mixed_chunk_attention(
     bias: Array | None = None,
     segment_ids: Array | None = None,
     initial_state: Array | None = None,
-) -> Array:
+    return_states: bool = False,
+) -> Array | tuple[Array, Array]:
     """Causal mixed chunk attention, chunk by chunk: [G, G] scores per chunk and one running
     [s, e] sum, never [seq, seq]. seq must be a multiple of chunk_size; bias [G, G] is the
     quadratic part's relative bias inside a chunk (chunks start at multiples of G, so it is
     the same for all). initial_state [batch, s, e]: the linear sum of the tokens before this
-    sequence (decoding a prompt's later part; no segment ids then)."""
+    sequence (decoding a prompt's later part; no segment ids then). return_states: also the
+    float32 linear sum entering each chunk, [batch, chunks, s, e] (what decoding keeps)."""
     b, t, _ = quad_q.shape
     if t % chunk_size:
         raise ValueError(f"the sequence ({t} tokens) must be a multiple of chunk_size={chunk_size}")
@@ -177,4 +179,5 @@ def mixed_chunk_attention(
     lin = jnp.einsum("bcis,bcse->bcie", chunks(lin_q).astype(jnp.float32), state) * lin_scale
     if seg is not None:  # only queries in the document their chunk starts in see earlier chunks
         lin = lin * (seg == seg[:, :, :1])[..., None]
-    return (quad + lin).reshape(b, t, v.shape[-1]).astype(v.dtype)
+    out = (quad + lin).reshape(b, t, v.shape[-1]).astype(v.dtype)
+    return (out, state) if return_states else out
