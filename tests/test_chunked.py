@@ -12,12 +12,13 @@ from bpt.ops import blockwise_cross_entropy, blockwise_ffn, cross_entropy
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_blockwise_cross_entropy_equals_full(key, masked):
+@pytest.mark.parametrize("masked,vocab", [(False, 97), (True, 97), (False, 128)])
+def test_blockwise_cross_entropy_equals_full(key, masked, vocab):
+    """vocab 97 runs the head padded to 128 columns (masked out of the loss), 128 as it is."""
     kh, kw, kt, km = jax.random.split(key, 4)
     hidden = jax.random.normal(kh, (2, 64, 32))
-    weight = jax.random.normal(kw, (32, 97)) * 0.3
-    targets = jax.random.randint(kt, (2, 64), 0, 97)
+    weight = jax.random.normal(kw, (32, vocab)) * 0.3
+    targets = jax.random.randint(kt, (2, 64), 0, vocab)
     mask = (jax.random.uniform(km, (2, 64)) > 0.3).astype(jnp.float32) if masked else None
 
     def full(h, w):

@@ -176,7 +176,11 @@ def mixed_chunk_attention(
     state = _states_entering_chunks(lin_k, v, chunk_size, segment_ids)
     if initial_state is not None:
         state = state + initial_state[:, None].astype(jnp.float32)
-    lin = jnp.einsum("bcis,bcse->bcie", chunks(lin_q).astype(jnp.float32), state) * lin_scale
+    # The sum is carried in float32; the product with the queries runs in their dtype (bf16
+    # on the tensor cores when the model computes in bf16) and accumulates in float32.
+    lin = jnp.einsum(
+        "bcis,bcse->bcie", chunks(lin_q), state.astype(lin_q.dtype), preferred_element_type=jnp.float32
+    ) * lin_scale
     if seg is not None:  # only queries in the document their chunk starts in see earlier chunks
         lin = lin * (seg == seg[:, :, :1])[..., None]
     out = (quad + lin).reshape(b, t, v.shape[-1]).astype(v.dtype)

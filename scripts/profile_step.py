@@ -1,0 +1,168 @@
+"""Where a training step's time goes: a profile of real steps, summed by kernel.
+
+    python scripts/profile_step.py --config configs/flash_125m.py --seq_len 8192 --batch 8
+    python scripts/profile_step.py --config configs/gpt_125m.py --seq_len 8192 --batch 8 \\
+        --set model.remat_layer=dots_saveable --out results/profile_gpt
+
+Runs --warmup steps, then --steps steps under jax.profiler, and sums the device's kernel
+time by the XLA operation each kernel belongs to (its fusion or custom call) and by kind
+(matmul, attention kernel, fusion, copy, collective). The trace itself (for Perfetto or
+TensorBoard) stays under --out. Prints the step time and the --top operations as a markdown
+table last; --out also gets profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# Kernels launched from CUDA graphs would all be charged to their graph: launch them one by
+# one, so that each kernel keeps its own operation's name (this costs some launch overhead).
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+
+from benchlib import benchmark_config, run_meta  # noqa: E402
+
+KINDS = (  # (kind, a pattern of kernel names), the first match wins
+    ("matmul", r"gemm|nvjet|cutlass|cublas|sm\d+_xmma|wgmma|dot"),
+    ("attention kernel", r"flash|attention|mosaic|pallas|triton"),
+    ("collective", r"nccl|all_reduce|all_gather|reduce_scatter|collective|permute"),
+    ("copy", r"memcpy|memset|copy|transpose"),
+    ("fusion", r"fusion|loop_|input_|reduce"),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, lowered):
+            return kind
+    return "other"
+
+
+def device_events(trace_dir: str) -> list[dict]:
+    """The complete ('X') events of the device's processes in the Perfetto trace."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(max(paths, key=os.path.getmtime)) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    devices = {pid for pid, name in names.items() if "/device:" in name}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+
+
+HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|[^\s(]+?)(?:\{[^}]*\})? (\w[\w-]*)\(")
+
+
+def hlo_shapes(text: str) -> dict[str, str]:
+    """{instruction name: 'shape opcode'} of an HLO module's text: what each profiled
+    operation computes (a fusion's output shape, a custom call's target)."""
+    shapes = {}
+    for line in text.splitlines():
+        m = HLO_LINE.match(line)
+        if m:
+            name, shape, opcode = m.groups()
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            kind = re.search(r"kind=(k\w+)", line)
+            shapes[name] = f"{shape} {target.group(1) if target else (kind.group(1) if kind else opcode)}"
+    return shapes
+
+
+def summarize(events: list[dict], steps: int, shapes: dict[str, str] | None = None) -> dict:
+    """Kernel time per step (ms), by operation and by kind."""
+    by_op: dict[str, dict] = collections.defaultdict(lambda: {"ms": 0.0, "calls": 0, "kernels": set()})
+    by_kind: dict[str, float] = collections.Counter()
+    for e in events:
+        args = e.get("args", {})
+        op = args.get("hlo_op") or e["name"]
+        if op.startswith("command_buffer"):
+            op = e["name"]
+        ms = e["dur"] / 1e3 / steps
+        entry = by_op[op]
+        entry["ms"] += ms
+        entry["calls"] += 1
+        entry["kernels"].add(e["name"])
+        by_kind[kind_of(e["name"] + " " + op)] += ms
+    ops = sorted(
+        (
+            {
+                "op": op,
+                "ms": v["ms"],
+                "calls": v["calls"] / steps,
+                "kernel": sorted(v["kernels"])[0],
+                "hlo": (shapes or {}).get(op, ""),
+            }
+            for op, v in by_op.items()
+        ),
+        key=lambda r: -r["ms"],
+    )
+    return {"kernel_ms_per_step": sum(by_kind.values()), "by_kind": dict(by_kind), "ops": ops}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--seq_len", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--set", action="append", default=[], help="a config override, e.g. model.remat_layer=none")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+
+    import jax
+
+    from bpt.train.probe import TrainingStep
+
+    config = benchmark_config(args.config, seq_len=args.seq_len, batch_size=args.batch, overrides=args.set)
+    step = TrainingStep(config)
+    compiled = step.compiled()
+    state = step.init(jax.random.PRNGKey(0))
+    batch = step.batch(jax.random.PRNGKey(1))
+    for i in range(args.warmup):
+        state, metrics = compiled(state, batch, jax.random.PRNGKey(i))
+    jax.block_until_ready(metrics)
+    trace_dir = os.path.join(args.out, "trace") if args.out else tempfile.mkdtemp(prefix="bpt_profile_")
+    start = time.perf_counter()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for i in range(args.steps):
+            state, metrics = compiled(state, batch, jax.random.PRNGKey(100 + i))
+        jax.block_until_ready(metrics)
+    seconds = (time.perf_counter() - start) / args.steps  # with the profiler's own overhead
+    hlo = compiled.as_text()
+    summary = summarize(device_events(trace_dir), args.steps, hlo_shapes(hlo))
+    result = dict(
+        run_meta(config=args.config, seq_len=args.seq_len, batch=args.batch, overrides=args.set),
+        step_seconds_profiled=seconds,
+        trace_dir=trace_dir,
+        **summary,
+    )
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "profile.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
+            f.write(hlo)
+    total = summary["kernel_ms_per_step"]
+    print(f"\n{args.config} at {args.seq_len} x {args.batch} {' '.join(args.set)}")
+    print(f"step {seconds * 1e3:.1f} ms (profiled), kernels {total:.1f} ms a step")
+    print("kinds: " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(summary["by_kind"].items(), key=lambda kv: -kv[1])))
+    print("\n| operation | ms a step | share | calls | computes | first kernel |")
+    print("|---|---|---|---|---|---|")
+    for r in summary["ops"][: args.top]:
+        share = r["ms"] / total if total else 0.0
+        print(f"| {r['op'][:40]} | {r['ms']:.2f} | {share:.1%} | {r['calls']:g} | {r['hlo'][:60]} | {r['kernel'][:40]} |")
+
+
+if __name__ == "__main__":
+    main()
