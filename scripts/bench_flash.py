@@ -210,30 +210,40 @@ def tables(args, speed, longest, quality) -> str:
 
 
 def plot(args, speed, quality, path: Path) -> None:
+    """Tokens/s against the context and the loss curves, one panel for each part that ran
+    (nothing is written when neither did)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for config in dict.fromkeys(r["config"] for r in speed):
-        rows = [r for r in speed if r["config"] == config and r.get("ok")]
-        axes[0].plot(
-            [r["context"] for r in rows],
-            [r["tokens_per_second"] for r in rows],
-            marker="o",
-            label=Path(config).stem,
+    speed = [r for r in speed if r.get("ok")]
+    quality = [r for r in quality if r.get("ok")]
+    panels = [part for part, rows in (("speed", speed), ("quality", quality)) if rows]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    if "speed" in axes:
+        ax = axes["speed"]
+        for config in dict.fromkeys(r["config"] for r in speed):
+            rows = [r for r in speed if r["config"] == config]
+            ax.plot(
+                [r["context"] for r in rows],
+                [r["tokens_per_second"] for r in rows],
+                marker="o",
+                label=Path(config).stem,
+            )
+        ax.set(
+            xscale="log", yscale="log", xlabel="context (tokens)", ylabel="tokens/s", title="training step"
         )
-    axes[0].set(
-        xscale="log", yscale="log", xlabel="context (tokens)", ylabel="tokens/s", title="training step"
-    )
-    for r in quality:
-        if r.get("ok"):
-            axes[1].plot(r["steps"], r["loss"], label=Path(r["config"]).stem)
-    axes[1].set(xlabel="step", ylabel="training loss", title="same tokens, same data")
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
+    if "quality" in axes:
+        ax = axes["quality"]
+        for r in quality:
+            ax.plot(r["steps"], r["loss"], label=Path(r["config"]).stem)
+        ax.set(xlabel="step", ylabel="training loss", title="same tokens, same data")
+    for ax in axes.values():
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

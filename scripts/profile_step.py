@@ -55,7 +55,9 @@ def device_events(trace_dir: str) -> list[dict]:
     with gzip.open(max(paths, key=os.path.getmtime)) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
     devices = {pid for pid, name in names.items() if "/device:" in name}
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
 
@@ -113,7 +115,9 @@ def main() -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--seq_len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--set", action="append", default=[], help="a config override, e.g. model.remat_layer=none")
+    p.add_argument(
+        "--set", action="append", default=[], help="a config override, e.g. model.remat_layer=none"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
@@ -156,12 +160,17 @@ def main() -> None:
     total = summary["kernel_ms_per_step"]
     print(f"\n{args.config} at {args.seq_len} x {args.batch} {' '.join(args.set)}")
     print(f"step {seconds * 1e3:.1f} ms (profiled), kernels {total:.1f} ms a step")
-    print("kinds: " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(summary["by_kind"].items(), key=lambda kv: -kv[1])))
+    print(
+        "kinds: "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(summary["by_kind"].items(), key=lambda kv: -kv[1]))
+    )
     print("\n| operation | ms a step | share | calls | computes | first kernel |")
     print("|---|---|---|---|---|---|")
     for r in summary["ops"][: args.top]:
         share = r["ms"] / total if total else 0.0
-        print(f"| {r['op'][:40]} | {r['ms']:.2f} | {share:.1%} | {r['calls']:g} | {r['hlo'][:60]} | {r['kernel'][:40]} |")
+        print(
+            f"| {r['op'][:40]} | {r['ms']:.2f} | {share:.1%} | {r['calls']:g} | {r['hlo'][:60]} | {r['kernel'][:40]} |"
+        )
 
 
 if __name__ == "__main__":

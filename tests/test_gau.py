@@ -63,13 +63,54 @@ def test_mixed_chunk_equals_a_naive_loop_and_the_reference_with_segments_and_bia
     assert rel_err(mixed_chunk_attention(*qk, v, **kwargs), mixed_chunk_reference(*qk, v, **kwargs)) < 1e-5
 
 
-def test_mixed_chunk_gradients_equal_the_reference(key):
-    qk, v = gau_inputs(key, t=32)
-    seg = jnp.array([[0] * 20 + [1] * 12, [0] * 32])
-    kwargs = dict(chunk_size=8, quad_scale=1 / 8, lin_scale=1 / 32, segment_ids=seg)
+@pytest.mark.parametrize("segments,bias", [(True, False), (False, True)])
+def test_mixed_chunk_gradients_equal_the_reference(key, segments, bias):
+    """The written-out backward against autodiff of the materialized reference: the five
+    inputs and the relative bias."""
+    g, t = 8, 32
+    qk, v = gau_inputs(key, t=t)
+    seg = jnp.array([[0] * 20 + [1] * 12, [0] * 32]) if segments else None
+    table = jax.random.normal(jax.random.fold_in(key, 2), (32,)) if bias else jnp.zeros((32,))
+    dist = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]
+    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t, segment_ids=seg)
     cot = jax.random.normal(jax.random.fold_in(key, 1), v.shape)
-    grad = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a, **kwargs) * cot), argnums=tuple(range(5)))(*qk, v)  # noqa: E731
-    assert tree_rel_err(grad(mixed_chunk_attention), grad(mixed_chunk_reference)) < 1e-5
+
+    def grad(fn, bias_of):
+        loss = lambda *a: jnp.sum(fn(*a[:5], bias=bias_of(a[5]), **kwargs) * cot)  # noqa: E731
+        return jax.grad(loss, argnums=tuple(range(6 if bias else 5)))(*qk, v, table)
+
+    fast = grad(mixed_chunk_attention, lambda tb: tb[relative_buckets(dist[:g, :g])] if bias else None)
+    ref = grad(mixed_chunk_reference, lambda tb: tb[relative_buckets(dist)] if bias else None)
+    assert tree_rel_err(fast, ref) < 1e-5
+
+
+def test_mixed_chunk_from_an_initial_state_and_in_bf16(key):
+    """A sequence continued from the linear sum of the tokens before it equals the whole
+    sequence's later part (values and gradients); in bfloat16 it keeps its dtypes and stays
+    near the float32 result."""
+    g, t = 8, 32
+    qk, v = gau_inputs(key, t=t)
+    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
+    cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - 2 * g, v.shape[-1]))
+    whole = lambda *a: jnp.sum(mixed_chunk_attention(*a, **kwargs)[:, 2 * g :] * cot)  # noqa: E731
+
+    def continued(*a):
+        state = jnp.einsum("bjs,bje->bse", a[3][:, : 2 * g], a[4][:, : 2 * g])
+        later = [x[:, 2 * g :] for x in a]
+        return jnp.sum(mixed_chunk_attention(*later, initial_state=state, **kwargs) * cot)
+
+    args = (*qk, v)
+    assert rel_err(continued(*args), whole(*args)) < 1e-5
+    argnums = tuple(range(5))
+    assert tree_rel_err(jax.grad(continued, argnums)(*args), jax.grad(whole, argnums)(*args)) < 1e-5
+    half = [x.astype(jnp.bfloat16) for x in args]
+    out = mixed_chunk_attention(*half, **kwargs)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out.astype(jnp.float32), mixed_chunk_attention(*args, **kwargs)) < 2e-2
+    grads = jax.grad(lambda *a: jnp.sum(mixed_chunk_attention(*a, **kwargs).astype(jnp.float32)), argnums)(
+        *half
+    )
+    assert all(x.dtype == jnp.bfloat16 for x in grads)
 
 
 def test_relu2_reference_is_causal_and_keeps_to_segments(key):
@@ -145,7 +186,9 @@ def test_decoding_with_the_cache_equals_the_full_forward(form, key):
 
 @pytest.mark.parametrize("attention", ["mixed_chunk", "quadratic"])
 def test_ragged_prompts_in_chunks_decode_like_one_at_a_time(attention, key):
-    model = FLASH(small_flash(attention=attention))
+    # Greedy tokens must match exactly across paths: scales near 0 (qk_init="normal") keep the
+    # relu^2 scores small, so float32 round-off between paths never flips a near-tied argmax.
+    model = FLASH(small_flash(attention=attention, qk_init="normal"))
     params = random_params(model, key)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 40, n) for n in (3, 21, 13)]
@@ -209,6 +252,15 @@ def test_family_config_and_counts():
         small_flash(attention="linear")
     with pytest.raises(ValueError, match="model.qk_dim must be a positive integer"):
         small_flash(qk_dim=0)
+    with pytest.raises(ValueError, match="unknown model.qk_init 'zeros' for FLASH; allowed: ones, normal"):
+        small_flash(qk_init="zeros")
+    # qk_init: the query/key scales start near 1 (the default) or near 0 (the paper's)
+    for init, mean in (("ones", 1.0), ("normal", 0.0)):
+        cfg = FLASHConfig(vocab_size=50, num_layers=2, d_model=32, qk_init=init)
+        params = nn.meta.unbox(FLASH(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        scales = np.concatenate([np.ravel(x) for path, x in leaves if path[-1].key == "qk_scale"])
+        assert abs(scales.mean() - mean) < 0.01 and 0.005 < scales.std() < 0.04
 
 
 def test_flash_tiny_trains_through_the_loop_and_the_loss_falls(tmp_path):

@@ -50,6 +50,7 @@ Array = jax.Array
 FLASH_ATTENTION = ("mixed_chunk", "quadratic")
 NORMS = ("scale_norm", "layer_norm")
 FLASH_POSITIONS = ("rotary", "relative_bias")
+QK_INITS = ("ones", "normal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,10 @@ class FLASHConfig(LMConfigMixin):
     attention: str = "mixed_chunk"
     expansion: float = 2.0  # e: u and v are e * d_model wide
     qk_dim: int = 128  # s: the shared base of queries and keys
+    # The per-dimension scales that make queries and keys from the base: "ones" (1 + N(0, 0.02))
+    # or "normal" (N(0, 0.02), the paper's pseudo-code: relu^2 of scores near 0 then starts
+    # with almost no gradient; 32% worse than "ones" after 400 steps, docs/benchmarks.md).
+    qk_init: str = "ones"
     norm: str = "scale_norm"
     position_embedding: str = "rotary"  # or relative_bias: T5's bucketed bias on the relu^2 scores
     rope_theta: float = 10000.0
@@ -84,6 +89,7 @@ class FLASHConfig(LMConfigMixin):
             ("attention", FLASH_ATTENTION),
             ("norm", NORMS),
             ("position_embedding", FLASH_POSITIONS),
+            ("qk_init", QK_INITS),
             ("loss_impl", LOSS_IMPLS),
             ("dtype", DTYPES),
             ("param_dtype", DTYPES),
@@ -185,6 +191,15 @@ def scale_norm(x: Array, scale: Array, eps: float) -> Array:
     return (x32 * (scale.astype(jnp.float32) / jnp.maximum(norm, eps))).astype(x.dtype)
 
 
+def near_one(stddev: float):
+    """An initializer: 1 + N(0, stddev)."""
+
+    def init(key, shape, dtype=jnp.float32):
+        return (1.0 + stddev * jax.random.normal(key, shape)).astype(dtype)
+
+    return init
+
+
 def bias_table(table: Array, distance: Array, cfg: FLASHConfig) -> Array:
     """The relative position bias for causal distances (any shape)."""
     return table[relative_buckets(distance, cfg.relative_buckets, cfg.relative_max_distance)]
@@ -203,6 +218,7 @@ class GAULayer(Layer):
         d, e, s = cfg.d_model, cfg.hidden_dim, cfg.qk_dim
         normal = nn.initializers.normal(0.02)
         residual = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
+        qk_scale_init = normal if cfg.qk_init == "normal" else near_one(0.02)
         zeros, ones = nn.initializers.zeros_init(), nn.initializers.ones_init()
         p = {}
         if cfg.norm == "scale_norm":
@@ -217,7 +233,7 @@ class GAULayer(Layer):
             b_v=self._param("b_v", (e,), ("mlp",), zeros),
             w_z=self._param("w_z", (d, s), ("embed", "qk"), normal),
             b_z=self._param("b_z", (s,), ("qk",), zeros),
-            qk_scale=self._param("qk_scale", (cfg.num_qk, s), (None, "qk"), normal),
+            qk_scale=self._param("qk_scale", (cfg.num_qk, s), (None, "qk"), qk_scale_init),
             qk_offset=self._param("qk_offset", (cfg.num_qk, s), (None, "qk"), zeros),
             w_o=self._param("w_o", (e, d), ("mlp", "embed"), residual),
             b_o=self._param("b_o", (d,), ("embed",), zeros),

@@ -20,6 +20,7 @@ attention in bpt.ops.reference.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -141,6 +142,108 @@ def _states_entering_chunks(lin_k: Array, v: Array, chunk_size: int, seg: Array 
     return jnp.concatenate([jnp.zeros_like(added[:, :1]), inclusive[:, :-1]], axis=1)
 
 
+def _chunk_masks(seg: Array | None, g: int) -> tuple[Array, Array | None]:
+    """The quadratic part's [.., G, G] visibility inside each chunk (causal, same document),
+    and [batch, chunks, G]: the queries that see earlier chunks (those in the document their
+    chunk starts in; None without segment ids: all)."""
+    causal = jnp.tril(jnp.ones((g, g), bool))
+    if seg is None:
+        return causal, None
+    return causal & (seg[..., :, None] == seg[..., None, :]), seg == seg[:, :, :1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mixed_chunks(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, initial_state):
+    return _mixed_chunks_forward(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, initial_state)[0]
+
+
+def _mixed_chunks_fwd(static, *args):
+    out, _, residuals = _mixed_chunks_forward(static, *args)
+    return out, residuals
+
+
+def _mixed_chunks_forward(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, initial_state):
+    """(out, the float32 states entering the chunks, residuals). out [batch, chunks, G, e] =
+    [relu^2 weights | lin_q * lin_scale] @ [v ; state]: both parts in one matmul per chunk
+    (K = G + s), in the inputs' dtype with float32 accumulation, written once in that dtype."""
+    g, quad_scale, lin_scale = static
+    dtype = v.dtype
+    b, c = quad_q.shape[:2]
+    mask, lin_mask = _chunk_masks(seg, g)
+    scores = jnp.einsum("bcis,bcjs->bcij", quad_q, quad_k, preferred_element_type=jnp.float32) * quad_scale
+    if bias is not None:
+        scores = scores + bias.astype(jnp.float32)
+    r = jnp.where(mask, jax.nn.relu(scores), 0.0)  # relu(z) where visible: d(r^2)/dz = 2 r there
+    flat_seg = None if seg is None else seg.reshape(b, c * g)
+    state = _states_entering_chunks(lin_k.reshape(b, c * g, -1), v.reshape(b, c * g, -1), g, flat_seg)
+    if initial_state is not None:
+        state = state + initial_state[:, None].astype(jnp.float32)
+    lq = lin_q * lin_scale
+    if lin_mask is not None:
+        lq = jnp.where(lin_mask[..., None], lq, 0)
+    x = jnp.concatenate([jnp.square(r).astype(dtype), lq.astype(dtype)], axis=-1)  # [b, c, G, G + s]
+    y = jnp.concatenate([v, state.astype(dtype)], axis=-2)  # [b, c, G + s, e]
+    out = jnp.einsum("bcik,bcke->bcie", x, y, preferred_element_type=jnp.float32).astype(dtype)
+    return out, state, (quad_q, quad_k, lin_k, v, bias, seg, initial_state, r, x, y)
+
+
+def _mixed_chunks_bwd(static, residuals, d_out):
+    g, quad_scale, lin_scale = static
+    quad_q, quad_k, lin_k, v, bias, seg, initial_state, r, x, y = residuals
+    dtype = v.dtype
+    d_out = d_out.astype(dtype)
+    dx = jnp.einsum("bcie,bcke->bcik", d_out, y, preferred_element_type=jnp.float32)
+    # [b, c, G + s, e] in the inputs' dtype (the widest tensor here; float32 doubled its traffic)
+    dy = jnp.einsum("bcik,bcie->bcke", x, d_out, preferred_element_type=jnp.float32).astype(dtype)
+    # The quadratic part: out += r^2 v, so d(scores) = 2 r dW (zero where masked: r is 0 there).
+    d_scores = 2.0 * r * dx[..., :g]
+    ds = (d_scores * quad_scale).astype(quad_q.dtype)
+    d_quad_q = jnp.einsum("bcij,bcjs->bcis", ds, quad_k, preferred_element_type=jnp.float32)
+    d_quad_k = jnp.einsum("bcij,bcis->bcjs", ds, quad_q, preferred_element_type=jnp.float32)
+    d_bias = None if bias is None else d_scores.sum((0, 1)).astype(bias.dtype)
+    # The linear part: out += (lin_q * lin_scale) state, masked to the chunk's first document.
+    d_lin_q = dx[..., g:] * lin_scale
+    if seg is not None:
+        d_lin_q = jnp.where(_chunk_masks(seg, g)[1][..., None], d_lin_q, 0.0)
+    d_state = dy[:, :, g:].astype(jnp.float32)  # [b, c, s, e], summed over chunks in float32
+    d_init = None if initial_state is None else d_state.sum(1).astype(initial_state.dtype)
+    d_lin_k, d_v_lin = _states_vjp(lin_k, v, seg, d_state, g)
+    d_v = dy[:, :, :g].astype(jnp.float32) + d_v_lin
+    return (
+        d_quad_q.astype(quad_q.dtype),
+        d_quad_k.astype(quad_k.dtype),
+        d_lin_q.astype(quad_q.dtype),
+        d_lin_k.astype(lin_k.dtype),
+        d_v.astype(dtype),
+        d_bias,
+        None,
+        d_init,
+    )
+
+
+def _states_vjp(lin_k: Array, v: Array, seg: Array | None, d_state: Array, g: int) -> tuple[Array, Array]:
+    """The gradients of _states_entering_chunks (in chunks, [b, c, G, .]) float32, from
+    d_state [b, c, s, e] float32. Without segment ids each chunk's k v^T sum reaches every
+    later chunk, so its gradient is the sum of the later chunks' d_state (a reverse cumsum),
+    and the two matmuls back to lin_k and v run in the inputs' dtype."""
+    b, c = lin_k.shape[:2]
+    if seg is not None:  # documents restart the state: autodiff through the associative scan
+        flat = lambda x: x.reshape(b, c * g, x.shape[-1])  # noqa: E731
+        _, vjp = jax.vjp(
+            lambda k, w: _states_entering_chunks(k, w, g, seg.reshape(b, c * g)), flat(lin_k), flat(v)
+        )
+        d_k, d_v = vjp(d_state)
+        return d_k.reshape(lin_k.shape).astype(jnp.float32), d_v.reshape(v.shape).astype(jnp.float32)
+    later = jnp.flip(jnp.cumsum(jnp.flip(d_state, 1), axis=1), 1)  # inclusive: chunk c and after
+    d_sums = (later - d_state).astype(v.dtype)  # exclusive: the chunks after c see chunk c's sum
+    d_k = jnp.einsum("bcje,bcse->bcjs", v, d_sums, preferred_element_type=jnp.float32)
+    d_v = jnp.einsum("bcjs,bcse->bcje", lin_k, d_sums, preferred_element_type=jnp.float32)
+    return d_k, d_v
+
+
+_mixed_chunks.defvjp(_mixed_chunks_fwd, _mixed_chunks_bwd)
+
+
 def mixed_chunk_attention(
     quad_q: Array,
     quad_k: Array,
@@ -161,27 +264,22 @@ def mixed_chunk_attention(
     quadratic part's relative bias inside a chunk (chunks start at multiples of G, so it is
     the same for all). initial_state [batch, s, e]: the linear sum of the tokens before this
     sequence (decoding a prompt's later part; no segment ids then). return_states: also the
-    float32 linear sum entering each chunk, [batch, chunks, s, e] (what decoding keeps)."""
+    float32 linear sum entering each chunk, [batch, chunks, s, e] (what decoding keeps).
+
+    Its backward is written out (custom_vjp): every matmul takes the inputs' dtype with
+    float32 accumulation, the forward's two parts are one matmul, and the linear part's
+    gradient runs back over the chunks as a reverse cumulative sum in float32."""
     b, t, _ = quad_q.shape
     if t % chunk_size:
         raise ValueError(f"the sequence ({t} tokens) must be a multiple of chunk_size={chunk_size}")
     c, g = t // chunk_size, chunk_size
     chunks = lambda x: x.reshape(b, c, g, x.shape[-1])  # noqa: E731
     seg = None if segment_ids is None else segment_ids.reshape(b, c, g)
-    mask = _same_segment(seg, seg) & jnp.tril(jnp.ones((g, g), bool))
-    weights = jnp.where(mask, relu2(_scores(chunks(quad_q), chunks(quad_k), quad_scale, bias)), 0.0)
-    quad = jnp.einsum(
-        "bcij,bcje->bcie", weights.astype(v.dtype), chunks(v), preferred_element_type=jnp.float32
-    )
-    state = _states_entering_chunks(lin_k, v, chunk_size, segment_ids)
-    if initial_state is not None:
-        state = state + initial_state[:, None].astype(jnp.float32)
-    # The sum is carried in float32; the product with the queries runs in their dtype (bf16
-    # on the tensor cores when the model computes in bf16) and accumulates in float32.
-    lin = jnp.einsum(
-        "bcis,bcse->bcie", chunks(lin_q), state.astype(lin_q.dtype), preferred_element_type=jnp.float32
-    ) * lin_scale
-    if seg is not None:  # only queries in the document their chunk starts in see earlier chunks
-        lin = lin * (seg == seg[:, :, :1])[..., None]
-    out = (quad + lin).reshape(b, t, v.shape[-1]).astype(v.dtype)
+    static = (g, float(quad_scale), float(lin_scale))
+    args = (chunks(quad_q), chunks(quad_k), chunks(lin_q), chunks(lin_k), chunks(v), bias, seg, initial_state)
+    if return_states:  # decoding: the states are an output too (autodiff would go through them)
+        out, state, _ = _mixed_chunks_forward(static, *args)
+    else:
+        out, state = _mixed_chunks(static, *args), None
+    out = out.reshape(b, t, v.shape[-1])
     return (out, state) if return_states else out
