@@ -410,6 +410,5 @@ def check_config(c: ConfigDict) -> None:
             raise ValueError(f"{key} must be {where}; got {value!r}")
     if c.data.name == "copy" and c.data.seq_len % 2:
         raise ValueError(f"data.name='copy' needs an even data.seq_len; got {c.data.seq_len}")
-    model_config(
-        c.model, vocab_size=1, seq_len=c.data.seq_len
-    )  # the family's config checks the model's settings
+    # The family's config (GPTConfig, FLASHConfig) checks the model's settings.
+    model_config(c.model, vocab_size=1, seq_len=c.data.seq_len)

@@ -209,7 +209,7 @@ def tables(args, speed, longest, quality) -> str:
     return "\n".join(out)
 
 
-def plot(args, speed, quality, path: Path) -> None:
+def plot(speed, quality, path: Path) -> None:
     """Tokens/s against the context and the loss curves, one panel for each part that ran
     (nothing is written when neither did)."""
     import matplotlib
@@ -295,7 +295,7 @@ def main() -> None:
             json.dumps(dict(meta=meta, speed=speed, max_context=longest, quality=quality), indent=1)
         )
         (out / "table.md").write_text(table + "\n")
-        plot(args, speed, quality, out / "flash.png")
+        plot(speed, quality, out / "flash.png")
     print(table)
 
 

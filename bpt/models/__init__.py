@@ -11,13 +11,12 @@ from bpt.models.gpt import GPT, GPTConfig
 from bpt.parallel.mesh import Parallelism
 
 FAMILIES = {"gpt": GPTConfig, "flash": FLASHConfig}
+MODELS = {GPTConfig: GPT, FLASHConfig: FLASH}
 
 
 def make_model(config: GPTConfig | FLASHConfig, parallel: Parallelism | None = None) -> GPT | FLASH:
     """The module of the family whose config this is."""
-    if isinstance(config, FLASHConfig):
-        return FLASH(config, parallel=parallel)
-    return GPT(config, parallel=parallel)
+    return MODELS[type(config)](config, parallel=parallel)
 
 
 __all__ = ["FAMILIES", "FLASH", "FLASHConfig", "GPT", "GPTConfig", "make_model"]

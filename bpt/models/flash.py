@@ -39,7 +39,9 @@ from bpt.models.lm import (
     LMConfigMixin,
     apply_rotary,
     dropout,
+    final_layer_norm,
     layer_norm,
+    logical_param,
     rotary_tables,
 )
 from bpt.ops.gau import mixed_chunk_attention, relative_buckets, relu2, relu2_attention_reference
@@ -169,14 +171,19 @@ class FLASHConfig(LMConfigMixin):
             total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return total
 
-    def train_flops_per_token(self, seq_len: int) -> float:
+    @property
+    def summary(self) -> str:
+        """What kind of model this is, in a few words (the training log's first line)."""
+        return f"FLASH, attention={self.attention}, chunk_size={self.chunk_size}"
+
+    def train_flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
         """Model FLOPs of a forward and backward pass per token (3x the forward's): the
         matmuls of the layers and the LM head, the relu^2 scores and their values (causal:
-        half of a chunk on average, or half the sequence for quadratic), and the linear
-        part's k v^T and q S (2 s e multiply-adds each)."""
+        half of a chunk on average, or half the sequence for quadratic; causal=False counts
+        all of it), and the linear part's k v^T and q S (2 s e multiply-adds each)."""
         d, e, s = self.d_model, self.hidden_dim, self.qk_dim
         dense = self.num_layers * (3 * d * e + d * s) + d * self.vocab_size
-        window = self.chunk_size if self.attention == "mixed_chunk" else seq_len
+        window = (self.chunk_size if self.attention == "mixed_chunk" else seq_len) * (1 if causal else 2)
         attention = window * (s + e) + (4 * s * e if self.attention == "mixed_chunk" else 0)
         return 6.0 * dense + 3.0 * self.num_layers * attention
 
@@ -493,18 +500,8 @@ class FLASH(CausalLM):
 
     def final_norm(self):
         cfg = self.config
-        d, eps = cfg.d_model, cfg.layer_norm_epsilon
-
-        def param(name, shape, axes, init):
-            return self.param(
-                name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype)
-            )
-
-        if cfg.norm == "scale_norm":
-            scale = param("norm_f_scale", (), (), nn.initializers.constant(math.sqrt(d)))
-            return (lambda p, h: scale_norm(h, p, eps)), scale
-        params = (
-            param("ln_f_scale", (d,), ("embed",), nn.initializers.ones_init()),
-            param("ln_f_bias", (d,), ("embed",), nn.initializers.zeros_init()),
-        )
-        return (lambda p, h: layer_norm(h, *p, eps)), params
+        if cfg.norm == "layer_norm":
+            return final_layer_norm(self)
+        scale = logical_param(self, "norm_f_scale", (), (), nn.initializers.constant(math.sqrt(cfg.d_model)))
+        eps = cfg.layer_norm_epsilon
+        return (lambda p, h: scale_norm(h, p, eps)), scale

@@ -34,8 +34,10 @@ from bpt.models.lm import (
     LMConfigMixin,
     apply_rotary,
     dropout,
+    final_layer_norm,
     fold_rng,
     layer_norm,
+    logical_param,
     rotary_tables,
 )
 from bpt.ops.attention import attention, check_impl, select_impl
@@ -201,6 +203,20 @@ class GPTConfig(LMConfigMixin):
             if self.position_embedding == "learned":
                 total += self.max_seq_len * d
         return total
+
+    @property
+    def summary(self) -> str:
+        """What kind of model this is, in a few words (the training log's first line)."""
+        return f"attention_mode={self.attention_mode}, attention_impl={self.attention_impl}"
+
+    def train_flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+        """Model FLOPs of a forward and backward pass per token (3x the forward's): 6 per
+        matmul weight (the layers' and the LM head's) and the attention's QK^T and PV over
+        seq_len keys (half of them, causal)."""
+        d, h, kv, hd, f = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head, self.mlp_dim
+        matmul_params = self.num_layers * (2 * d * h * hd + 2 * d * kv * hd + 2 * d * f) + d * self.vocab_size
+        attention = 12 * self.num_layers * h * hd * seq_len * (0.5 if causal else 1.0)
+        return 6.0 * matmul_params + attention
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -485,27 +501,14 @@ class GPT(CausalLM):
                 f"sequence length {x.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len} "
                 "of the learned position table"
             )
-        table = self.param(
+        table = logical_param(
+            self,
             "position_embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), ("positions", "embed")),
             (cfg.max_seq_len, cfg.d_model),
-            jnp.dtype(cfg.param_dtype),
+            ("positions", "embed"),
+            nn.initializers.normal(0.02),
         )
         return x + jnp.take(table, positions, axis=0).astype(x.dtype), None
 
     def final_norm(self):
-        cfg = self.config
-        params = tuple(
-            self.param(
-                name,
-                nn.with_logical_partitioning(init, ("embed",)),
-                (cfg.d_model,),
-                jnp.dtype(cfg.param_dtype),
-            )
-            for name, init in (
-                ("ln_f_scale", nn.initializers.ones_init()),
-                ("ln_f_bias", nn.initializers.zeros_init()),
-            )
-        )
-        eps = cfg.layer_norm_epsilon
-        return (lambda p, h: layer_norm(h, *p, eps)), params
+        return final_layer_norm(self)

@@ -125,6 +125,25 @@ def fold_rng(rng: Array | None, *data) -> Array | None:
     return rng
 
 
+def logical_param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple, init) -> Array:
+    """module's parameter `name`, with logical axis names (for the sharding rules), in its
+    config's param_dtype."""
+    dtype = jnp.dtype(module.config.param_dtype)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def final_layer_norm(module: nn.Module):
+    """(norm(params, x), params): a final LayerNorm with module's parameters ln_f_scale and
+    ln_f_bias (CausalLM.final_norm's contract)."""
+    cfg = module.config
+    params = (
+        logical_param(module, "ln_f_scale", (cfg.d_model,), ("embed",), nn.initializers.ones_init()),
+        logical_param(module, "ln_f_bias", (cfg.d_model,), ("embed",), nn.initializers.zeros_init()),
+    )
+    eps = cfg.layer_norm_epsilon
+    return (lambda p, h: layer_norm(h, *p, eps)), params
+
+
 class Layer(nn.Module):
     """Base of a family's layer: its fields, and its parameters made with logical axis names
     in param_dtype and used in the compute dtype."""
@@ -135,9 +154,7 @@ class Layer(nn.Module):
     parallel: Parallelism | None = None  # the mesh; None: one device
 
     def _param(self, name: str, shape: tuple[int, ...], axes: tuple, init) -> Array:
-        cfg = self.config
-        param = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(cfg.param_dtype))
-        return param.astype(jnp.dtype(cfg.dtype))
+        return logical_param(self, name, shape, axes, init).astype(jnp.dtype(self.config.dtype))
 
 
 class CausalLM(nn.Module):
@@ -225,11 +242,8 @@ class CausalLM(nn.Module):
         """(x [batch, seq, d_model] in the compute dtype, the embedding table)."""
         cfg = self.config
         par = None if decode else self.parallel
-        embedding = self.param(
-            "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
-            (cfg.vocab_size, cfg.d_model),
-            jnp.dtype(cfg.param_dtype),
+        embedding = logical_param(
+            self, "embedding", (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), nn.initializers.normal(0.02)
         )
         if par is not None:  # gathered over the FSDP axes once, as FSDP gathers every weight
             embedding = jax.lax.with_sharding_constraint(embedding, par.sharding("tensor", None))
@@ -249,6 +263,14 @@ class CausalLM(nn.Module):
         args = (cfg, deterministic, decode, self.parallel)
         if cfg.scan_layers and cfg.remat_group > 1 and not decode and not self.is_initializing():
             return self._grouped_layers(x, segment_ids, extra, deterministic)
+        scan = functools.partial(
+            nn.scan,
+            layer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
         if cfg.scan_layers and decode:
             # The layers' caches are stacks [layers, batch, ...] carried through the scan, each
             # layer writing and reading its own part in place: scanned over as inputs and
@@ -257,13 +279,8 @@ class CausalLM(nn.Module):
                 self.variable("cache", name, jnp.zeros, shape, dtype)
                 for name, shape, dtype in self.cache_shapes(x.shape[0], x.shape[1])
             ]
-            scanned = nn.scan(
-                layer,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
+            scanned = scan(
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
-                length=cfg.num_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
                 # Nothing is broadcast out, and the check's extra trace (a partial evaluation)
                 # fails on the GPU decode kernel's pallas_call ("broadcasted variable has a
                 # data dependency on the scan body", jax 0.11.2).
@@ -275,14 +292,7 @@ class CausalLM(nn.Module):
                 stack.value = value
             return x
         if cfg.scan_layers:
-            scanned = nn.scan(
-                layer,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )(*args, name="layers")
+            scanned = scan(in_axes=(nn.broadcast, nn.broadcast, nn.broadcast))(*args, name="layers")
             return scanned(x, segment_ids, extra, cache_index)[0]
         for i in range(cfg.num_layers):
             x, _ = layer(*args, name=f"layer_{i}")(x, segment_ids, extra, cache_index)
@@ -343,11 +353,12 @@ class CausalLM(nn.Module):
         if cfg.tie_embeddings:
             head = embedding.T
         else:
-            head = self.param(
+            head = logical_param(
+                self,
                 "lm_head",
-                nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
                 (cfg.d_model, cfg.vocab_size),
-                jnp.dtype(cfg.param_dtype),
+                ("embed", "vocab"),
+                nn.initializers.normal(0.02),
             )
         if par is not None:
             x = jax.lax.with_sharding_constraint(x, par.activations())

@@ -102,36 +102,27 @@ def mixed_chunk_reference(
     return jnp.einsum("bij,bje->bie", quad + lin, v, preferred_element_type=jnp.float32).astype(v.dtype)
 
 
-def chunk_sums(lin_k: Array, v: Array, chunk_size: int, mask: Array | None = None) -> Array:
-    """sum of lin_k_j v_j^T over each chunk: [batch, seq, s], [batch, seq, e] -> [batch,
-    chunks, s, e] float32; mask [batch, seq] leaves tokens out."""
-    b, t, s = lin_k.shape
+def chunk_sums(lin_k: Array, v: Array, mask: Array | None = None) -> Array:
+    """sum of lin_k_j v_j^T over each chunk: [batch, chunks, G, s], [batch, chunks, G, e] ->
+    [batch, chunks, s, e] float32; mask [batch, chunks, G] leaves tokens out."""
     if mask is not None:
         lin_k = lin_k * mask[..., None].astype(lin_k.dtype)
-    return jnp.einsum(
-        "bcjs,bcje->bcse",
-        lin_k.reshape(b, t // chunk_size, chunk_size, s),
-        v.reshape(b, t // chunk_size, chunk_size, v.shape[-1]),
-        preferred_element_type=jnp.float32,
-    )
+    return jnp.einsum("bcjs,bcje->bcse", lin_k, v, preferred_element_type=jnp.float32)
 
 
-def _states_entering_chunks(lin_k: Array, v: Array, chunk_size: int, seg: Array | None) -> Array:
-    """[batch, chunks, s, e] float32: for each chunk, sum(lin_k_j v_j^T) over the tokens before
-    it that belong to the document its first token belongs to (all tokens before it without
-    segment ids)."""
-    b, t, _ = lin_k.shape
-    c = t // chunk_size
+def _states_entering_chunks(lin_k: Array, v: Array, seg: Array | None) -> Array:
+    """[batch, chunks, s, e] float32 from chunked lin_k, v (and seg [batch, chunks, G]): for
+    each chunk, sum(lin_k_j v_j^T) over the tokens before it that belong to the document its
+    first token belongs to (all tokens before it without segment ids)."""
     if seg is None:
-        sums = chunk_sums(lin_k, v, chunk_size)
+        sums = chunk_sums(lin_k, v)
         inclusive = jnp.cumsum(sums, axis=1)
         return jnp.concatenate([jnp.zeros_like(sums[:, :1]), inclusive[:, :-1]], axis=1)
-    seg = seg.reshape(b, c, chunk_size)
     first = seg[:, :, 0]  # the document each chunk starts in
     following = jnp.concatenate([first[:, 1:], first[:, -1:]], axis=1)  # ... and the next one
     # S_(c+1) = carry_c * S_c + (chunk c's tokens of the document chunk c + 1 starts in): the
     # state carries on while one document spans the chunk boundary, and restarts otherwise.
-    added = chunk_sums(lin_k, v, chunk_size, (seg == following[..., None]).reshape(b, t))
+    added = chunk_sums(lin_k, v, seg == following[..., None])
     carry = (following == first).astype(jnp.float32)
 
     def combine(left, right):
@@ -168,14 +159,12 @@ def _mixed_chunks_forward(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, in
     (K = G + s), in the inputs' dtype with float32 accumulation, written once in that dtype."""
     g, quad_scale, lin_scale = static
     dtype = v.dtype
-    b, c = quad_q.shape[:2]
     mask, lin_mask = _chunk_masks(seg, g)
     scores = jnp.einsum("bcis,bcjs->bcij", quad_q, quad_k, preferred_element_type=jnp.float32) * quad_scale
     if bias is not None:
         scores = scores + bias.astype(jnp.float32)
     r = jnp.where(mask, jax.nn.relu(scores), 0.0)  # relu(z) where visible: d(r^2)/dz = 2 r there
-    flat_seg = None if seg is None else seg.reshape(b, c * g)
-    state = _states_entering_chunks(lin_k.reshape(b, c * g, -1), v.reshape(b, c * g, -1), g, flat_seg)
+    state = _states_entering_chunks(lin_k, v, seg)
     if initial_state is not None:
         state = state + initial_state[:, None].astype(jnp.float32)
     lq = lin_q * lin_scale
@@ -184,13 +173,13 @@ def _mixed_chunks_forward(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, in
     x = jnp.concatenate([jnp.square(r).astype(dtype), lq.astype(dtype)], axis=-1)  # [b, c, G, G + s]
     y = jnp.concatenate([v, state.astype(dtype)], axis=-2)  # [b, c, G + s, e]
     out = jnp.einsum("bcik,bcke->bcie", x, y, preferred_element_type=jnp.float32).astype(dtype)
-    return out, state, (quad_q, quad_k, lin_k, v, bias, seg, initial_state, r, x, y)
+    return out, state, (quad_q, quad_k, lin_k, bias, seg, initial_state, r, x, y)  # v is in y
 
 
 def _mixed_chunks_bwd(static, residuals, d_out):
     g, quad_scale, lin_scale = static
-    quad_q, quad_k, lin_k, v, bias, seg, initial_state, r, x, y = residuals
-    dtype = v.dtype
+    quad_q, quad_k, lin_k, bias, seg, initial_state, r, x, y = residuals
+    v, dtype = y[:, :, :g], y.dtype
     d_out = d_out.astype(dtype)
     dx = jnp.einsum("bcie,bcke->bcik", d_out, y, preferred_element_type=jnp.float32)
     # [b, c, G + s, e] in the inputs' dtype (the widest tensor here; float32 doubled its traffic)
@@ -207,7 +196,7 @@ def _mixed_chunks_bwd(static, residuals, d_out):
         d_lin_q = jnp.where(_chunk_masks(seg, g)[1][..., None], d_lin_q, 0.0)
     d_state = dy[:, :, g:].astype(jnp.float32)  # [b, c, s, e], summed over chunks in float32
     d_init = None if initial_state is None else d_state.sum(1).astype(initial_state.dtype)
-    d_lin_k, d_v_lin = _states_vjp(lin_k, v, seg, d_state, g)
+    d_lin_k, d_v_lin = _states_vjp(lin_k, v, seg, d_state)
     d_v = dy[:, :, :g].astype(jnp.float32) + d_v_lin
     return (
         d_quad_q.astype(quad_q.dtype),
@@ -221,19 +210,14 @@ def _mixed_chunks_bwd(static, residuals, d_out):
     )
 
 
-def _states_vjp(lin_k: Array, v: Array, seg: Array | None, d_state: Array, g: int) -> tuple[Array, Array]:
-    """The gradients of _states_entering_chunks (in chunks, [b, c, G, .]) float32, from
-    d_state [b, c, s, e] float32. Without segment ids each chunk's k v^T sum reaches every
-    later chunk, so its gradient is the sum of the later chunks' d_state (a reverse cumsum),
-    and the two matmuls back to lin_k and v run in the inputs' dtype."""
-    b, c = lin_k.shape[:2]
+def _states_vjp(lin_k: Array, v: Array, seg: Array | None, d_state: Array) -> tuple[Array, Array]:
+    """The gradients of _states_entering_chunks ([b, c, G, .] float32) from d_state [b, c, s,
+    e] float32. Without segment ids each chunk's k v^T sum reaches every later chunk, so its
+    gradient is the sum of the later chunks' d_state (a reverse cumsum), and the two matmuls
+    back to lin_k and v run in the inputs' dtype."""
     if seg is not None:  # documents restart the state: autodiff through the associative scan
-        flat = lambda x: x.reshape(b, c * g, x.shape[-1])  # noqa: E731
-        _, vjp = jax.vjp(
-            lambda k, w: _states_entering_chunks(k, w, g, seg.reshape(b, c * g)), flat(lin_k), flat(v)
-        )
-        d_k, d_v = vjp(d_state)
-        return d_k.reshape(lin_k.shape).astype(jnp.float32), d_v.reshape(v.shape).astype(jnp.float32)
+        _, vjp = jax.vjp(lambda k, w: _states_entering_chunks(k, w, seg), lin_k, v)
+        return tuple(d.astype(jnp.float32) for d in vjp(d_state))
     later = jnp.flip(jnp.cumsum(jnp.flip(d_state, 1), axis=1), 1)  # inclusive: chunk c and after
     d_sums = (later - d_state).astype(v.dtype)  # exclusive: the chunks after c see chunk c's sum
     d_k = jnp.einsum("bcje,bcse->bcjs", v, d_sums, preferred_element_type=jnp.float32)

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from bpt.config import base_config, check_config, model_config
 from bpt.data.datasets import Prefetcher, make_dataset, put_batch
-from bpt.models import FLASHConfig, make_model
+from bpt.models import make_model
 from bpt.models.lm import CausalLM
 from bpt.sample import generate
 from bpt.train.checkpoint import Checkpoints, load_params
@@ -346,14 +346,9 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     dataset, model, state = setup(config)
     rng = jax.random.PRNGKey(config.seed)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
-    mc = model.config
-    what = (
-        f"FLASH, attention={mc.attention}, chunk_size={mc.chunk_size}"
-        if isinstance(mc, FLASHConfig)
-        else f"attention_mode={mc.attention_mode}, attention_impl={mc.attention_impl}"
-    )
     say(
-        f"model: {num_params / 1e6:.2f}M parameters, {what}; data: {config.data.name}, seq_len={config.data.seq_len}"
+        f"model: {num_params / 1e6:.2f}M parameters, {model.config.summary}; "
+        f"data: {config.data.name}, seq_len={config.data.seq_len}"
     )
 
     with Checkpoints(

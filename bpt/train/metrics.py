@@ -15,19 +15,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bpt.models.gpt import GPTConfig
+from bpt.models import FLASHConfig, GPTConfig
 
 # Dense bf16 tensor-core peak per device, FLOP/s.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
-def train_flops_per_token(cfg: GPTConfig, seq_len: int, *, causal: bool = True) -> float:
-    if not isinstance(cfg, GPTConfig):  # another family counts its own (FLASHConfig)
-        return cfg.train_flops_per_token(seq_len)
-    d, h, kv, hd, f = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.mlp_dim
-    matmul_params = cfg.num_layers * (2 * d * h * hd + 2 * d * kv * hd + 2 * d * f) + d * cfg.vocab_size
-    attention = 12 * cfg.num_layers * h * hd * seq_len * (0.5 if causal else 1.0)
-    return 6.0 * matmul_params + attention
+def train_flops_per_token(cfg: GPTConfig | FLASHConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Model FLOPs of a training step per token, as the model's family counts them."""
+    return cfg.train_flops_per_token(seq_len, causal=causal)
 
 
 def peak_flops_per_device(device: jax.Device, override: float = 0.0) -> float | None:
