@@ -45,6 +45,7 @@ RANGES = (
     ("train.warmup_steps", (0, True), None),
     ("train.eval_every", (0, True), None),
     ("train.eval_batches", (0, True), None),
+    ("train.eval_by_position", (0, True), None),
     ("train.sample_tokens", (0, True), None),
     ("train.sample_temperature", (0.0, True), None),
     ("train.sample_top_k", (0, True), None),
@@ -130,6 +131,10 @@ def base_config(size: str = "small") -> ConfigDict:
     c.train.memory_fraction = 0.95
     c.train.eval_every = 200  # 0: evaluate only at the end
     c.train.eval_batches = 8  # 0: no evaluation (a run of a few long steps)
+    # N > 0: every evaluation also logs the loss by position in the window (ranges [0, N),
+    # [N, 2N), [2N, 4N), ... as bpt-eval --by_position), to follow how a run learns to use
+    # its context; each range is one more pass over the evaluation batches.
+    c.train.eval_by_position = 0
     c.train.checkpoint_every = 1000
     c.train.keep_checkpoints = 3  # the newest K checkpoints are kept
     c.train.async_checkpoints = True

@@ -262,3 +262,25 @@ def test_evaluating_a_checkpoint_reproduces_the_runs_final_eval(tmp_path):
     assert result["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
     with pytest.raises(FileNotFoundError, match="must be a bpt-train run"):
         evaluate_checkpoint(tmp_path / "elsewhere")
+
+
+def test_params_only_init_resizes_a_learned_position_table(tmp_path):
+    # Fine-tuning at a longer context grows the table (extend_positions), at a shorter one
+    # keeps its first rows; every other parameter loads as saved.
+    c = run_config(steps=4)
+    c.model.position_embedding = "learned"
+    train(c, tmp_path / "base")
+    with Checkpoints(tmp_path / "base" / "checkpoints", async_save=False) as saved:
+        model = GPT(model_config(c.model, vocab_size=9, seq_len=64))
+        base, _ = saved.restore_latest(create_state(c, model, jax.random.PRNGKey(7)))
+    table = np.asarray(base.params["position_embedding"])
+    for seq_len in (32, 128):
+        model = GPT(model_config(c.model, vocab_size=9, seq_len=seq_len))
+        params = load_params(tmp_path / "base", create_state(c, model, jax.random.PRNGKey(7)).params)
+        resized = np.asarray(params["position_embedding"])
+        assert resized.shape == (seq_len, table.shape[1])
+        if seq_len < 64:
+            np.testing.assert_array_equal(resized, table[:seq_len])
+        else:  # interpolated: the first and last rows are the saved ones
+            np.testing.assert_array_equal(resized[[0, -1]], table[[0, -1]])
+        np.testing.assert_array_equal(np.asarray(params["embedding"]), np.asarray(base.params["embedding"]))

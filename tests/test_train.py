@@ -62,6 +62,23 @@ def test_a_one_step_run_is_timed_and_eval_batches_zero_skips_evaluation(tmp_path
     assert "eval_loss" not in last
 
 
+def test_eval_by_position_logs_each_range_at_every_evaluation_and_plots_it(tmp_path):
+    from bpt.cli.plot import plot_runs
+
+    c = copy_config(steps=4)
+    c.train.update(log_every=2, eval_every=2, eval_by_position=16)
+    train(c, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        rows = r["eval_by_position"]
+        assert [(b["start"], b["end"]) for b in rows] == [(0, 16), (16, 32), (32, 64)]
+        # Every position lies in one range: the ranges' token-weighted mean is the eval loss.
+        mean = sum(b["loss"] * b["tokens"] for b in rows) / sum(b["tokens"] for b in rows)
+        assert mean == pytest.approx(r["eval_loss"], rel=1e-5)
+    assert plot_runs([tmp_path], tmp_path / "curves.png").stat().st_size > 0
+
+
 def test_gradient_accumulation_matches_one_big_batch():
     c = copy_config()
     model = GPT(model_config(c.model, vocab_size=9, seq_len=64))

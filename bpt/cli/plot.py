@@ -4,6 +4,8 @@
     bpt-plot --by_position runs/a runs/b --out by_position.png
 
 Reads each run's metrics.jsonl; a resumed run's repeated steps count once (the last line).
+A run trained with train.eval_by_position gets one more panel: its validation loss in each
+range of window positions, step by step.
 --by_position draws instead the loss by position in the context window that
 `bpt-eval --by_position` wrote to each run's eval.json.
 """
@@ -57,7 +59,11 @@ def plot_runs(workdirs: list[str | Path], out: str | Path) -> Path:
     panels = [("loss", "loss (nats per token)"), ("tokens_per_sec", "tokens / s")]
     if any("mfu" in r for records in runs.values() for r in records):
         panels.append(("mfu", "model FLOPs utilization (fraction of peak)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    by_position = any("eval_by_position" in r for records in runs.values() for r in records)
+    width = len(panels) + by_position
+    fig, axes = plt.subplots(1, width, figsize=(5.5 * width, 4), squeeze=False)
+    if by_position:
+        _by_position_over_steps(axes[0][-1], runs)
     for ax, (key, label) in zip(axes[0], panels):
         for i, (name, records) in enumerate(runs.items()):
             color = f"C{i}"
@@ -76,6 +82,33 @@ def plot_runs(workdirs: list[str | Path], out: str | Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return _save(fig, out)
+
+
+def _by_position_over_steps(ax, runs: dict[str, list[dict]]) -> None:
+    """Validation loss of each range of window positions against the step: a colour per range
+    (light: early positions, dark: late ones), a line style per run."""
+    import matplotlib
+
+    styles = ["-", "--", ":", "-."]
+    for i, (name, records) in enumerate(runs.items()):
+        evals = [r for r in records if "eval_by_position" in r]
+        if not evals:
+            continue
+        ranges = [(b["start"], b["end"]) for b in evals[-1]["eval_by_position"]]
+        colors = matplotlib.colormaps["viridis_r"]([0.15 + 0.85 * j / max(len(ranges) - 1, 1) for j in range(len(ranges))])
+        for j, (start, end) in enumerate(ranges):
+            points = [
+                (r["step"], b["loss"])
+                for r in evals
+                for b in r["eval_by_position"]
+                if (b["start"], b["end"]) == (start, end)
+            ]
+            label = f"{start:,}-{end:,}" + (f" ({name})" if len(runs) > 1 else "")
+            ax.plot(*zip(*points), styles[i % len(styles)], color=colors[j], marker="o", ms=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss by window position")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
 
 
 def read_by_position(workdir: str | Path) -> list[dict]:

@@ -262,7 +262,8 @@ def load_params(path: str | Path, like, *, extend_positions: str = "interpolate"
 
     path: a run's workdir, its checkpoints folder, or one <step> folder in it. A learned
     position table shorter than like's (a model fine-tuned at a longer context than it was
-    trained or imported at) grows by extend_positions (bpt.models.hf.extend_positions).
+    trained or imported at) grows by extend_positions (bpt.models.hf.extend_positions); a
+    longer one keeps its first rows (a shorter context than the checkpoint's).
     """
     path = Path(path).expanduser().absolute()
     if (path / "checkpoints").is_dir():
@@ -278,13 +279,13 @@ def load_params(path: str | Path, like, *, extend_positions: str = "interpolate"
         step_dir = path / str(steps[-1])
     target = _abstract(like)
     positions = _saved_positions(step_dir)
-    grow = (
+    resize = (
         isinstance(like, dict)
         and "position_embedding" in like
         and positions is not None
-        and positions < like["position_embedding"].shape[0]
+        and positions != like["position_embedding"].shape[0]
     )
-    if grow:
+    if resize:
         table = like["position_embedding"]
         target = {
             **target,
@@ -299,14 +300,13 @@ def load_params(path: str | Path, like, *, extend_positions: str = "interpolate"
             raise ModelMismatch(
                 f"the parameters at {step_dir} do not fit the configured model: {str(error)[:500]}"
             ) from error
-    if grow:
+    if resize:
         from bpt.models.hf import extend_positions as extend
 
         table = like["position_embedding"]
-        grown = extend(
-            np.asarray(jax.device_get(params["position_embedding"])), table.shape[0], extend_positions
-        )
-        params = {**params, "position_embedding": jax.device_put(grown.astype(table.dtype), table.sharding)}
+        saved = np.asarray(jax.device_get(params["position_embedding"]))
+        resized = extend(saved, table.shape[0], extend_positions)  # longer: its first rows
+        params = {**params, "position_embedding": jax.device_put(resized.astype(table.dtype), table.sharding)}
     return params
 
 

@@ -42,9 +42,18 @@ class Reporter:
     """Turns the metrics of the steps since the last log into one metrics.jsonl line."""
 
     def __init__(
-        self, config: ConfigDict, workdir: Path, eval_data: list[dict], bar, model: CausalLM, eval_fn
+        self,
+        config: ConfigDict,
+        workdir: Path,
+        eval_host: list[dict],
+        bar,
+        model: CausalLM,
+        eval_fn,
+        batch_sharding=None,
     ):
-        self.config, self.eval_data, self.bar = config, eval_data, bar
+        self.config, self.eval_host, self.bar = config, eval_host, bar
+        self.batch_sharding = batch_sharding
+        self.eval_data = [put_batch(b, batch_sharding) for b in eval_host]
         self.writer = MetricsWriter(workdir) if jax.process_index() == 0 else None
         self.schedule = learning_rate_schedule(config.train)
         self.eval_fn = eval_fn
@@ -103,6 +112,11 @@ class Reporter:
         eval_every = self.config.train.eval_every
         if self.eval_data and (evaluate_now or (eval_every and step % eval_every == 0)):
             record.update(evaluate(state, self.eval_data, self.eval_fn))
+            first = self.config.train.eval_by_position
+            if first:
+                buckets = position_buckets(self.config.data.seq_len, first)
+                rows = evaluate_by_position(state, self.eval_host, self.eval_fn, buckets, self.batch_sharding)
+                record["eval_by_position"] = [{k: r[k] for k in ("start", "end", "loss", "tokens")} for r in rows]
         if self.writer is not None:
             self.writer.write(record)
         postfix = {"loss": f"{loss:.3f}"}
@@ -418,10 +432,8 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
             total=tc.steps,
             disable=jax.process_index() != 0,
         )
-        eval_data = [
-            put_batch(b, batch_sharding) for b in dataset.eval_batches(tc.eval_batches, tc.batch_size)
-        ]
-        reporter = Reporter(config, workdir, eval_data, bar, model, eval_fn)
+        eval_host = dataset.eval_batches(tc.eval_batches, tc.batch_size)
+        reporter = Reporter(config, workdir, eval_host, bar, model, eval_fn, batch_sharding)
         reporter.start_timer(start)  # preflight compiled the step: even a one-step run is timed
 
         pending, last, done = [], {}, start
