@@ -74,6 +74,7 @@ def base_config(size: str = "small") -> ConfigDict:
     c.model.num_kv_heads = config_dict.placeholder(int)  # None: one per query head
     c.model.head_dim = config_dict.placeholder(int)  # None: d_model // num_heads
     c.model.max_seq_len = config_dict.placeholder(int)  # learned positions; None: data.seq_len
+    c.model.mlp_hidden = config_dict.placeholder(int)  # None: mlp_ratio x d_model
     c.model.update(MODEL_SIZES[size])
     # gpt | flash. FLASH (bpt.models.flash.FLASHConfig) reads the shared fields above and its
     # own below (defaults from FLASHConfig; they must stay at them for a GPT), and ignores

@@ -27,20 +27,11 @@ import json
 from pathlib import Path
 
 from bpt.config import paper_config
+from bpt.models.hf import SHAPE_FIELDS
 
-# The settings a GPT-2 checkpoint fixes: taken from the imported run.
-SHAPE = (
-    "vocab_size",
-    "num_layers",
-    "d_model",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "mlp_ratio",
-    "position_embedding",
-    "tie_embeddings",
-    "layer_norm_epsilon",
-)
+# The settings a checkpoint fixes (its shape; max_seq_len follows data.seq_len): taken from
+# the imported run.
+SHAPE = tuple(name for name in SHAPE_FIELDS if name != "max_seq_len")
 
 
 def get_config(imported: str = "runs/gpt2"):

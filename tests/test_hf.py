@@ -142,7 +142,10 @@ def test_bad_folders_are_clear_errors(tmp_path):
     write_gpt2_folder(tmp_path / "llama")
     cfg = json.loads((tmp_path / "llama" / "config.json").read_text())
     (tmp_path / "llama" / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
-    with pytest.raises(HFFormatError, match="model_type='llama'"):
+    with pytest.raises(HFFormatError, match="holds a 'llama' model, not GPT-2: use load_hf"):
+        load_hf_gpt2(tmp_path / "llama")
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**cfg, "model_type": "bert"}))
+    with pytest.raises(HFFormatError, match="model_type='bert'; bpt imports GPT-2 and Llama"):
         load_hf_gpt2(tmp_path / "llama")
 
     from safetensors.numpy import load_file, save_file

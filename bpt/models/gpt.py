@@ -38,6 +38,7 @@ from bpt.models.lm import (
     fold_rng,
     layer_norm,
     logical_param,
+    rms_norm,
     rotary_tables,
 )
 from bpt.ops.attention import attention, check_impl, select_impl
@@ -53,6 +54,7 @@ Array = jax.Array
 ATTENTION_MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
 CACHE_DTYPES = ("auto", "int8")
 POSITION_EMBEDDINGS = ("rotary", "learned")
+MLP_ACTIVATIONS = ("gelu", "swiglu")
 __all__ = [
     "GPT",
     "GPTConfig",
@@ -89,6 +91,12 @@ class GPTConfig(LMConfigMixin):
     num_kv_heads: int | None = None  # None: as many as query heads (GQA/MQA when fewer)
     head_dim: int | None = None  # None: d_model // num_heads
     mlp_ratio: float = 4.0
+    mlp_hidden: int | None = None  # the FFN's hidden width; None: mlp_ratio x d_model
+    # The FFN: "gelu" (GPT-2's: tanh-GELU(x W1 + b1) W2 + b2) or "swiglu" (Llama's:
+    # (silu(x W1) * x W3) W2, a third matrix W3 of the same shape as W1).
+    mlp_activation: str = "gelu"
+    use_bias: bool = True  # biases on q, k, v, the output projection and the FFN (Llama: none)
+    rms_norm: bool = False  # RMSNorm (a scale, no bias) instead of LayerNorm, in every norm
     max_seq_len: int = 2048  # size of the learned position table
     position_embedding: str = "rotary"
     rope_theta: float = 10000.0
@@ -134,6 +142,7 @@ class GPTConfig(LMConfigMixin):
         allowed("param_dtype", self.param_dtype, DTYPES)
         allowed("loss_impl", self.loss_impl, LOSS_IMPLS)
         allowed("cache_dtype", self.cache_dtype, CACHE_DTYPES)
+        allowed("mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
         check_impl(self.attention_impl, "model.attention_impl")
         resolve_decode_impl(self.decode_impl, "model.decode_impl")
         for name in ("remat_layer", "remat_attention", "remat_ffn"):
@@ -151,7 +160,7 @@ class GPTConfig(LMConfigMixin):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
-        for name in ("num_kv_heads", "head_dim"):
+        for name in ("num_kv_heads", "head_dim", "mlp_hidden"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"model.{name} must be a positive integer or None; got {value!r}")
@@ -184,7 +193,12 @@ class GPTConfig(LMConfigMixin):
 
     @property
     def mlp_dim(self) -> int:
-        return int(self.mlp_ratio * self.d_model)
+        return self.mlp_hidden or int(self.mlp_ratio * self.d_model)
+
+    @property
+    def ffn_matrices(self) -> int:
+        """Weight matrices of the FFN: W1 and W2, and W3 with swiglu."""
+        return 3 if self.mlp_activation == "swiglu" else 2
 
     @property
     def chunked_loss(self) -> bool:
@@ -195,9 +209,13 @@ class GPTConfig(LMConfigMixin):
     def num_params(self, *, embeddings: bool = True) -> int:
         """Parameter count (weights and biases), computed from the shapes alone."""
         d, h, kv, hd, f = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head, self.mlp_dim
-        attn = d * h * hd + 2 * d * kv * hd + h * hd * d + h * hd + 2 * kv * hd + d
-        per_layer = attn + 2 * d * f + f + d + 4 * d
-        total = self.num_layers * per_layer + 2 * d
+        norm = d if self.rms_norm else 2 * d
+        attn = d * h * hd + 2 * d * kv * hd + h * hd * d
+        ffn = self.ffn_matrices * d * f
+        if self.use_bias:
+            attn += h * hd + 2 * kv * hd + d
+            ffn += (self.ffn_matrices - 1) * f + d
+        total = self.num_layers * (attn + ffn + 2 * norm) + norm
         if embeddings:
             total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
             if self.position_embedding == "learned":
@@ -214,7 +232,9 @@ class GPTConfig(LMConfigMixin):
         matmul weight (the layers' and the LM head's) and the attention's QK^T and PV over
         seq_len keys (half of them, causal)."""
         d, h, kv, hd, f = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head, self.mlp_dim
-        matmul_params = self.num_layers * (2 * d * h * hd + 2 * d * kv * hd + 2 * d * f) + d * self.vocab_size
+        matmul_params = (
+            self.num_layers * (2 * d * h * hd + 2 * d * kv * hd + self.ffn_matrices * d * f) + d * self.vocab_size
+        )
         attention = 12 * self.num_layers * h * hd * seq_len * (0.5 if causal else 1.0)
         return 6.0 * matmul_params + attention
 
@@ -222,26 +242,45 @@ class GPTConfig(LMConfigMixin):
 # ----------------------------------------------------------------------------- pure math
 
 
+# A layer's parameters are a dict; the architecture options show in which entries it has:
+# no b* without biases, no ln*_bias with RMSNorm, a w3 with swiglu.
+
+
+def _biased(y: Array, p: dict, bias: str) -> Array:
+    return y + p[bias] if bias in p else y
+
+
 def project_qkv(p: dict, h: Array) -> tuple[Array, Array, Array]:
-    q = jnp.einsum("bsd,dhk->bshk", h, p["wq"]) + p["bq"]
-    k = jnp.einsum("bsd,dhk->bshk", h, p["wk"]) + p["bk"]
-    v = jnp.einsum("bsd,dhk->bshk", h, p["wv"]) + p["bv"]
+    q = _biased(jnp.einsum("bsd,dhk->bshk", h, p["wq"]), p, "bq")
+    k = _biased(jnp.einsum("bsd,dhk->bshk", h, p["wk"]), p, "bk")
+    v = _biased(jnp.einsum("bsd,dhk->bshk", h, p["wv"]), p, "bv")
     return q, k, v
 
 
 def project_out(p: dict, a: Array) -> Array:
-    return jnp.einsum("bshk,hkd->bsd", a, p["wo"]) + p["bo"]
+    return _biased(jnp.einsum("bshk,hkd->bsd", a, p["wo"]), p, "bo")
 
 
 def mlp(p: dict, h: Array) -> Array:
-    hidden = jax.nn.gelu(jnp.einsum("bsd,df->bsf", h, p["w1"]) + p["b1"], approximate=True)
-    return jnp.einsum("bsf,fd->bsd", hidden, p["w2"]) + p["b2"]
+    up = _biased(jnp.einsum("bsd,df->bsf", h, p["w1"]), p, "b1")
+    if "w3" in p:  # swiglu
+        hidden = jax.nn.silu(up) * _biased(jnp.einsum("bsd,df->bsf", h, p["w3"]), p, "b3")
+    else:
+        hidden = jax.nn.gelu(up, approximate=True)
+    return _biased(jnp.einsum("bsf,fd->bsd", hidden, p["w2"]), p, "b2")
+
+
+def norm(p: dict, name: str, h: Array, eps: float) -> Array:
+    """The layer's norm `name` (ln1, ln2): LayerNorm, or RMSNorm when it has no bias."""
+    if f"{name}_bias" in p:
+        return layer_norm(h, p[f"{name}_scale"], p[f"{name}_bias"], eps)
+    return rms_norm(h, p[f"{name}_scale"], eps)
 
 
 def post_attention_weights(p: dict) -> dict:
     """The weights a BPT chunk reads after attention: output projection and FFN."""
-    names = ("wo", "bo", "ln2_scale", "ln2_bias", "w1", "b1", "w2", "b2")
-    return {name: p[name] for name in names}
+    names = ("wo", "bo", "ln2_scale", "ln2_bias", "w1", "b1", "w3", "b3", "w2", "b2")
+    return {name: p[name] for name in names if name in p}
 
 
 # ----------------------------------------------------------------------------- modules
@@ -259,24 +298,29 @@ class Block(Layer):
         # GPT-2: projections into the residual stream are scaled down with depth.
         residual = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
         zeros, ones = nn.initializers.zeros_init(), nn.initializers.ones_init()
-        return {
-            "ln1_scale": self._param("ln1_scale", (d,), ("embed",), ones),
-            "ln1_bias": self._param("ln1_bias", (d,), ("embed",), zeros),
-            "wq": self._param("wq", (d, h, hd), ("embed", "heads", "head_dim"), normal),
-            "wk": self._param("wk", (d, kv, hd), ("embed", "kv_heads", "head_dim"), normal),
-            "wv": self._param("wv", (d, kv, hd), ("embed", "kv_heads", "head_dim"), normal),
-            "bq": self._param("bq", (h, hd), ("heads", "head_dim"), zeros),
-            "bk": self._param("bk", (kv, hd), ("kv_heads", "head_dim"), zeros),
-            "bv": self._param("bv", (kv, hd), ("kv_heads", "head_dim"), zeros),
-            "wo": self._param("wo", (h, hd, d), ("heads", "head_dim", "embed"), residual),
-            "bo": self._param("bo", (d,), ("embed",), zeros),
-            "ln2_scale": self._param("ln2_scale", (d,), ("embed",), ones),
-            "ln2_bias": self._param("ln2_bias", (d,), ("embed",), zeros),
-            "w1": self._param("w1", (d, f), ("embed", "mlp"), normal),
-            "b1": self._param("b1", (f,), ("mlp",), zeros),
-            "w2": self._param("w2", (f, d), ("mlp", "embed"), residual),
-            "b2": self._param("b2", (d,), ("embed",), zeros),
-        }
+        # (name, shape, logical axes, init, present): created in this order, so that a
+        # GPT-2-shaped layer keeps the tree it always had.
+        table = [
+            ("ln1_scale", (d,), ("embed",), ones, True),
+            ("ln1_bias", (d,), ("embed",), zeros, not cfg.rms_norm),
+            ("wq", (d, h, hd), ("embed", "heads", "head_dim"), normal, True),
+            ("wk", (d, kv, hd), ("embed", "kv_heads", "head_dim"), normal, True),
+            ("wv", (d, kv, hd), ("embed", "kv_heads", "head_dim"), normal, True),
+            ("bq", (h, hd), ("heads", "head_dim"), zeros, cfg.use_bias),
+            ("bk", (kv, hd), ("kv_heads", "head_dim"), zeros, cfg.use_bias),
+            ("bv", (kv, hd), ("kv_heads", "head_dim"), zeros, cfg.use_bias),
+            ("wo", (h, hd, d), ("heads", "head_dim", "embed"), residual, True),
+            ("bo", (d,), ("embed",), zeros, cfg.use_bias),
+            ("ln2_scale", (d,), ("embed",), ones, True),
+            ("ln2_bias", (d,), ("embed",), zeros, not cfg.rms_norm),
+            ("w1", (d, f), ("embed", "mlp"), normal, True),
+            ("b1", (f,), ("mlp",), zeros, cfg.use_bias),
+            ("w3", (d, f), ("embed", "mlp"), normal, cfg.mlp_activation == "swiglu"),
+            ("b3", (f,), ("mlp",), zeros, cfg.use_bias and cfg.mlp_activation == "swiglu"),
+            ("w2", (f, d), ("mlp", "embed"), residual, True),
+            ("b2", (d,), ("embed",), zeros, cfg.use_bias),
+        ]
+        return {name: self._param(name, shape, axes, init) for name, shape, axes, init, present in table if present}
 
     @nn.compact
     def __call__(
@@ -303,10 +347,10 @@ class Block(Layer):
         eps, rate = cfg.layer_norm_epsilon, cfg.dropout
 
         def ffn_residual(h: Array, rng, p=p) -> Array:
-            ffn = remat(lambda h: mlp(p, layer_norm(h, p["ln2_scale"], p["ln2_bias"], eps)), cfg.remat_ffn)
+            ffn = remat(lambda h: mlp(p, norm(p, "ln2", h, eps)), cfg.remat_ffn)
             return h + dropout(ffn(h), rate, rng)
 
-        q, k, v = project_qkv(p, layer_norm(x, p["ln1_scale"], p["ln1_bias"], eps))
+        q, k, v = project_qkv(p, norm(p, "ln1", x, eps))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
 
@@ -511,4 +555,4 @@ class GPT(CausalLM):
         return x + jnp.take(table, positions, axis=0).astype(x.dtype), None
 
     def final_norm(self):
-        return final_layer_norm(self)
+        return final_layer_norm(self, bias=not self.config.rms_norm)

@@ -1,4 +1,5 @@
-"""GPT-2 checkpoints in the Hugging Face layout: import into bpt's GPT, and export back.
+"""Hugging Face checkpoints: GPT-2 (import into bpt's GPT, and export back) and Llama-style
+models (import).
 
 A Hugging Face GPT-2 folder holds config.json (n_embd, n_layer, n_head, n_positions, n_inner,
 vocab_size, layer_norm_epsilon, activation_function) and the weights in model.safetensors
@@ -19,6 +20,22 @@ tied embeddings is GPT-2's architecture, so the import is exact:
 
 Keys may carry a "transformer." prefix (GPT2LMHeadModel) or not (GPT2Model); the attention
 mask buffers (attn.bias, attn.masked_bias) of older files are skipped.
+
+A Llama folder (model_type "llama": RMSNorm, SwiGLU, rotary positions, grouped-query
+attention, no biases unless attention_bias/mlp_bias) maps onto the same GPT with
+rms_norm=True, mlp_activation="swiglu", use_bias=False and mlp_hidden=intermediate_size.
+Its torch Linear weights are [out, in]; transformers' Llama rotates the two halves of each
+head (rotate_half), as bpt's apply_rotary does, so no permutation is needed:
+
+    Llama ("model." prefix or not)                bpt
+    embed_tokens.weight [V, D]                    embedding
+    layers.i.input_layernorm.weight               layers.ln1_scale[i]
+    layers.i.self_attn.{q,k,v}_proj.weight        layers.w{q,k,v} [D, H or KV, hd] (transposed)
+    layers.i.self_attn.o_proj.weight [D, H hd]    layers.wo [H, hd, D]
+    layers.i.post_attention_layernorm.weight      layers.ln2_scale[i]
+    layers.i.mlp.{gate,up,down}_proj.weight       layers.w1, w3, w2 (transposed)
+    norm.weight                                   ln_f_scale
+    lm_head.weight [V, D]                         lm_head [D, V] (unless tie_word_embeddings)
 """
 
 from __future__ import annotations
@@ -48,7 +65,27 @@ LAYER_KEYS = (
     "mlp.c_proj.weight",
     "mlp.c_proj.bias",
 )
-SKIPPED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers, not weights
+SKIPPED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers, not weights
+MODEL_TYPES = ("gpt2", "llama")
+# The GPTConfig fields a checkpoint fixes (a run imported from it keeps them).
+SHAPE_FIELDS = (
+    "vocab_size",
+    "num_layers",
+    "d_model",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_ratio",
+    "mlp_hidden",
+    "mlp_activation",
+    "use_bias",
+    "rms_norm",
+    "max_seq_len",
+    "position_embedding",
+    "rope_theta",
+    "tie_embeddings",
+    "layer_norm_epsilon",
+)
 
 
 class HFFormatError(ValueError):
@@ -61,10 +98,14 @@ def read_hf_config(path: str | Path) -> dict:
     if not file.is_file():
         raise HFFormatError(f"{path} has no {CONFIG_FILE}: not a Hugging Face model folder")
     config = json.loads(file.read_text())
-    if config.get("model_type") != "gpt2":
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
         raise HFFormatError(
-            f"{file} has model_type={config.get('model_type')!r}; bpt imports GPT-2 checkpoints (model_type 'gpt2')"
+            f"{file} has model_type={model_type!r}; bpt imports GPT-2 and Llama checkpoints "
+            f"(model_type {' or '.join(repr(t) for t in MODEL_TYPES)})"
         )
+    if model_type == "llama":
+        return _check_llama_config(config, file)
     activation = config.get("activation_function", "gelu_new")
     if activation not in ACTIVATIONS:
         raise HFFormatError(
@@ -76,6 +117,70 @@ def read_hf_config(path: str | Path) -> dict:
     if config.get("scale_attn_weights", True) is False:
         raise HFFormatError(f"{file} sets scale_attn_weights=false, which bpt's GPT does not implement")
     return config
+
+
+def _rope_theta(config: dict, file) -> float:
+    """rope_theta of a Llama config.json: top level (transformers v4) or in rope_parameters
+    (v5); only unscaled rotary positions are implemented."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        raise HFFormatError(
+            f"{file} scales its rotary positions (rope type {kind!r}); bpt implements unscaled "
+            "rotary positions only (rope_type 'default')"
+        )
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _check_llama_config(config: dict, file) -> dict:
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise HFFormatError(f"{file} has hidden_act={activation!r}; bpt's SwiGLU FFN uses 'silu'")
+    if bool(config.get("attention_bias", False)) != bool(config.get("mlp_bias", False)):
+        raise HFFormatError(
+            f"{file} sets attention_bias={config.get('attention_bias')} but mlp_bias={config.get('mlp_bias')}; "
+            "bpt's model.use_bias puts biases on both or on neither"
+        )
+    _rope_theta(config, file)
+    return config
+
+
+def llama_config_from_hf(config: dict, **overrides) -> GPTConfig:
+    """The GPTConfig of a Llama config.json; overrides set bpt's own fields."""
+    heads = config["num_attention_heads"]
+    fields = dict(
+        vocab_size=config["vocab_size"],
+        num_layers=config["num_hidden_layers"],
+        d_model=config["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        mlp_hidden=config["intermediate_size"],
+        mlp_activation="swiglu",
+        use_bias=bool(config.get("attention_bias", False)),
+        rms_norm=True,
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        position_embedding="rotary",
+        rope_theta=_rope_theta(config, CONFIG_FILE),
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        layer_norm_epsilon=config.get("rms_norm_eps", 1e-6),
+    )
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def hf_positions(config: dict) -> int:
+    """The context a checkpoint was made for: n_positions (GPT-2), max_position_embeddings."""
+    return config["n_positions"] if config["model_type"] == "gpt2" else config.get("max_position_embeddings", 2048)
+
+
+def load_hf(path: str | Path, **kwargs) -> tuple[GPTConfig, dict]:
+    """(GPTConfig, params) of a GPT-2 or Llama folder (load_hf_gpt2 or load_hf_llama, by its
+    model_type); a Llama ignores extend (it has no position table)."""
+    if read_hf_config(path)["model_type"] == "llama":
+        kwargs.pop("extend", None)
+        return load_hf_llama(path, **kwargs)
+    return load_hf_gpt2(path, **kwargs)
 
 
 def gpt_config_from_hf(config: dict, **overrides) -> GPTConfig:
@@ -121,13 +226,29 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     raise HFFormatError(f"{path} has neither {WEIGHTS_FILE} nor {INDEX_FILE} (bpt reads safetensors only)")
 
 
-def _strip_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _strip_prefix(tensors: dict[str, np.ndarray], prefix: str = "transformer.") -> dict[str, np.ndarray]:
     out = {}
     for key, value in tensors.items():
         if key.endswith(SKIPPED_SUFFIXES):
             continue
-        out[key.removeprefix("transformer.")] = value
+        out[key.removeprefix(prefix)] = value
     return out
+
+
+def _taker(path: Path, tensors: dict[str, np.ndarray], prefix: str):
+    """take(key, shape): the float32 tensor `key` of the folder, checked against shape."""
+
+    def take(key: str, shape: tuple[int, ...]) -> np.ndarray:
+        if key not in tensors:
+            raise HFFormatError(f"{path} has no tensor {key!r} (nor '{prefix}{key}')")
+        value = tensors[key]
+        if tuple(value.shape) != shape:
+            raise HFFormatError(
+                f"tensor {key!r} of {path} has shape {tuple(value.shape)}; its config.json implies {shape}"
+            )
+        return np.asarray(value, np.float32)
+
+    return take
 
 
 def load_hf_gpt2(
@@ -139,19 +260,12 @@ def load_hf_gpt2(
     position table by `extend` (extend_positions), a shorter one keeps its first rows."""
     path = Path(path)
     hf = read_hf_config(path)
+    if hf["model_type"] != "gpt2":
+        raise HFFormatError(f"{path} holds a {hf['model_type']!r} model, not GPT-2: use load_hf or load_hf_llama")
     cfg = gpt_config_from_hf(hf, **overrides)
     tensors = _strip_prefix(read_safetensors(path))
     d, h, hd, f, v = cfg.d_model, cfg.num_heads, cfg.dim_per_head, cfg.mlp_dim, cfg.vocab_size
-
-    def take(key: str, shape: tuple[int, ...]) -> np.ndarray:
-        if key not in tensors:
-            raise HFFormatError(f"{path} has no tensor {key!r} (nor 'transformer.{key}')")
-        value = tensors[key]
-        if tuple(value.shape) != shape:
-            raise HFFormatError(
-                f"tensor {key!r} of {path} has shape {tuple(value.shape)}; its config.json implies {shape}"
-            )
-        return np.asarray(value, np.float32)
+    take = _taker(path, tensors, "transformer.")
 
     layers = []
     for i in range(cfg.num_layers):
@@ -185,6 +299,55 @@ def load_hf_gpt2(
         "position_embedding": extend_positions(positions, cfg.max_seq_len, extend),
         "ln_f_scale": take("ln_f.weight", (d,)),
         "ln_f_bias": take("ln_f.bias", (d,)),
+        **stack_layers(layers, cfg.scan_layers),
+    }
+    if not cfg.tie_embeddings:
+        if "lm_head.weight" not in tensors:
+            raise HFFormatError(f"{path} sets tie_word_embeddings=false but has no tensor 'lm_head.weight'")
+        params["lm_head"] = take("lm_head.weight", (v, d)).T
+    return cfg, _cast(params, dtype)
+
+
+def load_hf_llama(path: str | Path, *, dtype=np.float32, **overrides) -> tuple[GPTConfig, dict]:
+    """(GPTConfig, params) of a Hugging Face Llama folder (LlamaForCausalLM or LlamaModel
+    keys), params in bpt's tree as NumPy arrays of dtype; overrides set GPTConfig fields."""
+    path = Path(path)
+    hf = read_hf_config(path)
+    if hf["model_type"] != "llama":
+        raise HFFormatError(f"{path} holds a {hf['model_type']!r} model, not Llama: use load_hf or load_hf_gpt2")
+    cfg = llama_config_from_hf(hf, **overrides)
+    tensors = _strip_prefix(read_safetensors(path), "model.")
+    d, h, kv, hd, f, v = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.mlp_dim, cfg.vocab_size
+    take = _taker(path, tensors, "model.")
+
+    layers = []
+    for i in range(cfg.num_layers):
+        t = lambda name, shape: take(f"layers.{i}.{name}", shape)  # noqa: E731
+        layer = {
+            "ln1_scale": t("input_layernorm.weight", (d,)),
+            "wq": t("self_attn.q_proj.weight", (h * hd, d)).T.reshape(d, h, hd),
+            "wk": t("self_attn.k_proj.weight", (kv * hd, d)).T.reshape(d, kv, hd),
+            "wv": t("self_attn.v_proj.weight", (kv * hd, d)).T.reshape(d, kv, hd),
+            "wo": t("self_attn.o_proj.weight", (d, h * hd)).T.reshape(h, hd, d),
+            "ln2_scale": t("post_attention_layernorm.weight", (d,)),
+            "w1": t("mlp.gate_proj.weight", (f, d)).T,
+            "w3": t("mlp.up_proj.weight", (f, d)).T,
+            "w2": t("mlp.down_proj.weight", (d, f)).T,
+        }
+        if cfg.use_bias:
+            layer.update(
+                bq=t("self_attn.q_proj.bias", (h * hd,)).reshape(h, hd),
+                bk=t("self_attn.k_proj.bias", (kv * hd,)).reshape(kv, hd),
+                bv=t("self_attn.v_proj.bias", (kv * hd,)).reshape(kv, hd),
+                bo=t("self_attn.o_proj.bias", (d,)),
+                b1=t("mlp.gate_proj.bias", (f,)),
+                b3=t("mlp.up_proj.bias", (f,)),
+                b2=t("mlp.down_proj.bias", (d,)),
+            )
+        layers.append(layer)
+    params = {
+        "embedding": take("embed_tokens.weight", (v, d)),
+        "ln_f_scale": take("norm.weight", (d,)),
         **stack_layers(layers, cfg.scan_layers),
     }
     if not cfg.tie_embeddings:
@@ -248,6 +411,12 @@ def check_gpt2_shaped(cfg: GPTConfig) -> None:
         )
     if cfg.num_heads * cfg.dim_per_head != cfg.d_model:
         problems.append(f"model.head_dim={cfg.head_dim} (GPT-2's heads split d_model)")
+    if cfg.rms_norm:
+        problems.append("model.rms_norm=True (GPT-2 has LayerNorm)")
+    if cfg.mlp_activation != "gelu":
+        problems.append(f"model.mlp_activation={cfg.mlp_activation!r} (GPT-2's FFN is 'gelu')")
+    if not cfg.use_bias:
+        problems.append("model.use_bias=False (GPT-2 has biases)")
     if problems:
         raise ValueError(f"the run is not GPT-2 shaped: {'; '.join(problems)}")
 

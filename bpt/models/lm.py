@@ -95,6 +95,13 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    """x / sqrt(mean(x^2) + eps) * scale, in float32 (Llama's RMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
 def rotary_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
     """cos and sin tables [..., head_dim // 2] for rotary position embeddings, from positions
     [seq] (every sequence alike) or [batch, seq]."""
@@ -132,15 +139,15 @@ def logical_param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tu
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
-def final_layer_norm(module: nn.Module):
+def final_layer_norm(module: nn.Module, *, bias: bool = True):
     """(norm(params, x), params): a final LayerNorm with module's parameters ln_f_scale and
-    ln_f_bias (CausalLM.final_norm's contract)."""
+    ln_f_bias (CausalLM.final_norm's contract); bias=False: an RMSNorm with ln_f_scale."""
     cfg = module.config
-    params = (
-        logical_param(module, "ln_f_scale", (cfg.d_model,), ("embed",), nn.initializers.ones_init()),
-        logical_param(module, "ln_f_bias", (cfg.d_model,), ("embed",), nn.initializers.zeros_init()),
-    )
     eps = cfg.layer_norm_epsilon
+    scale = logical_param(module, "ln_f_scale", (cfg.d_model,), ("embed",), nn.initializers.ones_init())
+    if not bias:
+        return (lambda p, h: rms_norm(h, p, eps)), scale
+    params = (scale, logical_param(module, "ln_f_bias", (cfg.d_model,), ("embed",), nn.initializers.zeros_init()))
     return (lambda p, h: layer_norm(h, *p, eps)), params
 
 

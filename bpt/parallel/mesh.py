@@ -156,7 +156,7 @@ def _hint(name: str) -> str:
         "heads": " (model.num_heads)",
         "kv_heads": " (model.num_kv_heads)",
         "embed": " (model.d_model)",
-        "mlp": " (model.mlp_ratio x model.d_model)",
+        "mlp": " (model.mlp_hidden, or model.mlp_ratio x model.d_model)",
     }.get(name, "")
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 folders as bpt runs and back (bpt-import-hf, bpt-export-hf)."""
+"""Hugging Face folders as bpt runs (bpt-import-hf: GPT-2 and Llama) and back (bpt-export-hf:
+GPT-2-shaped runs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ml_collections import ConfigDict
 
 from bpt.config import check_config, model_config
 from bpt.models.gpt import GPT
-from bpt.models.hf import load_hf_gpt2, read_hf_config, save_hf_gpt2
+from bpt.models.hf import SHAPE_FIELDS, hf_positions, load_hf, read_hf_config, save_hf_gpt2
 from bpt.train.checkpoint import Checkpoints
 from bpt.train.state import create_state
 
@@ -45,31 +46,19 @@ def import_run(
     extend: str = "interpolate",
     overwrite: bool = False,
 ) -> Path:
-    """Writes the GPT-2 folder at path as a bpt run in workdir: config.json (config, with
-    the checkpoint's model shape and data.seq_len = seq_len or its n_positions), a step-0
-    checkpoint, and the folder's tokenizer (data.tokenizer points at it)."""
+    """Writes the GPT-2 or Llama folder at path as a bpt run in workdir: config.json (config,
+    with the checkpoint's model shape and data.seq_len = seq_len or the context it was made
+    for), a step-0 checkpoint, and the folder's tokenizer (data.tokenizer points at it)."""
     path, workdir = Path(path), Path(workdir).absolute()
     if (workdir / "config.json").exists() and not overwrite:
         raise FileExistsError(f"{workdir} already holds a run; choose another --workdir or pass --overwrite")
     hf = read_hf_config(path)
-    seq_len = seq_len or hf["n_positions"]
-    cfg, params = load_hf_gpt2(path, max_seq_len=max(seq_len, hf["n_positions"]), extend=extend)
+    seq_len = seq_len or hf_positions(hf)
+    cfg, params = load_hf(path, max_seq_len=max(seq_len, hf_positions(hf)), extend=extend)
 
     c = ConfigDict(config.to_dict())  # unlocked copy
-    shape = dict(
-        vocab_size=cfg.vocab_size,
-        num_layers=cfg.num_layers,
-        d_model=cfg.d_model,
-        num_heads=cfg.num_heads,
-        num_kv_heads=None,
-        head_dim=None,
-        mlp_ratio=cfg.mlp_ratio,
-        max_seq_len=cfg.max_seq_len,
-        position_embedding="learned",
-        tie_embeddings=cfg.tie_embeddings,
-        layer_norm_epsilon=cfg.layer_norm_epsilon,
-    )
-    c.model.update(shape)
+    c.model.update({name: getattr(cfg, name) for name in SHAPE_FIELDS})
+    c.model.family = "gpt"
     c.data.seq_len = seq_len
     for name in ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
         c.model[name] = min(c.model[name], seq_len)

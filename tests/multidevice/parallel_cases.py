@@ -157,21 +157,22 @@ def losses(c, steps=3):
     return out, state, model
 
 
-@pytest.fixture(scope="module")
-def one_device_losses():
+def losses_on_one_device(c, steps=3):
+    """losses(c) with the mesh made of the first device only: the reference for a mesh."""
     import bpt.train.loop as loop
     from bpt.train.state import make_parallelism
 
-    results = {}
-    for mode in ("blockwise_parallel", "memory_efficient"):
-        c = tiny_config(mode)
-        original = loop.make_parallelism
-        loop.make_parallelism = lambda config: make_parallelism(config, jax.devices()[:1])
-        try:
-            results[mode] = losses(c)[0]
-        finally:
-            loop.make_parallelism = original
-    return results
+    original = loop.make_parallelism
+    loop.make_parallelism = lambda config: make_parallelism(config, jax.devices()[:1])
+    try:
+        return losses(c, steps)[0]
+    finally:
+        loop.make_parallelism = original
+
+
+@pytest.fixture(scope="module")
+def one_device_losses():
+    return {mode: losses_on_one_device(tiny_config(mode)) for mode in ("blockwise_parallel", "memory_efficient")}
 
 
 MESHES = [
@@ -379,20 +380,13 @@ def test_two_processes_train_as_one(tmp_path):
 def test_flash_on_a_mesh_logs_the_one_device_losses():
     """FLASH on data 2 x fsdp 2 x tensor 2 (u, v and W_o split over tensor, every weight over
     fsdp) logs the losses of one device; its sequence cannot be sharded yet (a clear error)."""
-    import bpt.train.loop as loop
-    from bpt.train.state import make_parallelism
 
     def flash_config(**mesh):
         c = tiny_config(**mesh)
         c.model.update(family="flash", chunk_size=16, qk_dim=16)
         return c
 
-    original = loop.make_parallelism
-    loop.make_parallelism = lambda config: make_parallelism(config, jax.devices()[:1])
-    try:
-        expected = losses(flash_config())[0]
-    finally:
-        loop.make_parallelism = original
+    expected = losses_on_one_device(flash_config())
     found, state, _ = losses(flash_config(data=2, fsdp=2, tensor=2))
     np.testing.assert_allclose(found, expected, rtol=1e-4)
     layers = state.params["layers"]
@@ -400,3 +394,20 @@ def test_flash_on_a_mesh_logs_the_one_device_losses():
     assert tuple(layers["w_o"].sharding.spec) == (None, "tensor", "fsdp")
     with pytest.raises(ValueError, match="does not run with mesh.sequence > 1"):
         setup(flash_config(sequence=8))
+
+
+def test_llama_shaped_gpt_on_a_mesh_logs_the_one_device_losses():
+    """RMSNorm, SwiGLU, no biases, GQA (as imported Llama checkpoints) on data 2 x fsdp 2 x
+    tensor 2: the one-device losses, and W3 split like W1."""
+
+    def llama_config(**mesh):
+        c = tiny_config(**mesh)
+        c.model.update(rms_norm=True, mlp_activation="swiglu", use_bias=False, mlp_hidden=48, num_kv_heads=2)
+        return c
+
+    expected = losses_on_one_device(llama_config())
+    found, state, _ = losses(llama_config(data=2, fsdp=2, tensor=2))
+    np.testing.assert_allclose(found, expected, rtol=1e-4)
+    layers = state.params["layers"]
+    assert tuple(layers["w3"].sharding.spec) == tuple(layers["w1"].sharding.spec) == (None, "fsdp", "tensor")
+    assert "bq" not in layers and "ln1_bias" not in layers
