@@ -6,8 +6,8 @@
     python scripts/bench_decode.py --parts sample --sample_contexts 131072,524288   # GPT-1B
 
 kernels: for each context x batch x heads/KV heads (head_dim 128, bf16, the whole cache
-visible), the median of --repeats calls of bpt's pallas kernel, bpt's split_kv (plain JAX),
-the XLA reference, cuDNN (jax.nn.dot_product_attention with one query) and JAX's own Pallas
+visible), the median of --repeats calls (the best of --rounds interleaved rounds) of bpt's
+pallas kernel, bpt's split_kv (plain JAX), the XLA reference, cuDNN (jax.nn.dot_product_attention with one query) and JAX's own Pallas
 decode kernel (jax.experimental.pallas.ops.gpu.decode_attention.gqa). Effective bandwidth:
 the bytes of K and V read (2 x batch x context x kv_heads x head_dim x 2) over the time.
 
@@ -97,11 +97,15 @@ def kernels_part(args) -> list[dict]:
                 lengths = jnp.full((batch,), length, jnp.int32)
                 nbytes = cache_bytes(batch, length, kv_heads, 128)
                 row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes, "times": {}}
-                for impl, fn in implementations(args.kernel_options).items():
-                    try:
-                        row["times"][impl] = seconds_per_call(fn, q, k, v, pos, lengths, repeats=args.repeats)
-                    except Exception as e:  # a peer that does not take this shape: noted, not fatal
-                        row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {str(e)[:200]}"
+                fns = implementations(args.kernel_options)
+                for round_ in range(args.rounds):  # interleaved, so drift on the machine hits all alike
+                    for impl, fn in list(fns.items()):
+                        try:
+                            t = seconds_per_call(fn, q, k, v, pos, lengths, repeats=args.repeats, warmup=2 - min(round_, 1))
+                            row["times"][impl] = min(t, row["times"].get(impl, t))
+                        except Exception as e:  # a peer that does not take this shape: noted, not fatal
+                            row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {str(e)[:200]}"
+                            del fns[impl]
                 row["tb_per_s"] = {impl: nbytes / t / 1e12 for impl, t in row["times"].items()}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -345,7 +349,8 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=64, help="sample: tokens decoded")
     parser.add_argument("--prefill_chunk", type=int, default=4096, help="sample: prompt chunk")
     parser.add_argument("--cache_dtype", default="auto", help="sample: model.cache_dtype (auto | int8)")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20, help="calls timed; their median counts")
+    parser.add_argument("--rounds", type=int, default=3, help="kernels: interleaved rounds of every impl; the best median counts")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     parts = parse_choices(parser, args.parts, PARTS, "part")

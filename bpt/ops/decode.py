@@ -14,7 +14,8 @@ arithmetic. Every implementation here takes the same arguments and returns the s
 - auto: the pallas kernel on a GPU while the rows a K/V head's program takes (q_len x the
   query heads a K/V head serves) stay few (AUTO_KERNEL_ROWS: new tokens, not a prompt's
   chunk) and head_dim is a power of two; split_kv otherwise. On one H100 the kernel reads the
-  cache at 2.3-2.8 TB/s from 128K slots on, 1.2-2.9x split_kv (docs/benchmarks.md).
+  cache at 2.4-3.0 TB/s from 128K slots on (1.0-1.1x cuDNN), up to 3.2x split_kv
+  (docs/benchmarks.md).
 
 Partial and attend_cache (one partial softmax by split_kv or pallas) serve tree decoding
 across devices too (bpt.parallel.tree), which merges one partial per device.
