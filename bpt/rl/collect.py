@@ -1,0 +1,121 @@
+"""Reward-free collection of dm_control episodes in ExoRL's layout (bpt.rl.exorl).
+
+collect(domain, episodes, out, agent=...) runs episodes in worker processes and writes each
+one as it finishes, named <agent>_<index>_<length>.npz. Episode i is seeded from (seed, i)
+alone, so an interrupted collection resumes where it stopped (the episodes already on disk
+are skipped) and gives the same files as an uninterrupted one; a file appears whole or not at
+all.
+
+Agents (AGENTS): "random" takes uniform actions within the action bounds.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+from bpt.rl import exorl
+
+AGENTS = ("random",)
+
+
+def episode_seed(seed: int, index: int) -> int:
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+
+
+def run_episode(env, policy, rng: np.random.RandomState) -> dict:
+    """One episode of env under policy(observation, rng) -> action, as ExoRL stores it."""
+    spec = env.action_spec()
+    step = env.reset()
+    rows = {k: [] for k in exorl.KEYS}
+
+    def record(step, action):
+        rows["observation"].append(exorl.flatten_observation(step.observation))
+        rows["action"].append(np.asarray(action, np.float32))
+        rows["reward"].append(np.float32([step.reward or 0.0]))
+        rows["discount"].append(np.float32([1.0 if step.discount is None else step.discount]))
+        rows["physics"].append(env.physics.get_state().copy())
+
+    record(step, np.zeros(spec.shape, np.float32))  # the reset row: a dummy action
+    while not step.last():
+        action = np.clip(policy(rows["observation"][-1], rng), spec.minimum, spec.maximum)
+        step = env.step(action)
+        record(step, action)
+    return {k: np.stack(v) for k, v in rows.items()}
+
+
+def random_policy(spec):
+    return lambda observation, rng: rng.uniform(spec.minimum, spec.maximum, spec.shape).astype(np.float32)
+
+
+_ENVS: dict = {}  # one environment per worker process and domain
+
+
+def _collect_one(domain: str, agent: str, index: int, seed: int, out: str) -> str:
+    env = _ENVS.get(domain) or _ENVS.setdefault(domain, exorl.make_env(domain))
+    episode_seed_ = episode_seed(seed, index)
+    env.task.random.seed(episode_seed_ % 2**32)  # the reset's initial state
+    rng = np.random.RandomState(episode_seed_ % 2**32 ^ 0x5EED)
+    if agent == "random":
+        policy = random_policy(env.action_spec())
+    else:
+        raise ValueError(f"agent must be one of {', '.join(AGENTS)}; got {agent!r}")
+    episode = run_episode(env, policy, rng)
+    name = f"{agent}_{index:06d}"
+    return str(
+        exorl.save_episode(exorl.episode_path(out, domain, name, exorl.episode_length(episode)), episode)
+    )
+
+
+def collected(out: str | os.PathLike, domain: str, agent: str) -> set[int]:
+    """Indices of the agent's episodes already on disk."""
+    folder = exorl.buffer_dir(out, domain)
+    done = set()
+    for path in folder.glob(f"{agent}_*.npz") if folder.is_dir() else ():
+        index = exorl.episode_name(path)[len(agent) + 1 :]
+        if index.isdigit():
+            done.add(int(index))
+    return done
+
+
+def collect(
+    domain: str,
+    episodes: int,
+    out: str | os.PathLike,
+    *,
+    agent: str = "random",
+    workers: int = 1,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[Path]:
+    """Collects episodes 0..episodes-1 of the agent in domain under out (see the module
+    docstring); returns the paths of the episodes written by this call."""
+    if agent not in AGENTS:
+        raise ValueError(f"agent must be one of {', '.join(AGENTS)}; got {agent!r}")
+    if episodes < 1 or workers < 1:
+        raise ValueError(f"episodes and workers must be >= 1; got {episodes} and {workers}")
+    exorl.make_env(domain)  # a bad domain fails here, before any process starts
+    todo = sorted(set(range(episodes)) - collected(out, domain, agent))
+    written = []
+    if not todo:
+        return written
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=episodes, initial=episodes - len(todo), desc=f"{domain} {agent}", unit="episode",
+               disable=not progress)  # fmt: skip
+    if workers == 1:
+        for index in todo:
+            written.append(Path(_collect_one(domain, agent, index, seed, str(out))))
+            bar.update()
+    else:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(_collect_one, domain, agent, i, seed, str(out)) for i in todo]
+            for future in as_completed(futures):
+                written.append(Path(future.result()))
+                bar.update()
+    bar.close()
+    return sorted(written)
