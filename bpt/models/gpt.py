@@ -54,7 +54,7 @@ Array = jax.Array
 ATTENTION_MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
 CACHE_DTYPES = ("auto", "int8")
 POSITION_EMBEDDINGS = ("rotary", "learned")
-MLP_ACTIVATIONS = ("gelu", "swiglu")
+MLP_ACTIVATIONS = ("gelu", "swiglu", "relu")
 __all__ = [
     "GPT",
     "GPTConfig",
@@ -92,8 +92,8 @@ class GPTConfig(LMConfigMixin):
     head_dim: int | None = None  # None: d_model // num_heads
     mlp_ratio: float = 4.0
     mlp_hidden: int | None = None  # the FFN's hidden width; None: mlp_ratio x d_model
-    # The FFN: "gelu" (GPT-2's: tanh-GELU(x W1 + b1) W2 + b2) or "swiglu" (Llama's:
-    # (silu(x W1) * x W3) W2, a third matrix W3 of the same shape as W1).
+    # The FFN: "gelu" (GPT-2's: tanh-GELU(x W1 + b1) W2 + b2), "relu" (the same with ReLU) or
+    # "swiglu" (Llama's: (silu(x W1) * x W3) W2, a third matrix W3 of the same shape as W1).
     mlp_activation: str = "gelu"
     use_bias: bool = True  # biases on q, k, v, the output projection and the FFN (Llama: none)
     rms_norm: bool = False  # RMSNorm (a scale, no bias) instead of LayerNorm, in every norm
@@ -261,10 +261,12 @@ def project_out(p: dict, a: Array) -> Array:
     return _biased(jnp.einsum("bshk,hkd->bsd", a, p["wo"]), p, "bo")
 
 
-def mlp(p: dict, h: Array) -> Array:
+def mlp(p: dict, h: Array, activation: str = "gelu") -> Array:
     up = _biased(jnp.einsum("bsd,df->bsf", h, p["w1"]), p, "b1")
     if "w3" in p:  # swiglu
         hidden = jax.nn.silu(up) * _biased(jnp.einsum("bsd,df->bsf", h, p["w3"]), p, "b3")
+    elif activation == "relu":
+        hidden = jax.nn.relu(up)
     else:
         hidden = jax.nn.gelu(up, approximate=True)
     return _biased(jnp.einsum("bsf,fd->bsd", hidden, p["w2"]), p, "b2")
@@ -347,7 +349,7 @@ class Block(Layer):
         eps, rate = cfg.layer_norm_epsilon, cfg.dropout
 
         def ffn_residual(h: Array, rng, p=p) -> Array:
-            ffn = remat(lambda h: mlp(p, norm(p, "ln2", h, eps)), cfg.remat_ffn)
+            ffn = remat(lambda h: mlp(p, norm(p, "ln2", h, eps), cfg.mlp_activation), cfg.remat_ffn)
             return h + dropout(ffn(h), rate, rng)
 
         q, k, v = project_qkv(p, norm(p, "ln1", x, eps))
