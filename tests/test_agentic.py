@@ -134,3 +134,34 @@ def test_bad_settings_are_clear_errors():
     with pytest.raises(ValueError, match="missing timestep"):
         c = {k: v[None] for k, v in chain(pool(0, count=1)).items() if k != "timestep"}
         model.init(jax.random.PRNGKey(0), c)
+
+
+def test_a_rollout_with_the_cache_acts_as_the_full_forward_predicts():
+    """Two cartpole episodes of 20 steps, two trials each in one context: every action taken
+    through the cache equals the full forward's prediction over the chain that was fed."""
+    from bpt.rl import exorl
+    from bpt.rl.evaluate import rollout
+
+    obs = exorl.flatten_observation(exorl.make_env("cartpole").reset().observation).shape[0]
+    model = AgenticTransformer(
+        config(obs_dim=obs, act_dim=1, max_timestep=20, q_chunk_size=8, kv_chunk_size=8)
+    )
+    c = {k: jnp.asarray(v[None]) for k, v in chain([Trajectory(np.zeros((4, obs), np.float32), np.zeros((4, 1), np.float32), np.zeros(4, np.float32))]).items()}  # fmt: skip
+    params = model.init(jax.random.PRNGKey(0), c)["params"]
+    out = rollout(
+        model,
+        params,
+        "cartpole_swingup",
+        episodes=2,
+        trials=2,
+        target_return=20.0,
+        time_limit=0.2,
+        progress=False,
+    )
+    assert out["returns"].shape == (2, 2) and out["actions"].shape == (2, 40, 1)
+    np.testing.assert_allclose(out["returns"], out["rewards"].reshape(2, 2, 20).sum(-1), rtol=1e-5)
+    np.testing.assert_array_equal(out["timestep"][0], np.tile(np.arange(20), 2))
+    full = model.apply({"params": params}, {k: v for k, v in out.items() if k != "returns"})
+    np.testing.assert_allclose(np.asarray(full), out["actions"], atol=1e-5)
+    assert np.abs(out["actions"]).max() > 0  # it acted (and differently per episode)
+    assert not np.array_equal(out["actions"][0], out["actions"][1])

@@ -62,7 +62,11 @@ class AgenticTransformer(GPT):
     config: AgenticConfig
 
     @nn.compact
-    def __call__(self, inputs: dict, *, deterministic: bool = True) -> Array:
+    def __call__(self, inputs: dict, *, deterministic: bool = True, decode: bool = False) -> Array:
+        """decode=True reads and updates the cache (collection "cache", made by init with
+        decode=True on a chain as long as the cache): the inputs' steps go at the cache's
+        index, attending to it, and the index moves past them (bpt.rl.evaluate sets it back to
+        re-read a step whose action it has since taken)."""
         cfg = self.config
         missing = [k for k in INPUTS if k not in inputs]
         if missing:
@@ -87,10 +91,14 @@ class AgenticTransformer(GPT):
         timestep = jnp.clip(jnp.asarray(inputs["timestep"], jnp.int32), 0, cfg.max_timestep - 1)
         tokens = tokens + jnp.take(time_table, timestep, axis=0)[:, :, None]
         x = tokens.reshape(batch, steps * TOKENS_PER_STEP, cfg.d_model).astype(dtype)
-        x, extra = self.position_inputs(x, jnp.arange(x.shape[1]), None, False)
+        cache_index, positions = None, jnp.arange(x.shape[1])
+        if decode:  # (init makes the cache: a prefill of the chain's length)
+            extend = not self.is_initializing()
+            cache_index, positions = self.decode_positions(jnp.zeros(x.shape[:2], jnp.int32), extend)
+        x, extra = self.position_inputs(x, positions, None, decode)
         if not deterministic and cfg.dropout > 0:
             x = dropout(x, cfg.dropout, self.make_rng("dropout"))
-        x = self.layers(x, None, extra, None, deterministic=deterministic, decode=False)
+        x = self.layers(x, None, extra, cache_index, deterministic=deterministic, decode=decode)
         norm, norm_params = self.final_norm()
         states_out = norm(norm_params, x).reshape(batch, steps, TOKENS_PER_STEP, cfg.d_model)[:, :, 1]
         return jnp.tanh(self.linear("action_out", states_out.astype(jnp.float32), out=cfg.act_dim))

@@ -1,0 +1,100 @@
+"""Rollouts of the Agentic Transformer in dm_control, with a key/value cache.
+
+AT at test time plays several trials in a row in one context: each trial is conditioned on
+the target return (completion flag 1: asked to reach it) and on its own earlier trials, which
+stay in the context as they happened (returns-to-go to the same target), so it can improve
+from trial to trial. Episodes run in parallel environments, one per row of the batch.
+
+A step's action is read at its state token, which sees neither the action nor the reward
+after it; so each call feeds the previous step, now with its real action and reward, and the
+current step with placeholders (zeros), and then sets the cache's index back to the current
+step, which the next call writes again in full. One call of 8 tokens an environment step,
+over a cache of trials x episode length x 4 slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bpt.models.agentic import TOKENS_PER_STEP, AgenticTransformer
+from bpt.rl import exorl
+
+
+def init_cache(model: AgenticTransformer, batch: int, steps: int):
+    """An empty cache for `steps` steps (TOKENS_PER_STEP slots each) of `batch` chains."""
+    cfg = model.config
+    dummy = {
+        "states": jnp.zeros((batch, steps, cfg.obs_dim)),
+        "actions": jnp.zeros((batch, steps, cfg.act_dim)),
+        **{k: jnp.zeros((batch, steps)) for k in ("rewards", "returns_to_go", "completion")},
+        "timestep": jnp.zeros((batch, steps), jnp.int32),
+    }
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), dummy, decode=True)["cache"])
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def rollout(
+    model: AgenticTransformer,
+    params,
+    task: str,
+    *,
+    episodes: int = 1,
+    trials: int = 1,
+    target_return: float,
+    seed: int = 0,
+    time_limit: float | None = None,
+    progress: bool = True,
+) -> dict[str, np.ndarray]:
+    """`episodes` environments of the task, each playing `trials` trials in one context.
+
+    Returns returns [episodes, trials] (each trial's undiscounted return) and the chain that
+    was fed (states, actions, rewards, returns_to_go, completion, timestep: [episodes,
+    trials x steps, ...]), so the rollout can be checked against the model's full forward."""
+    from tqdm.auto import tqdm
+
+    domain, name = exorl.split_task(task)
+    envs = [exorl.make_env(domain, name, seed=seed + i, time_limit=time_limit) for i in range(episodes)]
+    length = int(envs[0]._step_limit)  # dm_control's steps an episode
+    cfg = model.config
+    if length > cfg.max_timestep:
+        raise ValueError(f"the task's episodes have {length} steps; model.max_timestep is {cfg.max_timestep}")
+    total = trials * length
+    cache = init_cache(model, episodes, total)
+
+    @jax.jit
+    def act(cache, inputs, index):
+        cache = {**cache, "index": jnp.full_like(cache["index"], index)}
+        out, variables = model.apply(
+            {"params": params, "cache": cache}, inputs, decode=True, mutable=["cache"]
+        )
+        return out[:, -1], variables["cache"]
+
+    chain = {
+        "states": np.zeros((episodes, total, cfg.obs_dim), np.float32),
+        "actions": np.zeros((episodes, total, cfg.act_dim), np.float32),
+        **{k: np.zeros((episodes, total), np.float32) for k in ("rewards", "returns_to_go", "completion")},
+        "timestep": np.zeros((episodes, total), np.int32),
+    }
+    returns = np.zeros((episodes, trials))
+    bar = tqdm(total=total, desc=f"{task} rollout", unit="step", disable=not progress)
+    for trial in range(trials):
+        steps = [env.reset() for env in envs]
+        for t in range(length):
+            g = trial * length + t
+            chain["states"][:, g] = [exorl.flatten_observation(s.observation) for s in steps]
+            chain["returns_to_go"][:, g] = target_return - returns[:, trial]
+            chain["completion"][:, g] = 1.0
+            chain["timestep"][:, g] = t
+            first = max(g - 1, 0)  # the previous step (now complete) and this one
+            window = {k: jnp.asarray(v[:, first : g + 1]) for k, v in chain.items()}
+            action, cache = act(cache, window, TOKENS_PER_STEP * first)
+            action = np.asarray(action, np.float32)
+            steps = [env.step(a) for env, a in zip(envs, action)]
+            chain["actions"][:, g] = action
+            chain["rewards"][:, g] = [s.reward for s in steps]
+            returns[:, trial] += chain["rewards"][:, g]
+            bar.update()
+    bar.close()
+    return {"returns": returns, **chain}
