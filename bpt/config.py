@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict, config_dict
 
-from bpt.models import FAMILIES, FLASHConfig, GPTConfig
+from bpt.models import FAMILIES, AgenticConfig, FLASHConfig, GPTConfig
 from bpt.train.optimizer import check_state_dtype
 
 # The BPT paper's Table 1 sizes, plus GPT-2's 125M and 350M and a tiny one for CPUs.
@@ -29,7 +29,7 @@ MODEL_SIZES: dict[str, dict] = {
     "30b": dict(num_layers=48, d_model=7168, num_heads=56),
     "70b": dict(num_layers=80, d_model=8192, num_heads=64),
 }
-DATASETS = ("shakespeare", "text", "hf", "prepared", "copy")
+DATASETS = ("shakespeare", "text", "hf", "prepared", "copy", "exorl")
 # The numeric settings' ranges: (key, (low, inclusive) or None, (high, inclusive) or None).
 # GPTConfig checks the model's own.
 RANGES = (
@@ -76,16 +76,24 @@ def base_config(size: str = "small") -> ConfigDict:
     c.model.max_seq_len = config_dict.placeholder(int)  # learned positions; None: data.seq_len
     c.model.mlp_hidden = config_dict.placeholder(int)  # None: mlp_ratio x d_model
     c.model.update(MODEL_SIZES[size])
-    # gpt | flash. FLASH (bpt.models.flash.FLASHConfig) reads the shared fields above and its
+    # gpt | flash | agentic. FLASH (bpt.models.flash.FLASHConfig) reads the shared fields above and its
     # own below (defaults from FLASHConfig; they must stay at them for a GPT), and ignores
     # the GPT's heads, FFN, attention_* and *_chunk_size except loss_chunk_size.
     c.model.family = "gpt"
     for field in dataclasses.fields(FLASHConfig):
         if field.name not in c.model:
             c.model[field.name] = field.default
+    # agentic (bpt.models.agentic.AgenticConfig): the GPT's fields and the environment's
+    # shapes; None: from the data (data.name='exorl').
+    c.model.obs_dim = config_dict.placeholder(int)
+    c.model.act_dim = config_dict.placeholder(int)
+    c.model.max_timestep = config_dict.placeholder(int)
+    c.model.return_scale = AgenticConfig.return_scale
+    c.model.returns_input = AgenticConfig.returns_input
 
     c.data = ConfigDict()
-    # shakespeare | text | hf | prepared | copy (bpt.data.sources, bpt.data.prepare). Raw
+    # shakespeare | text | hf | prepared | copy | exorl (bpt.data.sources, bpt.data.prepare,
+    # bpt.rl.data: with model.family=agentic). Raw
     # corpora are tokenized once into the cache; 'prepared' reads a bpt-prepare-data folder.
     c.data.name = "shakespeare"
     c.data.seq_len = 512
@@ -109,6 +117,12 @@ def base_config(size: str = "small") -> ConfigDict:
     c.data.prefetch = 2  # batches put on the device ahead of the step; 0: none
     c.data.cache_dir = ""  # "": $BPT_CACHE or ~/.cache/bpt
     c.data.copy_symbols = 16  # copy task: alphabet size
+    # exorl (bpt.rl.data, with model.family='agentic'): chains of ExoRL-format trajectories
+    # from data.path relabeled for data.task; data.seq_len = 4 x trajectories x episode_length
+    c.data.task = "walker_walk"
+    c.data.trajectories = 4  # a chain's trajectories (AT 4 or 32; DT and BC 1)
+    c.data.episode_length = 1000
+    c.data.best_fraction = 1.0  # keep the best fraction of training trajectories (BC-10%: 0.1)
 
     c.train = ConfigDict()
     c.train.steps = 1000
@@ -248,10 +262,38 @@ def paper_config(size: str) -> ConfigDict:
     return c
 
 
-def flash_only_fields() -> list[dataclasses.Field]:
-    """FLASHConfig's fields that a GPT does not have."""
+BASELINES = ("at", "dt", "bc")
+
+
+def agentic_config(task: str = "walker_walk", trajectories: int = 4, baseline: str = "at") -> ConfigDict:
+    """The paper's RL experiment (its Table 6): the Agentic Transformer, 3 layers, 1 head,
+    embedding 128, ReLU, dropout 0.1, AdamW at 1e-4 (weight decay 1e-4, gradient clip 0.25),
+    batch 64, on chains of `trajectories` ExoRL trajectories of the task. baseline "dt":
+    Decision Transformer (chains of one trajectory); "bc": BC-10% (one trajectory, the best
+    10% of them, no returns or rewards read). Warmup: a tenth of the steps (Table 6 lists
+    1e5 warmup steps, for longer runs than these)."""
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline must be one of {', '.join(BASELINES)}; got {baseline!r}")
+    c = base_config("tiny")
+    c.model.family = "agentic"
+    c.model.update(num_layers=3, d_model=128, num_heads=1, mlp_activation="relu", dropout=0.1)
+    c.data.name = "exorl"
+    c.data.path = "data/exorl"
+    c.data.task = task
+    c.data.trajectories = 1 if baseline != "at" else trajectories
+    c.data.best_fraction = 0.1 if baseline == "bc" else 1.0
+    c.model.returns_input = baseline != "bc"
+    c.data.seq_len = 4 * c.data.trajectories * c.data.episode_length
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1000
+    c.train.update(steps=20000, batch_size=64, learning_rate=1e-4, warmup_steps=2000, weight_decay=1e-4, grad_clip=0.25)
+    c.train.update(eval_every=1000, eval_batches=4, checkpoint_every=1000, sample_tokens=0)
+    return c
+
+
+def own_fields(family: str) -> list[dataclasses.Field]:
+    """The fields of a family's config that the GPT's does not have."""
     gpt = {field.name for field in dataclasses.fields(GPTConfig)}
-    return [field for field in dataclasses.fields(FLASHConfig) if field.name not in gpt]
+    return [field for field in dataclasses.fields(FAMILIES[family]) if field.name not in gpt]
 
 
 def flash_config(size: str) -> ConfigDict:
@@ -264,30 +306,44 @@ def flash_config(size: str) -> ConfigDict:
     return c
 
 
-def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int) -> GPTConfig | FLASHConfig:
-    """The config of model.family's model (GPTConfig or FLASHConfig) from config.model;
-    vocab_size and seq_len fill the fields left unset."""
+def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int, **from_data) -> GPTConfig | FLASHConfig:
+    """The config of model.family's model (GPTConfig, FLASHConfig or AgenticConfig) from
+    config.model; vocab_size, seq_len and from_data (the dataset's model_fields: AT's
+    environment shapes) fill the fields left unset."""
     fields = model.to_dict()
     family = fields.pop("family", "gpt")
     if family not in FAMILIES:
         raise ValueError(f"unknown model.family {family!r}; allowed: {', '.join(FAMILIES)}")
-    if family == "gpt":
-        for field in flash_only_fields():
-            if fields.get(field.name, field.default) != field.default:
+    for other in FAMILIES:
+        if other == family or other == "gpt":
+            continue
+        own = {field.name for field in dataclasses.fields(FAMILIES[family])}
+        for field in own_fields(other):
+            value = fields.get(field.name, field.default)
+            if field.name not in own and value is not None and value != field.default:
                 raise ValueError(
-                    f"model.{field.name}={fields[field.name]!r} is a FLASH setting; set model.family='flash' "
+                    f"model.{field.name}={value!r} is a setting of model.family='{other}'; set that family "
                     f"or leave it at {field.default!r}"
                 )
     names = {field.name for field in dataclasses.fields(FAMILIES[family])}
     fields = {name: value for name, value in fields.items() if name in names}
     fields["vocab_size"] = fields["vocab_size"] or vocab_size
     fields["max_seq_len"] = fields["max_seq_len"] or seq_len
+    for name, value in from_data.items():
+        if name in names and fields.get(name) is None:
+            fields[name] = value
+    fields = {name: value for name, value in fields.items() if value is not None or name not in own_fields_names()}
     if fields["vocab_size"] < vocab_size:
         raise ValueError(
             f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's vocabulary "
             f"({vocab_size} tokens)"
         )
     return FAMILIES[family](**fields)
+
+
+def own_fields_names() -> set[str]:
+    """Names of the fields only some family has (None in config.model means: the default)."""
+    return {field.name for family in FAMILIES if family != "gpt" for field in own_fields(family)}
 
 
 def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
@@ -414,6 +470,17 @@ def check_config(c: ConfigDict) -> None:
                 if part
             )
             raise ValueError(f"{key} must be {where}; got {value!r}")
+    if (c.data.name == "exorl") != (c.model.family == "agentic"):
+        raise ValueError(
+            f"data.name='exorl' goes with model.family='agentic' (the Agentic Transformer) and only with it; "
+            f"got data.name={c.data.name!r} and model.family={c.model.family!r}"
+        )
+    if c.data.name == "exorl":
+        positive(c.data, "data", "trajectories", "episode_length")
+        if not 0.0 < c.data.best_fraction <= 1.0:
+            raise ValueError(f"data.best_fraction must be in (0, 1]; got {c.data.best_fraction}")
+        if c.train.eval_by_position:
+            raise ValueError("train.eval_by_position measures a language model's loss; set it to 0 for data.name='exorl'")
     if c.data.name == "copy" and c.data.seq_len % 2:
         raise ValueError(f"data.name='copy' needs an even data.seq_len; got {c.data.seq_len}")
     # The family's config (GPTConfig, FLASHConfig) checks the model's settings.

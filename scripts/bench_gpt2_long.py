@@ -52,8 +52,8 @@ def write_random_gpt2(folder: Path, size: str) -> Path:
         )
         transformers.GPT2LMHeadModel(config).save_pretrained(folder, safe_serialization=True)
         return folder
-    import jax
     import flax.linen as nn
+    import jax
     import jax.numpy as jnp
 
     from bpt.models.gpt import GPT, GPTConfig

@@ -165,3 +165,63 @@ def test_a_rollout_with_the_cache_acts_as_the_full_forward_predicts():
     np.testing.assert_allclose(np.asarray(full), out["actions"], atol=1e-5)
     assert np.abs(out["actions"]).max() > 0  # it acted (and differently per episode)
     assert not np.array_equal(out["actions"][0], out["actions"][1])
+
+
+def test_bpt_train_and_bpt_eval_rl_on_collected_episodes(tmp_path):
+    """The whole path on a CPU: collect 25-step cartpole episodes, train AT on chains of two
+    through bpt-train (configs/rl/at.py), resume it, evaluate it by rollouts (bpt-eval-rl)."""
+    import json
+    import subprocess
+    import sys
+
+    from bpt.config import load_config_file, override
+    from bpt.rl.collect import collect
+    from bpt.train.loop import train
+
+    collect("cartpole", 8, tmp_path / "exorl", time_limit=0.25, progress=False)
+    c = override(
+        load_config_file("configs/rl/at.py:cartpole_swingup,2"),
+        f"data.path={tmp_path / 'exorl'}", "data.episode_length=25", "data.seq_len=200",
+        "model.q_chunk_size=50", "model.kv_chunk_size=50", "model.loss_chunk_size=50", "train.steps=20",
+        "train.batch_size=4", "train.eval_every=10", "train.eval_batches=1", "train.checkpoint_every=10",
+        "train.log_every=10", "train.warmup_steps=2", "train.learning_rate=1e-3",
+    )  # fmt: skip
+    last = train(c, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20]
+    assert records[-1]["loss"] < records[0]["loss"] and "eval_loss" in last and "eval_perplexity" not in last
+    assert (tmp_path / "exorl" / "cartpole" / "relabeled_cartpole_swingup.npz").is_file()  # cached
+    result = subprocess.run(
+        [sys.executable, "-m", "bpt.cli.eval_rl", "--workdir", str(tmp_path / "run"), "--episodes", "2", "--trials", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "trial 2: return" in result.stdout
+    saved = json.loads((tmp_path / "run" / "eval_rl.json").read_text())
+    assert saved["step"] == 20 and len(saved["returns"]) == 2 and len(saved["returns"][0]) == 2
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"model.family": "gpt"}, "data.name='exorl' goes with model.family='agentic'"),
+        ({"data.seq_len": 100}, r"data.seq_len must be 4 x data.trajectories x data.episode_length = 200"),
+        ({"data.trajectories": 9, "data.seq_len": 900}, "data.trajectories=9 is more than the 7 training trajectories"),
+        ({"data.best_fraction": 0.0}, r"data.best_fraction must be in \(0, 1\]"),
+    ],
+)
+def test_rl_settings_are_checked(tmp_path, change, message):
+    from bpt.config import check_config, load_config_file
+    from bpt.rl.collect import collect
+    from bpt.train.loop import setup
+
+    collect("cartpole", 8, tmp_path, time_limit=0.25, progress=False)
+    c = load_config_file("configs/rl/at.py:cartpole_swingup,2")
+    c.data.update(path=str(tmp_path), episode_length=25, seq_len=200)
+    c.model.update(q_chunk_size=50, kv_chunk_size=50, loss_chunk_size=50)
+    for key, value in change.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    with pytest.raises(ValueError, match=message):
+        check_config(c)
+        setup(c)

@@ -24,6 +24,8 @@ COMMANDS = {
     "sample": ["--workdir", "--num_tokens", "--top_p"],
     "prepare_data": ["--source", "--out", "--overwrite", "--val_fraction"],
     "train_tokenizer": ["--source", "--vocab_size", "--val_fraction"],
+    "collect_exorl": ["--domain", "--episodes", "--out", "--num_workers", "--time_limit"],
+    "eval_rl": ["--workdir", "--episodes", "--trials", "--target_return"],
 }
 
 

@@ -246,7 +246,7 @@ def test_family_config_and_counts():
         model_config(c.model, vocab_size=50, seq_len=128)
     g = base_config("tiny")
     g.model.expansion = 3.0
-    with pytest.raises(ValueError, match=r"model.expansion=3.0 is a FLASH setting"):
+    with pytest.raises(ValueError, match=r"model.expansion=3.0 is a setting of model.family='flash'"):
         model_config(g.model, vocab_size=50, seq_len=128)
     with pytest.raises(ValueError, match="unknown model.attention 'linear' for FLASH"):
         small_flash(attention="linear")

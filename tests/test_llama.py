@@ -217,5 +217,5 @@ def test_swiglu_rmsnorm_without_biases_is_a_config_choice_for_training_from_scra
     params = nn.meta.unbox(GPT(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     assert sorted(params["layers"]) == ["ln1_scale", "ln2_scale", "w1", "w2", "w3", "wk", "wo", "wq", "wv"]
     assert "ln_f_bias" not in params and params["layers"]["w3"].shape == (1, 16, 40)
-    with pytest.raises(ValueError, match="unknown model.mlp_activation 'relu'; allowed: gelu, swiglu"):
-        GPTConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2, mlp_activation="relu")
+    with pytest.raises(ValueError, match="unknown model.mlp_activation 'tanh'; allowed: gelu, swiglu, relu"):
+        GPTConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2, mlp_activation="tanh")

@@ -228,3 +228,20 @@ def test_flash_script_end_to_end(tmp_path):
     assert all(r["ok"] and len(r["loss"]) == 4 for r in results["quality"])
     assert "| 512 | tiny |" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "flash.png").is_file()
+
+
+def test_rl_script_end_to_end(tmp_path):
+    """The AT training step of one 1000-step trajectory (4,000 tokens) in BPT mode."""
+    run_script(
+        "bench_rl.py",
+        "--trajectories=1",
+        "--batch_size=1",
+        "--modes=blockwise_parallel",
+        "--steps=1",
+        *(f"--set=model.{name}=500" for name in ("q_chunk_size", "kv_chunk_size", "loss_chunk_size")),
+        f"--out={tmp_path}",
+        cwd=tmp_path,
+    )
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["ok"] and row["tokens"] == 4000 and row["step_s"] > 0 and row["compiled_gib"] > 0
+    assert "| 1 | 3.9K | 1 | BPT |" in (tmp_path / "table.md").read_text()

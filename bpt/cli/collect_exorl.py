@@ -31,6 +31,7 @@ def define_flags() -> SimpleNamespace:
         agent=flags.DEFINE_enum("agent", "random", AGENTS, "The exploration agent."),
         workers=flags.DEFINE_integer("num_workers", 1, "Worker processes.", lower_bound=1),
         seed=flags.DEFINE_integer("seed", 0, "Episode i is seeded from (seed, i)."),
+        time_limit=flags.DEFINE_float("time_limit", None, "Seconds an episode lasts (default: the task's own, 1000 steps)."),
     )
 
 

@@ -227,6 +227,10 @@ def make_dataset(data: ConfigDict, seed: int):
     """The dataset config.data names (see bpt.config.DATASETS), sliced for this process."""
     if data.name == "copy":
         return CopyTask(data.seq_len, data.copy_symbols, seed)
+    if data.name == "exorl":
+        from bpt.rl.data import ExoRLDataset
+
+        return ExoRLDataset(data, seed, process_index=jax.process_index(), process_count=jax.process_count())
     prepared = prepared_data(data)
     return TokenDataset(
         prepared,

@@ -27,10 +27,12 @@ import jax.numpy as jnp
 
 from bpt.models.gpt import GPT, GPTConfig
 from bpt.models.lm import dropout, logical_param
+from bpt.ops.chunked import CrossEntropy
 
 Array = jax.Array
 TOKENS_PER_STEP = 4  # return-to-go, state, action, reward
 INPUTS = ("states", "actions", "rewards", "returns_to_go", "completion", "timestep")
+ACCURATE = 0.1  # an action counts as accurate when every value is within this of the target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,9 @@ class AgenticConfig(GPTConfig):
     act_dim: int = 1
     max_timestep: int = 1000  # the episode length: size of the timestep embedding
     return_scale: float = 0.001  # returns-to-go and rewards are multiplied by this on input
+    # False: the return-to-go, completion and reward tokens carry only their timestep (BC:
+    # actions from states and actions alone)
+    returns_input: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -51,8 +56,9 @@ class AgenticConfig(GPTConfig):
         if not self.return_scale > 0:
             raise ValueError(f"model.return_scale must be > 0; got {self.return_scale!r}")
 
+    @property
     def summary(self) -> str:
-        return f"{super().summary()}, AT: obs {self.obs_dim}, actions {self.act_dim}"
+        return f"Agentic Transformer: obs {self.obs_dim}, actions {self.act_dim}, {GPTConfig.summary.fget(self)}"
 
 
 class AgenticTransformer(GPT):
@@ -60,10 +66,26 @@ class AgenticTransformer(GPT):
     [batch, steps(, dim)]; returns the predicted actions [batch, steps, act_dim] (float32)."""
 
     config: AgenticConfig
+    language_model = False
 
     @nn.compact
-    def __call__(self, inputs: dict, *, deterministic: bool = True, decode: bool = False) -> Array:
-        """decode=True reads and updates the cache (collection "cache", made by init with
+    def __call__(
+        self,
+        inputs: dict,
+        *,
+        targets: Array | None = None,
+        loss_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> Array | CrossEntropy:
+        """The predicted actions; given targets (the actions [batch, steps, act_dim]) and
+        loss_mask [batch, steps], the loss record of bpt's training loop instead: loss = the
+        masked mean squared error (action_loss), num_tokens = the steps counted, accuracy =
+        the fraction of them whose every action value is within ACCURATE of the target.
+        segment_ids: not used (a chain is one sequence).
+
+        decode=True reads and updates the cache (collection "cache", made by init with
         decode=True on a chain as long as the cache): the inputs' steps go at the cache's
         index, attending to it, and the index moves past them (bpt.rl.evaluate sets it back to
         re-read a step whose action it has since taken)."""
@@ -73,11 +95,12 @@ class AgenticTransformer(GPT):
             raise ValueError(f"AT's inputs need {', '.join(INPUTS)}; missing {', '.join(missing)}")
         dtype = jnp.dtype(cfg.dtype)
         batch, steps = inputs["rewards"].shape
-        scalar = lambda x: (jnp.asarray(x, jnp.float32) * cfg.return_scale)[..., None]  # noqa: E731
+        gate = 1.0 if cfg.returns_input else 0.0
+        scalar = lambda x: (jnp.asarray(x, jnp.float32) * cfg.return_scale * gate)[..., None]  # noqa: E731
         tokens = jnp.stack(
             [
                 self.linear("returns_to_go_in", scalar(inputs["returns_to_go"]))
-                + self.linear("completion_in", jnp.asarray(inputs["completion"], jnp.float32)[..., None]),
+                + self.linear("completion_in", gate * jnp.asarray(inputs["completion"], jnp.float32)[..., None]),
                 self.linear("state_in", inputs["states"]),
                 self.linear("action_in", inputs["actions"]),
                 self.linear("reward_in", scalar(inputs["rewards"])),
@@ -101,7 +124,23 @@ class AgenticTransformer(GPT):
         x = self.layers(x, None, extra, cache_index, deterministic=deterministic, decode=decode)
         norm, norm_params = self.final_norm()
         states_out = norm(norm_params, x).reshape(batch, steps, TOKENS_PER_STEP, cfg.d_model)[:, :, 1]
-        return jnp.tanh(self.linear("action_out", states_out.astype(jnp.float32), out=cfg.act_dim))
+        actions = jnp.tanh(self.linear("action_out", states_out.astype(jnp.float32), out=cfg.act_dim))
+        if targets is None:
+            return actions
+        mask = jnp.ones(actions.shape[:2], jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
+        count = jnp.sum(mask)
+        close = jnp.all(jnp.abs(actions - targets) <= ACCURATE, axis=-1).astype(jnp.float32)
+        return CrossEntropy(action_loss(actions, targets, mask), count, jnp.sum(close * mask) / jnp.maximum(count, 1.0))
+
+    def example_inputs(self, batch: int = 1, steps: int = 1) -> dict:
+        """A chain of `steps` zero steps: what init needs (also the cache's size with decode)."""
+        cfg = self.config
+        return {
+            "states": jnp.zeros((batch, steps, cfg.obs_dim)),
+            "actions": jnp.zeros((batch, steps, cfg.act_dim)),
+            **{k: jnp.zeros((batch, steps)) for k in ("rewards", "returns_to_go", "completion")},
+            "timestep": jnp.zeros((batch, steps), jnp.int32),
+        }
 
     def linear(self, name: str, x: Array, out: int | None = None) -> Array:
         """x [..., n] @ W [n, out or d_model] + b, in float32 (the inputs and the head are thin)."""

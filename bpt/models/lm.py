@@ -218,6 +218,12 @@ class CausalLM(nn.Module):
             decode=decode,
         )
 
+    language_model = True  # its loss is a log-likelihood of tokens (perplexity means something)
+
+    def example_inputs(self):
+        """The smallest inputs the model's call takes (to create its parameters)."""
+        return jnp.zeros((1, 1), jnp.int32)
+
     # ------------------------------------------------------------------------ the pieces
 
     def decode_positions(self, tokens: Array, extend: bool):

@@ -55,8 +55,9 @@ def random_policy(spec):
 _ENVS: dict = {}  # one environment per worker process and domain
 
 
-def _collect_one(domain: str, agent: str, index: int, seed: int, out: str) -> str:
-    env = _ENVS.get(domain) or _ENVS.setdefault(domain, exorl.make_env(domain))
+def _collect_one(domain: str, agent: str, index: int, seed: int, out: str, time_limit: float | None = None) -> str:
+    key = (domain, time_limit)
+    env = _ENVS.get(key) or _ENVS.setdefault(key, exorl.make_env(domain, time_limit=time_limit))
     episode_seed_ = episode_seed(seed, index)
     env.task.random.seed(episode_seed_ % 2**32)  # the reset's initial state
     rng = np.random.RandomState(episode_seed_ % 2**32 ^ 0x5EED)
@@ -90,15 +91,17 @@ def collect(
     agent: str = "random",
     workers: int = 1,
     seed: int = 0,
+    time_limit: float | None = None,
     progress: bool = True,
 ) -> list[Path]:
     """Collects episodes 0..episodes-1 of the agent in domain under out (see the module
-    docstring); returns the paths of the episodes written by this call."""
+    docstring); returns the paths of the episodes written by this call. time_limit: seconds
+    an episode lasts (default the task's own, 1000 steps for walker, cheetah, cartpole)."""
     if agent not in AGENTS:
         raise ValueError(f"agent must be one of {', '.join(AGENTS)}; got {agent!r}")
     if episodes < 1 or workers < 1:
         raise ValueError(f"episodes and workers must be >= 1; got {episodes} and {workers}")
-    exorl.make_env(domain)  # a bad domain fails here, before any process starts
+    exorl.make_env(domain, time_limit=time_limit)  # a bad domain fails here, before any process starts
     todo = sorted(set(range(episodes)) - collected(out, domain, agent))
     written = []
     if not todo:
@@ -109,11 +112,11 @@ def collect(
                disable=not progress)  # fmt: skip
     if workers == 1:
         for index in todo:
-            written.append(Path(_collect_one(domain, agent, index, seed, str(out))))
+            written.append(Path(_collect_one(domain, agent, index, seed, str(out), time_limit)))
             bar.update()
     else:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(_collect_one, domain, agent, i, seed, str(out)) for i in todo]
+            futures = [pool.submit(_collect_one, domain, agent, i, seed, str(out), time_limit) for i in todo]
             for future in as_completed(futures):
                 written.append(Path(future.result()))
                 bar.update()

@@ -24,13 +24,7 @@ from bpt.rl import exorl
 
 def init_cache(model: AgenticTransformer, batch: int, steps: int):
     """An empty cache for `steps` steps (TOKENS_PER_STEP slots each) of `batch` chains."""
-    cfg = model.config
-    dummy = {
-        "states": jnp.zeros((batch, steps, cfg.obs_dim)),
-        "actions": jnp.zeros((batch, steps, cfg.act_dim)),
-        **{k: jnp.zeros((batch, steps)) for k in ("rewards", "returns_to_go", "completion")},
-        "timestep": jnp.zeros((batch, steps), jnp.int32),
-    }
+    dummy = model.example_inputs(batch, steps)
     shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), dummy, decode=True)["cache"])
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
@@ -45,16 +39,21 @@ def rollout(
     target_return: float,
     seed: int = 0,
     time_limit: float | None = None,
+    episode_length: int | None = None,
     progress: bool = True,
 ) -> dict[str, np.ndarray]:
     """`episodes` environments of the task, each playing `trials` trials in one context.
 
     Returns returns [episodes, trials] (each trial's undiscounted return) and the chain that
     was fed (states, actions, rewards, returns_to_go, completion, timestep: [episodes,
-    trials x steps, ...]), so the rollout can be checked against the model's full forward."""
+    trials x steps, ...]), so the rollout can be checked against the model's full forward.
+    time_limit (seconds) or episode_length (steps): how long an episode lasts (default the
+    task's own)."""
     from tqdm.auto import tqdm
 
     domain, name = exorl.split_task(task)
+    if episode_length is not None:
+        time_limit = episode_length * exorl.make_env(domain, name).control_timestep()
     envs = [exorl.make_env(domain, name, seed=seed + i, time_limit=time_limit) for i in range(episodes)]
     length = int(envs[0]._step_limit)  # dm_control's steps an episode
     cfg = model.config

@@ -28,14 +28,15 @@ from bpt.train.probe import StepMemory, is_out_of_memory, memory_budget
 from bpt.train.state import create_state, jit_steps, make_parallelism
 
 
-def evaluate(state: TrainState, batches: list[dict], step_fn) -> dict:
+def evaluate(state: TrainState, batches: list[dict], step_fn, *, perplexity: bool = True) -> dict:
+    """eval_loss and eval_accuracy over the batches; eval_perplexity too for a language model
+    (perplexity=False: a loss that is no log-likelihood, as AT's squared error)."""
     sums = sum(np.asarray(step_fn(state, b)) for b in batches)
     loss = sums[0] / max(sums[1], 1.0)
-    return {
-        "eval_loss": float(loss),
-        "eval_perplexity": float(np.exp(loss)),
-        "eval_accuracy": float(sums[2] / max(sums[1], 1.0)),
-    }
+    out = {"eval_loss": float(loss), "eval_accuracy": float(sums[2] / max(sums[1], 1.0))}
+    if perplexity:
+        out["eval_perplexity"] = float(np.exp(loss))
+    return out
 
 
 class Reporter:
@@ -57,6 +58,7 @@ class Reporter:
         self.writer = MetricsWriter(workdir) if jax.process_index() == 0 else None
         self.schedule = learning_rate_schedule(config.train)
         self.eval_fn = eval_fn
+        self.perplexity = model.language_model
         self.flops_per_token = train_flops_per_token(model.config, config.data.seq_len)
         self.device = jax.local_devices()[0]
         self.num_devices = 1 if model.parallel is None else model.parallel.mesh.size
@@ -111,7 +113,7 @@ class Reporter:
             record["skipped_steps"] = skipped
         eval_every = self.config.train.eval_every
         if self.eval_data and (evaluate_now or (eval_every and step % eval_every == 0)):
-            record.update(evaluate(state, self.eval_data, self.eval_fn))
+            record.update(evaluate(state, self.eval_data, self.eval_fn, perplexity=self.perplexity))
             first = self.config.train.eval_by_position
             if first:
                 buckets = position_buckets(self.config.data.seq_len, first)
@@ -174,8 +176,9 @@ def setup(config: ConfigDict) -> tuple[object, CausalLM, TrainState]:
     check_config(config)
     parallel = make_parallelism(config)
     dataset = make_dataset(config.data, config.seed)
+    fields = getattr(dataset, "model_fields", {})  # what the data says of the model (AT's shapes)
     model = make_model(
-        model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len), parallel
+        model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len, **fields), parallel
     )
     state = create_state(config, model, jax.random.fold_in(jax.random.PRNGKey(config.seed), 0))
     return dataset, model, state
@@ -233,7 +236,8 @@ def evaluate_checkpoint(
         raise ValueError("the run has train.eval_batches=0: give eval_batches (bpt-eval --eval_batches N)")
     host_batches = dataset.eval_batches(eval_batches, batch_size or config.train.batch_size)
     batches = [put_batch(b, batch_sharding) for b in host_batches]
-    result = {"step": int(state.step), "seq_len": config.data.seq_len, **evaluate(state, batches, eval_fn)}
+    result = {"step": int(state.step), "seq_len": config.data.seq_len,
+              **evaluate(state, batches, eval_fn, perplexity=model.language_model)}  # fmt: skip
     if first_bucket:
         buckets = position_buckets(config.data.seq_len, first_bucket)
         result["by_position"] = evaluate_by_position(state, host_batches, eval_fn, buckets, batch_sharding)

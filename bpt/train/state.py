@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax.training.train_state import TrainState
 from ml_collections import ConfigDict
 
@@ -35,7 +34,7 @@ def make_parallelism(config: ConfigDict, devices=None) -> Parallelism | None:
 def _boxed_params(model: CausalLM, rng):
     # One token is enough: parameters depend on the shapes in the config, not on the input's
     # length, and a long dummy sequence would cost a whole forward pass at initialization.
-    return model.clone(parallel=None).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+    return model.clone(parallel=None).init(rng, model.example_inputs())["params"]
 
 
 def state_initializer(config: ConfigDict, model: CausalLM):
