@@ -98,7 +98,7 @@ def test_the_action_loss_falls():
         return optax.apply_updates(params, updates), state, value
 
     losses = []
-    for i in range(150):
+    for i in range(100):
         params, state, value = step(params, state, next(sampler), jax.random.PRNGKey(i))
         losses.append(float(value))
     held_out = next(ChainSampler(pool(99), 2, 8))
