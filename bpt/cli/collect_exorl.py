@@ -1,7 +1,7 @@
 """bpt-collect-exorl: reward-free dm_control episodes in ExoRL's layout.
 
     bpt-collect-exorl --domain walker --episodes 1000 --out data/exorl --num_workers 8
-    bpt-collect-exorl --domain cheetah --episodes 200 --out data/exorl --agent random
+    bpt-collect-exorl --domain cheetah --episodes 200 --out data/exorl --agent rnd
 
 Writes OUT/<domain>/buffer/<agent>_<index>_<length>.npz (bpt.rl.exorl). Run it again after an
 interruption, or with more --episodes, and it collects only the episodes not yet on disk.
@@ -47,6 +47,7 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
         agent=f.agent.value,
         workers=f.workers.value,
         seed=f.seed.value,
+        time_limit=f.time_limit.value,
     )
     folder = exorl.buffer_dir(f.out.value, f.domain.value)
     print(f"{folder}: {len(written)} episodes written, {before} were there already")

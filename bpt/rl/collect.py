@@ -6,7 +6,9 @@ alone, so an interrupted collection resumes where it stopped (the episodes alrea
 are skipped) and gives the same files as an uninterrupted one; a file appears whole or not at
 all.
 
-Agents (AGENTS): "random" takes uniform actions within the action bounds.
+Agents (AGENTS): "random" takes uniform actions within the action bounds, episodes in
+parallel; "rnd" is one learning agent, DDPG driven by RND's intrinsic reward, as URLB's
+(bpt.rl.agents): its episodes are sequential, and it resumes from its saved state.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ import numpy as np
 
 from bpt.rl import exorl
 
-AGENTS = ("random",)
+AGENTS = ("random", "rnd")
 
 
 def episode_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
-def run_episode(env, policy, rng: np.random.RandomState) -> dict:
-    """One episode of env under policy(observation, rng) -> action, as ExoRL stores it."""
+def run_episode(env, policy, rng: np.random.RandomState, on_step=None) -> dict:
+    """One episode of env under policy(observation, rng) -> action, as ExoRL stores it;
+    on_step(observation, action, next_observation, discount) sees each transition."""
     spec = env.action_spec()
     step = env.reset()
     rows = {k: [] for k in exorl.KEYS}
@@ -42,9 +45,12 @@ def run_episode(env, policy, rng: np.random.RandomState) -> dict:
 
     record(step, np.zeros(spec.shape, np.float32))  # the reset row: a dummy action
     while not step.last():
-        action = np.clip(policy(rows["observation"][-1], rng), spec.minimum, spec.maximum)
+        observation = rows["observation"][-1]
+        action = np.clip(policy(observation, rng), spec.minimum, spec.maximum).astype(np.float32)
         step = env.step(action)
         record(step, action)
+        if on_step is not None:
+            on_step(observation, action, rows["observation"][-1], rows["discount"][-1][0])
     return {k: np.stack(v) for k, v in rows.items()}
 
 
@@ -61,10 +67,9 @@ def _collect_one(domain: str, agent: str, index: int, seed: int, out: str, time_
     episode_seed_ = episode_seed(seed, index)
     env.task.random.seed(episode_seed_ % 2**32)  # the reset's initial state
     rng = np.random.RandomState(episode_seed_ % 2**32 ^ 0x5EED)
-    if agent == "random":
-        policy = random_policy(env.action_spec())
-    else:
-        raise ValueError(f"agent must be one of {', '.join(AGENTS)}; got {agent!r}")
+    if agent != "random":
+        raise ValueError(f"workers collect the random agent's episodes; got {agent!r}")
+    policy = random_policy(env.action_spec())
     episode = run_episode(env, policy, rng)
     name = f"{agent}_{index:06d}"
     return str(
@@ -102,6 +107,12 @@ def collect(
     if episodes < 1 or workers < 1:
         raise ValueError(f"episodes and workers must be >= 1; got {episodes} and {workers}")
     exorl.make_env(domain, time_limit=time_limit)  # a bad domain fails here, before any process starts
+    if agent == "rnd":
+        if workers != 1:
+            raise ValueError("the rnd agent is one learner whose episodes follow each other: use num_workers=1")
+        from bpt.rl.agents import collect_rnd
+
+        return collect_rnd(domain, episodes, out, seed=seed, time_limit=time_limit, progress=progress)
     todo = sorted(set(range(episodes)) - collected(out, domain, agent))
     written = []
     if not todo:
