@@ -314,36 +314,29 @@ def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int, **from_dat
     family = fields.pop("family", "gpt")
     if family not in FAMILIES:
         raise ValueError(f"unknown model.family {family!r}; allowed: {', '.join(FAMILIES)}")
+    defaults = {field.name: field.default for field in dataclasses.fields(FAMILIES[family])}
     for other in FAMILIES:
-        if other == family or other == "gpt":
-            continue
-        own = {field.name for field in dataclasses.fields(FAMILIES[family])}
         for field in own_fields(other):
-            value = fields.get(field.name, field.default)
-            if field.name not in own and value is not None and value != field.default:
+            value = fields.get(field.name)
+            if field.name not in defaults and value is not None and value != field.default:
                 raise ValueError(
                     f"model.{field.name}={value!r} is a setting of model.family='{other}'; set that family "
                     f"or leave it at {field.default!r}"
                 )
-    names = {field.name for field in dataclasses.fields(FAMILIES[family])}
-    fields = {name: value for name, value in fields.items() if name in names}
+    fields = {name: value for name, value in fields.items() if name in defaults}
     fields["vocab_size"] = fields["vocab_size"] or vocab_size
     fields["max_seq_len"] = fields["max_seq_len"] or seq_len
     for name, value in from_data.items():
-        if name in names and fields.get(name) is None:
+        if name in defaults and fields.get(name) is None:
             fields[name] = value
-    fields = {name: value for name, value in fields.items() if value is not None or name not in own_fields_names()}
+    # None left in a field whose default is not None (AT's shapes without data): the default.
+    fields = {name: value for name, value in fields.items() if value is not None or defaults[name] is None}
     if fields["vocab_size"] < vocab_size:
         raise ValueError(
             f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's vocabulary "
             f"({vocab_size} tokens)"
         )
     return FAMILIES[family](**fields)
-
-
-def own_fields_names() -> set[str]:
-    """Names of the fields only some family has (None in config.model means: the default)."""
-    return {field.name for family in FAMILIES if family != "gpt" for field in own_fields(family)}
 
 
 def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:

@@ -74,7 +74,7 @@ def test_an_action_is_predicted_from_what_came_before_it(key):
         np.testing.assert_array_equal(out[:, : t + 1], base[:, : t + 1])
         assert not np.array_equal(out[:, t + 1 :], base[:, t + 1 :])
     for name in ("states", "returns_to_go"):
-        changed = dict(c, **{name: c[name].at[:, t].add(300.0)})
+        changed = dict(c, **{name: c[name].at[:, t].add(5000.0)})  # returns are scaled by 1e-3
         out = apply({"params": params}, changed)
         np.testing.assert_array_equal(out[:, :t], base[:, :t])
         assert np.abs(out[:, t] - base[:, t]).max() > 1e-4, name

@@ -255,15 +255,20 @@ class Transitions:
         self._arrays = None
 
     def sample(self, rng: np.random.RandomState, batch_size: int, pending: dict | None = None) -> dict:
-        """A batch from the stored episodes and the current episode's transitions so far."""
+        """A batch from the stored episodes and the current episode's transitions so far
+        (pending: lists, as they grow; indexed, never copied whole)."""
         if self._arrays is None:
-            self._arrays = {k: np.concatenate(v) if v else None for k, v in self.parts.items()}
-        arrays = self._arrays
-        if pending and pending["obs"]:
-            extra = {k: np.asarray(v, np.float32) for k, v in pending.items()}
-            arrays = extra if arrays["obs"] is None else {k: np.concatenate([arrays[k], extra[k]]) for k in arrays}
-        index = rng.randint(0, len(arrays["obs"]), batch_size)
-        return {k: v[index] for k, v in arrays.items()}
+            self._arrays = {k: np.concatenate(v) for k, v in self.parts.items() if v}
+        extra = len(pending["obs"]) if pending else 0
+        index = rng.randint(0, self.size + extra, batch_size)
+        stored, recent = index[index < self.size], index[index >= self.size] - self.size
+        out = {}
+        for k in self.parts:
+            chunks = [self._arrays[k][stored]] if self.size else []
+            if len(recent):
+                chunks.append(np.asarray([pending[k][i] for i in recent], np.float32))
+            out[k] = np.concatenate(chunks)
+        return out
 
 
 def collect_rnd(

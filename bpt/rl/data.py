@@ -97,12 +97,13 @@ class ExoRLDataset:
         self.returns = np.array([t.total for t in self.train])
 
     def _batch(self, pool: list[Trajectory], rng: np.random.Generator, batch_size: int) -> dict:
-        rows = []
-        for _ in range(batch_size):  # distinct trajectories a chain when the pool allows
-            picks = rng.choice(len(pool), self.n, replace=self.n > len(pool))
-            rows.append(chain([pool[i] for i in picks], length=self.length))
+        # Every row's picks are drawn (the same on every process); this process builds its own.
+        picks = [rng.choice(len(pool), self.n, replace=self.n > len(pool)) for _ in range(batch_size)]
         per = batch_size // self.process_count
-        rows = rows[self.process_index * per : (self.process_index + 1) * per]
+        rows = [
+            chain([pool[i] for i in row], length=self.length)
+            for row in picks[self.process_index * per : (self.process_index + 1) * per]
+        ]
         inputs = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
         mask = inputs.pop("mask")
         inputs.pop("trajectory")  # (the model reads the order from the positions)

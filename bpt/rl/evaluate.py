@@ -70,12 +70,7 @@ def rollout(
         )
         return out[:, -1], variables["cache"]
 
-    chain = {
-        "states": np.zeros((episodes, total, cfg.obs_dim), np.float32),
-        "actions": np.zeros((episodes, total, cfg.act_dim), np.float32),
-        **{k: np.zeros((episodes, total), np.float32) for k in ("rewards", "returns_to_go", "completion")},
-        "timestep": np.zeros((episodes, total), np.int32),
-    }
+    chain = {k: np.zeros(v.shape, v.dtype) for k, v in model.example_inputs(episodes, total).items()}
     returns = np.zeros((episodes, trials))
     bar = tqdm(total=total, desc=f"{task} rollout", unit="step", disable=not progress)
     for trial in range(trials):

@@ -19,12 +19,9 @@ trains on the best 10% of trajectories by return (best_fraction).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numpy as np
-
-from bpt.rl import exorl
 
 
 class Trajectory(NamedTuple):
@@ -45,23 +42,6 @@ def trajectory(episode: dict, rewards: np.ndarray | None = None) -> Trajectory:
         np.asarray(episode["action"][1:], np.float32),
         np.asarray(rewards, np.float32).reshape(-1)[1:],
     )
-
-
-def load_trajectories(
-    root: str | os.PathLike, task: str, *, limit: int | None = None, progress: bool = True
-) -> list[Trajectory]:
-    """Every episode of the task's domain under root (bpt.rl.exorl.episode_files), relabeled
-    for the task; limit: the first episodes by name only."""
-    from tqdm.auto import tqdm
-
-    domain, name = exorl.split_task(task)
-    files = exorl.episode_files(root, domain)[:limit]
-    env = exorl.make_env(domain, name)
-    out = []
-    for path in tqdm(files, desc=f"relabel {task}", unit="episode", disable=not progress):
-        episode = exorl.load_episode(path)
-        out.append(trajectory(episode, exorl.relabel(episode, task, env)))
-    return out
 
 
 def best_fraction(trajectories: list[Trajectory], fraction: float = 0.1) -> list[Trajectory]:
