@@ -78,7 +78,8 @@ def base_config(size: str = "small") -> ConfigDict:
     c.model.update(MODEL_SIZES[size])
     # gpt | flash | agentic. FLASH (bpt.models.flash.FLASHConfig) reads the shared fields above and its
     # own below (defaults from FLASHConfig; they must stay at them for a GPT), and ignores
-    # the GPT's heads, FFN, attention_* and *_chunk_size except loss_chunk_size.
+    # the GPT's heads, FFN, attention_* except attention_impl (auto | blockwise | pallas for
+    # FLASH) and *_chunk_size except loss_chunk_size.
     c.model.family = "gpt"
     for field in dataclasses.fields(FLASHConfig):
         if field.name not in c.model:

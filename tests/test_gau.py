@@ -1,5 +1,6 @@
 """FLASH: relu^2 attention (bpt.ops.gau) and the FLASH model (bpt.models.flash)."""
 
+import functools
 import json
 
 import flax.linen as nn
@@ -16,6 +17,7 @@ from bpt.ops.gau import (
     mixed_chunk_reference,
     relative_buckets,
     relu2_attention_reference,
+    resolve_impl,
 )
 from bpt.sample import generate, generate_batch, init_cache
 from bpt.train.metrics import train_flops_per_token
@@ -111,6 +113,124 @@ def test_mixed_chunk_from_an_initial_state_and_in_bf16(key):
         *half
     )
     assert all(x.dtype == jnp.bfloat16 for x in grads)
+
+
+def mixed_chunk_grads(attend, qk, v, cot, **kwargs):
+    """(out, gradients of the five inputs) of sum(attend(...) * cot)."""
+    loss = lambda *a: jnp.sum(attend(*a, **kwargs).astype(jnp.float32) * cot)  # noqa: E731
+    return attend(*qk, v, **kwargs), jax.grad(loss, argnums=tuple(range(5)))(*qk, v)
+
+
+@pytest.mark.parametrize(
+    "extras, quadratic",
+    [(False, False), (False, True), (True, True)],
+    ids=["states", "quadratic", "segments-bias"],
+)
+def test_pallas_kernels_equal_the_reference_in_interpret_mode(key, extras, quadratic):
+    """bpt.ops.kernels.gau in interpret mode against the materialized reference, values and
+    gradients (fp32, 1e-5): the states' kernels (four value tiles), and the quadratic part's
+    (four query blocks a chunk, so key extents of 8, 16, 32 (24 rounded up) and 32 and the
+    zero tails after them; two value tiles). With segment ids the states are XLA's; without,
+    bf16 inputs keep their dtype."""
+    g, t = 32, 64
+    qk, v = gau_inputs(key, t=t, s=16, e=64)
+    cot = jax.random.normal(jax.random.fold_in(key, 1), v.shape)
+    seg = jnp.array([[0] * 20 + [1] * 30 + [2] * 14, [3] * 64]) if extras else None
+    table = jax.random.normal(jax.random.fold_in(key, 2), (32,))
+    dist = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]
+    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t, segment_ids=seg)
+    bias_full = table[relative_buckets(dist)] if extras else None
+    bias = table[relative_buckets(dist[:g, :g])] if extras else None
+    options = dict(block_q=8, block_e=32, state_block_e=16, quadratic=quadratic)
+    kernel = dict(impl="pallas", kernel_options=options, bias=bias)
+    out, grads = mixed_chunk_grads(mixed_chunk_attention, qk, v, cot, **kwargs, **kernel)
+    ref_out, ref_grads = mixed_chunk_grads(mixed_chunk_reference, qk, v, cot, bias=bias_full, **kwargs)
+    assert rel_err(out, ref_out) < 1e-5
+    assert tree_rel_err(grads, ref_grads) < 1e-5
+    if extras:  # the bias's gradient too
+        grad_table = lambda fn, b: jax.grad(  # noqa: E731
+            lambda tb: jnp.sum(fn(*qk, v, bias=tb[relative_buckets(b)], **kwargs) * cot)
+        )(table)
+        pallas = functools.partial(mixed_chunk_attention, impl="pallas", kernel_options=options)
+        assert rel_err(grad_table(pallas, dist[:g, :g]), grad_table(mixed_chunk_reference, dist)) < 1e-5
+        return
+    half = [x.astype(jnp.bfloat16) for x in (*qk, v)]
+    out16, grads16 = mixed_chunk_grads(mixed_chunk_attention, half[:4], half[4], cot, **kwargs, **kernel)
+    assert out16.dtype == jnp.bfloat16 and all(x.dtype == jnp.bfloat16 for x in grads16)
+    assert rel_err(out16.astype(jnp.float32), ref_out) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton kernels need a GPU")
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "segments-bias"])
+@pytest.mark.parametrize("quadratic", [False, True], ids=["states", "quadratic"])
+def test_pallas_kernels_on_gpu(key, extras, quadratic):
+    """The Triton kernels at FLASH's sizes (chunks of 256, qk_dim 128, values 1536) against
+    the XLA path: bf16 within 1e-2; float32 (within 1e-5) for the states' kernels only: the
+    quadratic kernels' float32 tiles take the compiler minutes, for a path no one trains in."""
+    g, t = 256, 1024
+    qk, v = gau_inputs(key, t=t, s=128, e=1536)
+    cot = jax.random.normal(jax.random.fold_in(key, 1), v.shape)
+    seg = jnp.array([[0] * 300 + [1] * 600 + [2] * 124, [3] * t]) if extras else None
+    table = jax.random.normal(jax.random.fold_in(key, 2), (32,))
+    pos = jnp.arange(g)
+    bias = table[relative_buckets(pos[:, None] - pos[None, :])] if extras else None
+    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t, segment_ids=seg, bias=bias)
+    for dtype, tol in ((jnp.bfloat16, 1e-2), (jnp.float32, 1e-5))[: 1 if quadratic else 2]:
+        args = [x.astype(dtype) for x in (*qk, v)]
+        with jax.default_matmul_precision("highest"):  # XLA's float32 matmuls without TF32
+            out, grads = mixed_chunk_grads(
+                mixed_chunk_attention,
+                args[:4],
+                args[4],
+                cot,
+                impl="pallas",
+                kernel_options=dict(quadratic=quadratic),
+                **kwargs,
+            )
+            ref, ref_grads = mixed_chunk_grads(
+                mixed_chunk_attention, args[:4], args[4], cot, impl="blockwise", **kwargs
+            )
+        assert rel_err(out.astype(jnp.float32), ref.astype(jnp.float32)) < tol
+        assert (
+            tree_rel_err([x.astype(jnp.float32) for x in grads], [x.astype(jnp.float32) for x in ref_grads])
+            < tol
+        )
+
+
+def test_impl_choices_and_what_the_kernels_refuse(key):
+    assert resolve_impl("auto", 256, 128, 1536) == (
+        "pallas" if jax.default_backend() == "gpu" else "blockwise"
+    )
+    assert resolve_impl("auto", 256, 96, 1536) == "blockwise"  # qk_dim not a power of two
+    with pytest.raises(ValueError, match="qk_dim=8 is not a power of two >= 16"):
+        mixed_chunk_attention(
+            *gau_inputs(key, t=32)[0],
+            gau_inputs(key, t=32)[1],
+            chunk_size=16,
+            quad_scale=1.0,
+            lin_scale=1.0,
+            impl="pallas",
+        )
+    with pytest.raises(
+        ValueError, match="unknown FLASH attention impl 'cudnn'; allowed: auto, blockwise, pallas"
+    ):
+        resolve_impl("cudnn", 256, 128, 1536)
+    with pytest.raises(ValueError, match="model.attention_impl 'cudnn' for FLASH"):
+        small_flash(attention_impl="cudnn")
+    # The model with the kernels: the logits and the parameters' gradients of the blockwise path.
+    model = FLASH(small_flash(num_layers=1, chunk_size=16, attention_impl="pallas"))
+    params = random_params(model, key)
+    tokens = jax.random.randint(jax.random.fold_in(key, 2), (2, 24), 0, 40)  # padded to 32
+    blockwise = FLASH(small_flash(num_layers=1, chunk_size=16, attention_impl="blockwise"))
+
+    def loss(m, p):
+        return jnp.mean(m.apply({"params": p}, tokens) ** 2)
+
+    assert (
+        rel_err(model.apply({"params": params}, tokens), blockwise.apply({"params": params}, tokens)) < 1e-5
+    )
+    assert tree_rel_err(jax.grad(loss, 1)(model, params), jax.grad(loss, 1)(blockwise, params)) < 1e-5
 
 
 def test_relu2_reference_is_causal_and_keeps_to_segments(key):

@@ -23,12 +23,14 @@ head and the chunked loss are the GPT's (bpt.models.lm.CausalLM).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from bpt.models.lm import (
     DTYPES,
@@ -44,9 +46,16 @@ from bpt.models.lm import (
     logical_param,
     rotary_tables,
 )
-from bpt.ops.gau import mixed_chunk_attention, relative_buckets, relu2, relu2_attention_reference
+from bpt.ops.gau import IMPLS as FLASH_IMPLS
+from bpt.ops.gau import (
+    mixed_chunk_attention,
+    relative_buckets,
+    relu2,
+    relu2_attention_reference,
+    resolve_impl,
+)
 from bpt.ops.remat import check_policy
-from bpt.parallel.mesh import Parallelism
+from bpt.parallel.mesh import BATCH_AXES, Parallelism
 
 Array = jax.Array
 FLASH_ATTENTION = ("mixed_chunk", "quadratic")
@@ -68,6 +77,10 @@ class FLASHConfig(LMConfigMixin):
     # or "normal" (N(0, 0.02), the paper's pseudo-code: relu^2 of scores near 0 then starts
     # with almost no gradient; 32% worse than "ones" after 400 steps, docs/benchmarks.md).
     qk_init: str = "ones"
+    # mixed_chunk's computation: "blockwise" (XLA, chunk by chunk), "pallas" (bpt.ops.kernels.gau:
+    # Triton on GPUs, interpret mode elsewhere) or "auto" (pallas on a GPU where the kernels
+    # take the sizes and the mesh shards no more than the batch).
+    attention_impl: str = "auto"
     norm: str = "scale_norm"
     position_embedding: str = "rotary"  # or relative_bias: T5's bucketed bias on the relu^2 scores
     rope_theta: float = 10000.0
@@ -92,6 +105,7 @@ class FLASHConfig(LMConfigMixin):
             ("norm", NORMS),
             ("position_embedding", FLASH_POSITIONS),
             ("qk_init", QK_INITS),
+            ("attention_impl", FLASH_IMPLS),
             ("loss_impl", LOSS_IMPLS),
             ("dtype", DTYPES),
             ("param_dtype", DTYPES),
@@ -174,7 +188,7 @@ class FLASHConfig(LMConfigMixin):
     @property
     def summary(self) -> str:
         """What kind of model this is, in a few words (the training log's first line)."""
-        return f"FLASH, attention={self.attention}, chunk_size={self.chunk_size}"
+        return f"FLASH, attention={self.attention}, chunk_size={self.chunk_size}, attention_impl={self.attention_impl}"
 
     def train_flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
         """Model FLOPs of a forward and backward pass per token (3x the forward's): the
@@ -310,16 +324,50 @@ class GAULayer(Layer):
                 segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
         pos = jnp.arange(g)
         bias = None if table is None else bias_table(table, pos[:, None] - pos[None, :], cfg)
-        out = mixed_chunk_attention(
-            *qk,
-            v,
+        impl = self._chunk_impl(bias is not None)
+        attend = functools.partial(
+            mixed_chunk_attention,
             chunk_size=g,
             quad_scale=cfg.quad_scale,
             lin_scale=cfg.lin_scale,
             bias=bias,
-            segment_ids=segment_ids,
+            impl=impl,
         )
-        return out[:, :t]
+        par = self.parallel
+        if impl == "pallas" and par is not None and par.mesh.size > 1:  # a kernel XLA cannot split
+            rows = PartitionSpec(BATCH_AXES)
+            seg_spec = None if segment_ids is None else rows
+            per_device = jax.shard_map(
+                lambda *a: attend(*a[:5], segment_ids=a[5]),
+                mesh=par.mesh,
+                in_specs=(rows,) * 5 + (seg_spec,),
+                out_specs=rows,
+                check_vma=False,
+            )
+            return per_device(*qk, v, segment_ids)[:, :t]
+        return attend(*qk, v, segment_ids=segment_ids)[:, :t]
+
+    def _chunk_impl(self, has_bias: bool) -> str:
+        """model.attention_impl resolved for these sizes and this layer's mesh: the kernels run
+        per device under shard_map, over batch shards only (a tensor-sharded value width
+        would need their contractions summed across devices, and a shared bias its gradient)."""
+        cfg = self.config
+        impl = resolve_impl(cfg.attention_impl, cfg.chunk_size, cfg.qk_dim, cfg.hidden_dim)
+        par = self.parallel
+        if (
+            impl != "pallas"
+            or par is None
+            or (par.size("tensor") == 1 and not has_bias)
+            or par.mesh.size == 1
+        ):
+            return impl
+        if cfg.attention_impl == "pallas":
+            raise ValueError(
+                "model.attention_impl='pallas' for FLASH runs on meshes that shard the batch only "
+                "(mesh.tensor=1) and without position_embedding='relative_bias' on several devices; "
+                "use model.attention_impl='blockwise' or 'auto'"
+            )
+        return "blockwise"
 
     # ------------------------------------------------------------------------ decoding
 
@@ -461,7 +509,7 @@ def _mixed_decode_chunks(cfg, qk, v, table, valid, caches):
         lin_scale=cfg.lin_scale,
         bias=bias,
         initial_state=caches["state"],
-        return_states=True,
+        return_states=True,  # the XLA path (a prefill; the kernels serve training)
     )
     a = a[:, :t]
     current = jnp.maximum(valid - 1, 0) // g  # the chunk of the last valid token

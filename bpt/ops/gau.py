@@ -20,11 +20,14 @@ attention in bpt.ops.reference.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+
+from bpt.ops.kernels import gau as kernels
 
 Array = jax.Array
 
@@ -110,14 +113,26 @@ def chunk_sums(lin_k: Array, v: Array, mask: Array | None = None) -> Array:
     return jnp.einsum("bcjs,bcje->bcse", lin_k, v, preferred_element_type=jnp.float32)
 
 
+def exclusive_chunk_sum(x: Array, *, reverse: bool = False) -> Array:
+    """[batch, chunks, ...] float32 -> the sum over the chunks before each one (after it,
+    with reverse), in float32: one matmul with a strictly triangular [chunks, chunks] 0/1
+    matrix at full float32 precision: one pass over the states, where jnp.cumsum and the
+    shift after it made several (7% faster on an H100 at 8 x 8K tokens; the Pallas path
+    does better still, bpt.ops.kernels.gau.states)."""
+    c = x.shape[1]
+    i = jnp.arange(c)
+    before = (i[None, :] > i[:, None]) if reverse else (i[None, :] < i[:, None])  # [to, from]
+    flat = x.reshape(x.shape[0], c, -1)
+    out = jnp.einsum("dc,bcn->bdn", before.astype(x.dtype), flat, precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(x.shape)
+
+
 def _states_entering_chunks(lin_k: Array, v: Array, seg: Array | None) -> Array:
     """[batch, chunks, s, e] float32 from chunked lin_k, v (and seg [batch, chunks, G]): for
     each chunk, sum(lin_k_j v_j^T) over the tokens before it that belong to the document its
     first token belongs to (all tokens before it without segment ids)."""
     if seg is None:
-        sums = chunk_sums(lin_k, v)
-        inclusive = jnp.cumsum(sums, axis=1)
-        return jnp.concatenate([jnp.zeros_like(sums[:, :1]), inclusive[:, :-1]], axis=1)
+        return exclusive_chunk_sum(chunk_sums(lin_k, v))
     first = seg[:, :, 0]  # the document each chunk starts in
     following = jnp.concatenate([first[:, 1:], first[:, -1:]], axis=1)  # ... and the next one
     # S_(c+1) = carry_c * S_c + (chunk c's tokens of the document chunk c + 1 starts in): the
@@ -143,6 +158,33 @@ def _chunk_masks(seg: Array | None, g: int) -> tuple[Array, Array | None]:
     return causal & (seg[..., :, None] == seg[..., None, :]), seg == seg[:, :, :1]
 
 
+IMPLS = ("auto", "blockwise", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """mixed_chunk_attention's static settings (a custom_vjp nondiff argument)."""
+
+    chunk: int
+    quad_scale: float
+    lin_scale: float
+    kernel: kernels.GAUKernelConfig | None  # None: the XLA path
+
+
+def resolve_impl(impl: str, chunk: int, qk_dim: int, value_dim: int) -> str:
+    """The path `impl` stands for: "blockwise" (XLA, chunk by chunk) or "pallas"
+    (bpt.ops.kernels.gau). auto takes the kernels on a GPU where they take the sizes;
+    pallas elsewhere runs them in interpret mode (tests)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown FLASH attention impl {impl!r}; allowed: {', '.join(IMPLS)}")
+    reason = kernels.unsupported_reason(chunk, qk_dim, value_dim)
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and reason is None else "blockwise"
+    if impl == "pallas" and reason is not None:
+        raise ValueError(f"FLASH's Pallas kernels cannot take these sizes: {reason}")
+    return impl
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _mixed_chunks(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, initial_state):
     return _mixed_chunks_forward(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, initial_state)[0]
@@ -153,50 +195,95 @@ def _mixed_chunks_fwd(static, *args):
     return out, residuals
 
 
-def _mixed_chunks_forward(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, initial_state):
-    """(out, the float32 states entering the chunks, residuals). out [batch, chunks, G, e] =
-    [relu^2 weights | lin_q * lin_scale] @ [v ; state]: both parts in one matmul per chunk
-    (K = G + s), in the inputs' dtype with float32 accumulation, written once in that dtype."""
-    g, quad_scale, lin_scale = static
+def _flat(x: Array | None) -> Array | None:
+    """[batch, chunks, ...] -> [batch * chunks, ...]: the kernels' one axis of chunks."""
+    return None if x is None else x.reshape(-1, *x.shape[2:])
+
+
+def _unchunk(x: Array) -> Array:
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def _mixed_chunks_forward(static: _Static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, initial_state):
+    """(out, the float32 states entering the chunks or None, residuals). out [batch, chunks,
+    G, e] = relu^2 weights @ v + (lin_q * lin_scale) @ state, in the inputs' dtype with
+    float32 accumulation. XLA: both parts as one matmul per chunk ([W | lq] @ [v ; state],
+    K = G + s); Pallas: the states by one kernel (no segment ids, no initial state; None
+    is returned for the float32 states then) and the rest by another that keeps W in
+    registers."""
+    g, quad_scale, lin_scale, kernel = static.chunk, static.quad_scale, static.lin_scale, static.kernel
     dtype = v.dtype
+    if kernel is not None and seg is None and initial_state is None:
+        state, st = None, kernels.states(kernel, _unchunk(lin_k), _unchunk(v))
+    else:
+        state = _states_entering_chunks(lin_k, v, seg)
+        if initial_state is not None:
+            state = state + initial_state[:, None].astype(jnp.float32)
+        st = state.astype(dtype)
+    res = dict(
+        quad_q=quad_q, quad_k=quad_k, lin_k=lin_k, v=v, bias=bias, seg=seg, initial_state=initial_state
+    )
+    if kernel is not None and kernel.quadratic:
+        args = [_flat(x) for x in (quad_q, quad_k, lin_q, v, st)]
+        out = kernels.forward(kernel, *args, bias, _flat(seg)).reshape(v.shape)
+        return out, state, dict(res, lin_q=lin_q, st=st)
     mask, lin_mask = _chunk_masks(seg, g)
     scores = jnp.einsum("bcis,bcjs->bcij", quad_q, quad_k, preferred_element_type=jnp.float32) * quad_scale
     if bias is not None:
         scores = scores + bias.astype(jnp.float32)
     r = jnp.where(mask, jax.nn.relu(scores), 0.0)  # relu(z) where visible: d(r^2)/dz = 2 r there
-    state = _states_entering_chunks(lin_k, v, seg)
-    if initial_state is not None:
-        state = state + initial_state[:, None].astype(jnp.float32)
     lq = lin_q * lin_scale
     if lin_mask is not None:
         lq = jnp.where(lin_mask[..., None], lq, 0)
     x = jnp.concatenate([jnp.square(r).astype(dtype), lq.astype(dtype)], axis=-1)  # [b, c, G, G + s]
-    y = jnp.concatenate([v, state.astype(dtype)], axis=-2)  # [b, c, G + s, e]
+    y = jnp.concatenate([v, st], axis=-2)  # [b, c, G + s, e]
     out = jnp.einsum("bcik,bcke->bcie", x, y, preferred_element_type=jnp.float32).astype(dtype)
-    return out, state, (quad_q, quad_k, lin_k, bias, seg, initial_state, r, x, y)  # v is in y
+    return out, state, dict(res, v=None, r=r, x=x, y=y)  # v is in y
 
 
-def _mixed_chunks_bwd(static, residuals, d_out):
-    g, quad_scale, lin_scale = static
-    quad_q, quad_k, lin_k, bias, seg, initial_state, r, x, y = residuals
-    v, dtype = y[:, :, :g], y.dtype
-    d_out = d_out.astype(dtype)
+def _quadratic_grads_xla(static: _Static, res, d_out):
+    """(d_quad_q, d_lin_q, d(scaled scores) in the inputs' dtype, x = [W | lq], v) by XLA."""
+    g, quad_scale, lin_scale = static.chunk, static.quad_scale, static.lin_scale
+    quad_q, seg, r, x, y = res["quad_q"], res["seg"], res["r"], res["x"], res["y"]
     dx = jnp.einsum("bcie,bcke->bcik", d_out, y, preferred_element_type=jnp.float32)
-    # [b, c, G + s, e] in the inputs' dtype (the widest tensor here; float32 doubled its traffic)
-    dy = jnp.einsum("bcik,bcie->bcke", x, d_out, preferred_element_type=jnp.float32).astype(dtype)
     # The quadratic part: out += r^2 v, so d(scores) = 2 r dW (zero where masked: r is 0 there).
-    d_scores = 2.0 * r * dx[..., :g]
-    ds = (d_scores * quad_scale).astype(quad_q.dtype)
-    d_quad_q = jnp.einsum("bcij,bcjs->bcis", ds, quad_k, preferred_element_type=jnp.float32)
-    d_quad_k = jnp.einsum("bcij,bcis->bcjs", ds, quad_q, preferred_element_type=jnp.float32)
-    d_bias = None if bias is None else d_scores.sum((0, 1)).astype(bias.dtype)
+    d_scores = (2.0 * r * dx[..., :g]).astype(quad_q.dtype)
+    d_quad_q = jnp.einsum("bcij,bcjs->bcis", d_scores, res["quad_k"], preferred_element_type=jnp.float32)
     # The linear part: out += (lin_q * lin_scale) state, masked to the chunk's first document.
     d_lin_q = dx[..., g:] * lin_scale
     if seg is not None:
         d_lin_q = jnp.where(_chunk_masks(seg, g)[1][..., None], d_lin_q, 0.0)
-    d_state = dy[:, :, g:].astype(jnp.float32)  # [b, c, s, e], summed over chunks in float32
-    d_init = None if initial_state is None else d_state.sum(1).astype(initial_state.dtype)
-    d_lin_k, d_v_lin = _states_vjp(lin_k, v, seg, d_state)
+    return d_quad_q * quad_scale, d_lin_q, d_scores, x, y[:, :, :g]
+
+
+def _quadratic_grads_pallas(static: _Static, res, d_out):
+    quad_q, v = res["quad_q"], res["v"]
+    args = [_flat(res[name]) for name in ("quad_q", "quad_k", "lin_q", "v", "st")]
+    grads = kernels.backward(static.kernel, *args, _flat(d_out), res["bias"], _flat(res["seg"]))
+    d_quad_q, d_lin_q, d_scores, x = (a.reshape(*quad_q.shape[:2], *a.shape[1:]) for a in grads)
+    return d_quad_q, d_lin_q, d_scores, x, v
+
+
+def _mixed_chunks_bwd(static: _Static, res, d_out):
+    g, quad_scale, kernel = static.chunk, static.quad_scale, static.kernel
+    quad_q, quad_k, lin_k, bias, seg = (res[n] for n in ("quad_q", "quad_k", "lin_k", "bias", "seg"))
+    initial_state = res["initial_state"]
+    quadratic_kernel = kernel is not None and kernel.quadratic
+    dtype = (res["v"] if quadratic_kernel else res["y"]).dtype
+    d_out = d_out.astype(dtype)
+    grads = (_quadratic_grads_pallas if quadratic_kernel else _quadratic_grads_xla)(static, res, d_out)
+    d_quad_q, d_lin_q, d_scores, x, v = grads
+    # [dv ; d_state] = x^T d_out: [b, c, G + s, e] in the inputs' dtype (the widest tensor
+    # here; float32 doubled its traffic)
+    dy = jnp.einsum("bcik,bcie->bcke", x, d_out, preferred_element_type=jnp.float32).astype(dtype)
+    d_quad_k = (
+        jnp.einsum("bcij,bcis->bcjs", d_scores, quad_q, preferred_element_type=jnp.float32) * quad_scale
+    )
+    d_bias = None if bias is None else d_scores.astype(jnp.float32).sum((0, 1)).astype(bias.dtype)
+    d_state = dy[:, :, g:]  # [b, c, s, e]
+    d_init = None if initial_state is None else d_state.astype(jnp.float32).sum(1).astype(initial_state.dtype)
+    later = None if kernel is None or seg is not None else kernels.later_sums(kernel, d_state)
+    d_lin_k, d_v_lin = _states_vjp(lin_k, v, seg, d_state.astype(jnp.float32), later)
     d_v = dy[:, :, :g].astype(jnp.float32) + d_v_lin
     return (
         d_quad_q.astype(quad_q.dtype),
@@ -210,7 +297,9 @@ def _mixed_chunks_bwd(static, residuals, d_out):
     )
 
 
-def _states_vjp(lin_k: Array, v: Array, seg: Array | None, d_state: Array) -> tuple[Array, Array]:
+def _states_vjp(
+    lin_k: Array, v: Array, seg: Array | None, d_state: Array, later: Array | None = None
+) -> tuple[Array, Array]:
     """The gradients of _states_entering_chunks ([b, c, G, .] float32) from d_state [b, c, s,
     e] float32. Without segment ids each chunk's k v^T sum reaches every later chunk, so its
     gradient is the sum of the later chunks' d_state (a reverse cumsum), and the two matmuls
@@ -218,8 +307,9 @@ def _states_vjp(lin_k: Array, v: Array, seg: Array | None, d_state: Array) -> tu
     if seg is not None:  # documents restart the state: autodiff through the associative scan
         _, vjp = jax.vjp(lambda k, w: _states_entering_chunks(k, w, seg), lin_k, v)
         return tuple(d.astype(jnp.float32) for d in vjp(d_state))
-    later = jnp.flip(jnp.cumsum(jnp.flip(d_state, 1), axis=1), 1)  # inclusive: chunk c and after
-    d_sums = (later - d_state).astype(v.dtype)  # exclusive: the chunks after c see chunk c's sum
+    if later is None:  # (later: the same sums from bpt.ops.kernels.gau.later_sums)
+        later = exclusive_chunk_sum(d_state, reverse=True)
+    d_sums = later.astype(v.dtype)  # the chunks after c see chunk c's sum
     d_k = jnp.einsum("bcje,bcse->bcjs", v, d_sums, preferred_element_type=jnp.float32)
     d_v = jnp.einsum("bcjs,bcse->bcje", lin_k, d_sums, preferred_element_type=jnp.float32)
     return d_k, d_v
@@ -242,6 +332,8 @@ def mixed_chunk_attention(
     segment_ids: Array | None = None,
     initial_state: Array | None = None,
     return_states: bool = False,
+    impl: str = "blockwise",
+    kernel_options: dict | None = None,
 ) -> Array | tuple[Array, Array]:
     """Causal mixed chunk attention, chunk by chunk: [G, G] scores per chunk and one running
     [s, e] sum, never [seq, seq]. seq must be a multiple of chunk_size; bias [G, G] is the
@@ -250,16 +342,47 @@ def mixed_chunk_attention(
     sequence (decoding a prompt's later part; no segment ids then). return_states: also the
     float32 linear sum entering each chunk, [batch, chunks, s, e] (what decoding keeps).
 
+    impl: "blockwise" (XLA), "pallas" (bpt.ops.kernels.gau: Triton on GPUs, interpret mode
+    elsewhere; kernel_options: fields of its GAUKernelConfig, the blocks and the Triton
+    settings) or "auto" (pallas on a GPU where the kernels take the sizes). With segment ids
+    or an initial state the linear states are XLA's in both.
+
     Its backward is written out (custom_vjp): every matmul takes the inputs' dtype with
-    float32 accumulation, the forward's two parts are one matmul, and the linear part's
-    gradient runs back over the chunks as a reverse cumulative sum in float32."""
+    float32 accumulation, the forward's two parts are one matmul (or one kernel), and the
+    linear part's gradient runs back over the chunks as a reverse cumulative sum in float32."""
     b, t, _ = quad_q.shape
     if t % chunk_size:
         raise ValueError(f"the sequence ({t} tokens) must be a multiple of chunk_size={chunk_size}")
     c, g = t // chunk_size, chunk_size
     chunks = lambda x: x.reshape(b, c, g, x.shape[-1])  # noqa: E731
     seg = None if segment_ids is None else segment_ids.reshape(b, c, g)
-    static = (g, float(quad_scale), float(lin_scale))
+    e = v.shape[-1]
+    kernel = None
+    if resolve_impl(impl, g, quad_q.shape[-1], e) == "pallas" and not return_states:
+        # The states' kernels run one program per (sequence, value tile): narrower tiles when
+        # few sequences would leave most of the GPU idle (1 x 64K: 1.31x XLA with tiles of
+        # 32, 1.26x with 64; 8 x 8K: 64).
+        tile = 64 if b * e // 64 >= 96 and v.dtype.itemsize < 4 else 32
+        options = {
+            "interpret": jax.default_backend() != "gpu",
+            "state_block_e": tile,
+            **(kernel_options or {}),
+        }
+        kernel = kernels.GAUKernelConfig.for_dtype(
+            v.dtype, chunk=g, quad_scale=float(quad_scale), lin_scale=float(lin_scale), **options
+        )
+        kernel = dataclasses.replace(
+            kernel,
+            block_q=min(kernel.block_q, g),
+            block_e=min(kernel.block_e, e),
+            state_block_e=min(kernel.state_block_e, e),
+        )
+        for name in ("block_e", "state_block_e"):
+            if e % getattr(kernel, name):
+                raise ValueError(
+                    f"kernel_options: {name}={getattr(kernel, name)} does not divide the value width {e}"
+                )
+    static = _Static(g, float(quad_scale), float(lin_scale), kernel)
     args = (chunks(quad_q), chunks(quad_k), chunks(lin_q), chunks(lin_k), chunks(v), bias, seg, initial_state)
     if return_states:  # decoding: the states are an output too (autodiff would go through them)
         out, state, _ = _mixed_chunks_forward(static, *args)

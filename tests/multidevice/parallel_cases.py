@@ -172,7 +172,9 @@ def losses_on_one_device(c, steps=3):
 
 @pytest.fixture(scope="module")
 def one_device_losses():
-    return {mode: losses_on_one_device(tiny_config(mode)) for mode in ("blockwise_parallel", "memory_efficient")}
+    return {
+        mode: losses_on_one_device(tiny_config(mode)) for mode in ("blockwise_parallel", "memory_efficient")
+    }
 
 
 MESHES = [
@@ -394,6 +396,14 @@ def test_flash_on_a_mesh_logs_the_one_device_losses():
     assert tuple(layers["w_o"].sharding.spec) == (None, "tensor", "fsdp")
     with pytest.raises(ValueError, match="does not run with mesh.sequence > 1"):
         setup(flash_config(sequence=8))
+    # The Pallas kernels (interpret mode here) run per device under shard_map over the batch.
+    pallas = flash_config(data=2, fsdp=4)
+    pallas.model.attention_impl = "pallas"
+    np.testing.assert_allclose(losses(pallas)[0], expected, rtol=1e-4)
+    with pytest.raises(ValueError, match="model.attention_impl='pallas' for FLASH runs on meshes"):
+        bad = flash_config(data=4, tensor=2)
+        bad.model.attention_impl = "pallas"
+        losses(bad, steps=1)
 
 
 def test_llama_shaped_gpt_on_a_mesh_logs_the_one_device_losses():
