@@ -190,3 +190,21 @@ def test_bad_arguments_are_clear_errors(key, change, message):
         decode_attention(q, k, v, positions, **args)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         decode_partial(q[..., :12], k[..., :12], v[..., :12], last_visible_slot(jnp.array([3]), 2))
+
+
+def test_a_cache_of_any_multiple_of_16_slots_takes_the_kernel(key, monkeypatch):
+    """The kernel's default block halves until it divides the cache (80 slots: blocks of 16);
+    a length no block divides is a clear error, and auto then takes split_kv on a GPU."""
+    import bpt.ops.decode as decode_module
+
+    q, k, v = caches(key, 2, 4, 2, 1)
+    k, v = k[:, :80], v[:, :80]
+    last = last_visible_slot(jnp.array([79]), 2, jnp.array([80, 33]))
+    expected = decode(q, k, v, jnp.array([79]), lengths=jnp.array([80, 33]), impl="reference")
+    assert rel_err(kernel(q, k, v, last, num_splits=2).out, expected) < 1e-5
+    with pytest.raises(ValueError, match=r"cache length 72 must be a multiple of block_k=16 \(impl='split_kv'"):
+        decode_partial(q, k[:, :72], v[:, :72], last)
+    monkeypatch.setattr(decode_module.jax, "default_backend", lambda: "gpu")
+    resolve = decode_module.resolve_decode_impl
+    assert resolve("auto", q_shape=q.shape, kv_heads=2, cache_len=4000) == "pallas"
+    assert resolve("auto", q_shape=q.shape, kv_heads=2, cache_len=4004) == "split_kv"

@@ -34,11 +34,11 @@ def test_rnd_collection_writes_episodes_and_resumes_the_agent(tmp_path):
     folder = exorl.buffer_dir(tmp_path, "cartpole")
     agent = RNDAgent(5, 1, SMALL)
     agent.load(folder / "rnd_agent.msgpack")
-    assert (agent.steps, agent.episodes, int(agent.state["updates"])) == (60, 2, 40)  # updates after 20 seed steps
+    assert (agent.steps, agent.episodes, int(agent.state["updates"])) == (60, 2, 20)  # every 2nd step after 20 seed steps
     more = collect_rnd("cartpole", 3, tmp_path, time_limit=0.3, settings=SMALL, progress=False)
     assert [p.name for p in more] == ["rnd_000002_30.npz"]
     agent.load(folder / "rnd_agent.msgpack")
-    assert (agent.steps, agent.episodes, int(agent.state["updates"])) == (90, 3, 70)
+    assert (agent.steps, agent.episodes, int(agent.state["updates"])) == (90, 3, 35)
     episode = exorl.load_episode(more[0])
     assert np.abs(episode["action"][1:]).max() <= 1.0 and episode["physics"].shape == (31, 4)
     # Both agents' episodes live side by side and load as one dataset.

@@ -162,3 +162,22 @@ def test_the_collect_command(tmp_path):
     assert [p.name for p in exorl.episode_files(tmp_path, "cartpole")] == ["random_000000_20.npz", "random_000001_20.npz"]
     bad = run("--domain", "walkr", "--out", str(tmp_path))
     assert bad.returncode == 1 and "domain must be a dm_control suite domain" in bad.stderr
+
+
+def test_episodes_without_physics_load_from_the_relabeled_cache(tmp_path):
+    """Once a task's rewards are cached, the physics states can be dropped (a smaller copy to
+    train from, as scripts/rl_returns.py packs it); without the cache they are needed."""
+    from bpt.rl.data import relabeled
+
+    collect.collect("cartpole", 2, tmp_path, time_limit=0.1, progress=False)
+    first = relabeled(tmp_path, "cartpole_swingup", progress=False)
+    for path in exorl.episode_files(tmp_path, "cartpole"):
+        episode = exorl.load_episode(path)
+        np.savez(path, **{k: v for k, v in episode.items() if k != "physics"})
+    again = relabeled(tmp_path, "cartpole_swingup", progress=False)
+    assert [n for n, _ in again] == [n for n, _ in first]
+    for (_, a), (_, b) in zip(first, again):
+        np.testing.assert_array_equal(a.rewards, b.rewards)
+        np.testing.assert_array_equal(a.states, b.states)
+    with pytest.raises(ValueError, match="relabel needs the episode's physics states"):
+        relabeled(tmp_path, "cartpole_balance", progress=False)

@@ -13,7 +13,8 @@ arithmetic. Every implementation here takes the same arguments and returns the s
   it runs in Pallas interpret mode (slow, for tests).
 - auto: the pallas kernel on a GPU while the rows a K/V head's program takes (q_len x the
   query heads a K/V head serves) stay few (AUTO_KERNEL_ROWS: new tokens, not a prompt's
-  chunk) and head_dim is a power of two; split_kv otherwise. On one H100 the kernel reads the
+  chunk), head_dim is a power of two and the cache's slots are a multiple of 16 (the
+  kernel's smallest block); split_kv otherwise. On one H100 the kernel reads the
   cache at 2.4-3.0 TB/s from 128K slots on (1.0-1.1x cuDNN), up to 3.2x split_kv
   (docs/benchmarks.md).
 
@@ -48,9 +49,11 @@ class Partial(NamedTuple):
     lse: Array
 
 
-def resolve_decode_impl(impl: str, setting: str = "impl", *, q_shape=None, kv_heads: int = 1) -> str:
+def resolve_decode_impl(
+    impl: str, setting: str = "impl", *, q_shape=None, kv_heads: int = 1, cache_len: int | None = None
+) -> str:
     """impl checked, with auto resolved for queries of q_shape [batch, q_len, heads, head_dim]
-    (see the module docstring)."""
+    over cache_len slots (see the module docstring)."""
     if impl not in DECODE_IMPLS:
         raise ValueError(f"{setting} must be one of {', '.join(DECODE_IMPLS)}; got {impl!r}")
     if impl != "auto":
@@ -60,6 +63,9 @@ def resolve_decode_impl(impl: str, setting: str = "impl", *, q_shape=None, kv_he
     _, q_len, heads, head_dim = q_shape
     rows = q_len * heads // kv_heads
     kernel_fits = head_dim >= 16 and not head_dim & (head_dim - 1) and rows <= AUTO_KERNEL_ROWS
+    from bpt.ops.kernels.decode import MIN_BLOCK_K
+
+    kernel_fits = kernel_fits and (cache_len is None or cache_len % MIN_BLOCK_K == 0)
     return "pallas" if kernel_fits else "split_kv"
 
 
@@ -288,7 +294,7 @@ def decode_attention(
       [batch, q_len, heads, head_dim] in q's dtype; zeros for a query that sees no slot.
     """
     check_decode_args(q, k_cache, v_cache, q_positions, lengths, layer)
-    impl = resolve_decode_impl(impl, q_shape=q.shape, kv_heads=k_cache.shape[-2])
+    impl = resolve_decode_impl(impl, q_shape=q.shape, kv_heads=k_cache.shape[-2], cache_len=k_cache.shape[-3])
     last = last_visible_slot(q_positions, q.shape[0], lengths)
     if (k_scale is None) != (v_scale is None):
         raise ValueError("an int8 cache needs both k_scale and v_scale")

@@ -45,6 +45,7 @@ class RNDSettings:
     noise: float = 0.2  # exploration noise (std of the Gaussian added to the actor's action)
     noise_clip: float = 0.3
     seed_steps: int = 4000  # uniform random actions before the first update
+    update_every: int = 2  # environment steps per update (URLB's DDPG agents: 2)
     obs_clip: float = 5.0
 
 
@@ -313,8 +314,8 @@ def collect_rnd(
 
         def policy(obs, rng, pending=pending):
             action = agent.act(obs, rng)
-            if pending["obs"] or buffer.size:  # learn from what is there (URLB: one update a step)
-                if agent.steps >= settings.seed_steps:
+            if pending["obs"] or buffer.size:  # learn from what is there
+                if agent.steps >= settings.seed_steps and agent.steps % settings.update_every == 0:
                     agent.update(buffer.sample(rng, settings.batch_size, pending))
             agent.steps += 1
             return action

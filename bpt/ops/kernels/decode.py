@@ -43,6 +43,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SCHEDULES = ("stream_k", "split")
 MIN_ROWS = 16  # the smallest M a Triton dot takes
+MIN_BLOCK_K = 16  # the smallest block of cache slots (the default halves toward it to divide the cache)
 # Programs a SM (over all K/V heads) when num_splits is not given; with block_k 64 and
 # num_stages=4 the best of 4, 6 and 8 on one H100 at 128K-1M slots (docs/benchmarks.md).
 WAVES = 8
@@ -192,9 +193,14 @@ def decode_partial(
         )
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    block_k = block_k or min(64 if q.dtype.itemsize <= 2 else 32, max_len)
+    if block_k is None:
+        block_k = min(64 if q.dtype.itemsize <= 2 else 32, max_len)
+        while max_len % block_k and block_k > MIN_BLOCK_K:  # a smaller block that divides the cache
+            block_k //= 2
     if max_len % block_k:
-        raise ValueError(f"the cache length {max_len} must be a multiple of block_k={block_k}")
+        raise ValueError(
+            f"the cache length {max_len} must be a multiple of block_k={block_k} (impl='split_kv' takes any length)"
+        )
     group = h // hk
     rows = max(MIN_ROWS, pl.next_power_of_2(q_len * group))
     # [b, hk, rows, d]: row t * group + j is query t's head j of the K/V head (q is small).

@@ -1,0 +1,426 @@
+"""The paper's Table 5 on locally collected ExoRL-format data: returns of BC-10%, Decision
+Transformer and the Agentic Transformer (4 and 32 trajectories) in dm_control.
+
+    # 1. (here, with dm_control) relabel the five tasks and copy the episodes without their
+    #    physics states (the relabeled rewards are cached beside them): a folder to train from
+    python scripts/rl_returns.py pack --src data/exorl --out bench_tmp/exorl --episodes 150
+
+    # 2. (a GPU) train and evaluate every cell not done yet: task x method x seed
+    python scripts/rl_returns.py run --data bench_tmp/exorl --runs results/rl_runs --jobs 4
+
+    # 3. the tables, results.json and the curves (PNG) from the runs
+    python scripts/rl_returns.py report --runs results/rl_runs --out results/rl_returns
+
+A cell is one bpt-train run (configs/rl/*.py with the settings below) followed by
+bpt-eval-rl on its last checkpoint; it runs in fresh processes and writes cell.json in its
+folder (runs/<task>/<method>/seed<k>) when it is done, so `run` picks up where an earlier
+one stopped and --time_budget stops it from starting cells it has no time for.
+
+Methods (METHODS): every one sees the same number of trajectories a step (--trajectories_per_step,
+64 by default: the paper's batch of 64 single trajectories), so AT(4) trains on batches of
+16 chains and AT(32) on batches of 2; at test time BC and DT play one trial, AT(4) four and
+AT(32) sixteen in one context (the paper's Table 6), asked for the best return of the
+training data. at32_vanilla is AT(32) with vanilla attention: out of memory in bpt-train's
+compile or preflight, before the first step, unless the GPU holds it; at32_me trains AT(32)
+with memory-efficient attention (the same function as BPT's, more memory).
+
+Reported per cell: the last trial's return (mean over --episodes environments) and the
+best trial's; per task and method the mean +- std of those over the seeds. Returns are raw
+dm_control returns (0 to 1000), not normalized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS = ("walker_stand", "walker_run", "walker_walk", "cheetah_run", "cartpole_swingup")
+# name -> (label, config file argument, trajectories a chain, test-time trials, attention mode)
+METHODS = {
+    "bc": ("BC-10%", "configs/rl/bc.py:{task}", 1, 1, "blockwise_parallel"),
+    "dt": ("DT", "configs/rl/dt.py:{task}", 1, 1, "blockwise_parallel"),
+    "at4": ("AT(4)", "configs/rl/at.py:{task},4", 4, 4, "blockwise_parallel"),
+    "at32": ("AT(32), BPT", "configs/rl/at.py:{task},32", 32, 16, "blockwise_parallel"),
+    "at32_me": ("AT(32), MemoryEfficient", "configs/rl/at.py:{task},32", 32, 16, "memory_efficient"),
+    "at32_vanilla": ("AT(32), Vanilla", "configs/rl/at.py:{task},32", 32, 16, "vanilla"),
+}
+DEFAULT_METHODS = ("bc", "dt", "at4", "at32", "at32_vanilla")
+
+
+# ---------------------------------------------------------------------------------- pack
+
+
+def pack(args) -> None:
+    """Relabels the tasks' rewards in --src (cached there) and writes the first --episodes
+    episodes of each domain to --out without the physics key, with the caches."""
+    from bpt.rl import exorl
+    from bpt.rl.data import relabeled
+
+    stats_path = Path(args.out) / "stats.json"
+    stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {}  # other domains packed before
+    by_domain: dict[str, list[str]] = {}
+    for task in args.tasks:
+        by_domain.setdefault(exorl.split_task(task)[0], []).append(task)
+    for domain, tasks in by_domain.items():
+        files = exorl.episode_files(args.src, domain)[: args.episodes]
+        names = {p.name for p in files}
+        target = exorl.buffer_dir(args.out, domain)
+        target.mkdir(parents=True, exist_ok=True)
+        for path in files:
+            episode = exorl.load_episode(path)
+            with open(target / path.name, "wb") as f:
+                np.savez_compressed(f, **{k: episode[k] for k in exorl.KEYS if k != "physics"})
+        for task in tasks:
+            episodes = [(n, t) for n, t in relabeled(args.src, task) if n in names]
+            np.savez(target.parent / f"relabeled_{task}.npz", **_cache_rows(args.src, domain, task, names))
+            returns = np.array([t.total for _, t in episodes])
+            stats[task] = {
+                "episodes": len(episodes),
+                "return_mean": float(returns.mean()),
+                "return_std": float(returns.std()),
+                "return_min": float(returns.min()),
+                "return_max": float(returns.max()),
+                "return_p90": float(np.percentile(returns, 90)),
+            }
+            print(f"{task}: {len(episodes)} episodes, returns {returns.mean():.1f} +- {returns.std():.1f} "
+                  f"(min {returns.min():.1f}, max {returns.max():.1f})", flush=True)  # fmt: skip
+    stats_path.write_text(json.dumps(stats, indent=2))
+
+
+def _cache_rows(src, domain: str, task: str, names: set[str]) -> dict:
+    """The relabeled rewards of the named episodes, from the cache relabeled() keeps in src."""
+    from bpt.rl import exorl
+
+    cache_path = exorl.episode_files(src, domain)[0].parent.parent / f"relabeled_{task}.npz"
+    with np.load(cache_path) as data:
+        return {k: data[k] for k in data.files if k in names}
+
+
+# ---------------------------------------------------------------------------------- run
+
+
+def cell_dir(runs: Path, task: str, method: str, seed: int) -> Path:
+    return runs / task / method / f"seed{seed}"
+
+
+def train_argv(args, task: str, method: str, seed: int, workdir: Path) -> list[str]:
+    _, config, trajectories, _, mode = METHODS[method]
+    batch = max(1, args.trajectories_per_step // trajectories)
+    steps = args.steps
+    settings = {
+        "data.path": args.data,
+        "seed": seed,
+        "train.steps": steps,
+        "train.batch_size": batch,
+        "train.learning_rate": args.learning_rate,
+        "train.warmup_steps": max(1, steps // 10),
+        "train.log_every": max(1, steps // 100),
+        "train.eval_every": max(1, steps // 10),
+        "train.eval_batches": 2,
+        "train.checkpoint_every": steps,
+        "train.keep_checkpoints": 1,
+        "model.dtype": "bfloat16",
+        "model.attention_mode": mode,
+    }
+    if mode == "vanilla":
+        settings["model.attention_impl"] = "reference"
+    argv = [
+        sys.executable,
+        "-m",
+        "bpt.cli.train",
+        "--config",
+        str(REPO / config.format(task=task)),
+        "--workdir",
+        str(workdir),
+    ]
+    return argv + [f"--config.{k}={v}" for k, v in settings.items()]
+
+
+def eval_argv(args, method: str, seed: int, workdir: Path) -> list[str]:
+    trials = METHODS[method][3]
+    return [sys.executable, "-m", "bpt.cli.eval_rl", "--workdir", str(workdir), "--episodes", str(args.episodes),
+            "--trials", str(trials), "--seed", str(args.env_seed)]  # fmt: skip
+
+
+def run_logged(argv: list[str], log: Path, env: dict) -> tuple[int, float]:
+    start = time.perf_counter()
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(argv) + "\n")
+        f.flush()
+        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    return code, time.perf_counter() - start
+
+
+def last_error(log: str) -> str:
+    """The last line of a command's log that says what went wrong (bpt's one-sentence errors)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and not line.startswith("(")]
+    return (errors or lines or [""])[-1][-400:]
+
+
+def run_cell(args, task: str, method: str, seed: int, env: dict) -> dict:
+    workdir = cell_dir(Path(args.runs), task, method, seed)
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "log.txt"
+    cell = {"task": task, "method": method, "seed": seed, "steps": args.steps,
+            "trajectories_per_step": args.trajectories_per_step, "learning_rate": args.learning_rate}  # fmt: skip
+    if METHODS[method][4] == "vanilla":  # judged against the whole device (it fails before allocating)
+        env = {**env, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
+    code, cell["train_s"] = run_logged(train_argv(args, task, method, seed, workdir), log, env)
+    text = log.read_text()
+    if code != 0:
+        memory = "MemoryError" in text or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+        cell["status"] = "out of memory" if memory else "failed"
+        cell["error"] = last_error(text) or f"exit {code}"
+    else:  # (vanilla attention that fits, on a larger GPU, trains and is evaluated like the rest)
+        code, cell["eval_s"] = run_logged(eval_argv(args, method, seed, workdir), log, env)
+        result = workdir / "eval_rl.json"
+        if code == 0 and result.is_file():
+            cell["status"] = "done"
+            cell["eval"] = json.loads(result.read_text())
+        else:
+            cell["status"] = "failed"
+            cell["error"] = "evaluation: " + (last_error(log.read_text()) or f"exit {code}")
+    (workdir / "cell.json").write_text(json.dumps(cell, indent=2))
+    return cell
+
+
+def run(args) -> None:
+    runs = Path(args.runs)
+    cells = [(task, method, seed) for seed in args.seeds for task in args.tasks for method in args.methods]
+    todo = []
+    for task, method, seed in cells:
+        path = cell_dir(runs, task, method, seed) / "cell.json"
+        if path.is_file() and json.loads(path.read_text()).get("status") in ("done", "out of memory"):
+            continue
+        todo.append((task, method, seed))
+    print(
+        f"{len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run with {args.jobs} at a time",
+        flush=True,
+    )
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.jobs:.3f}")
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(args.runs).resolve() / ".jax_cache"))
+    deadline = time.monotonic() + args.time_budget if args.time_budget else None
+    lock, finished = threading.Lock(), []
+
+    failures = [0]  # failed cells in a row: after 3 something is broken, so stop starting more
+
+    def work(item):
+        if (deadline is not None and time.monotonic() > deadline) or failures[0] >= 3:
+            return None
+        cell = run_cell(args, *item, env)
+        with lock:
+            finished.append(cell)
+            failures[0] = failures[0] + 1 if cell["status"] == "failed" else 0
+            line = f"[{len(finished)}/{len(todo)}] {cell['task']} {cell['method']} seed {cell['seed']}: {cell['status']}"
+            if cell["status"] == "done":
+                e = cell["eval"]
+                line += f", last trial {e['mean_by_trial'][-1]:.1f}, best {e['best_mean']:.1f}"
+            line += f" (train {cell['train_s']:.0f} s" + (
+                f", eval {cell['eval_s']:.0f} s)" if "eval_s" in cell else ")"
+            )
+            print(line, flush=True)
+        return cell
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(work, todo))
+    skipped = len(todo) - len(finished)
+    if skipped:
+        why = "3 cells failed in a row" if failures[0] >= 3 else "time budget spent"
+        print(f"{why}: {skipped} cells not started", flush=True)
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def load_cells(runs: Path) -> list[dict]:
+    cells = []
+    for path in sorted(runs.glob("*/*/seed*/cell.json")):
+        cell = json.loads(path.read_text())
+        metrics = path.parent / "metrics.jsonl"
+        cell["curve"] = (
+            [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            if metrics.is_file()
+            else []
+        )
+        cells.append(cell)
+    return cells
+
+
+def summarize(cells: list[dict]) -> dict:
+    """(task, method) -> {seeds, last/best mean and std over seeds, status}."""
+    out: dict = {}
+    for cell in cells:
+        entry = out.setdefault(
+            (cell["task"], cell["method"]), {"last": [], "best": [], "by_trial": [], "status": set()}
+        )
+        entry["status"].add(cell["status"])
+        if cell["status"] == "done":
+            entry["last"].append(cell["eval"]["mean_by_trial"][-1])
+            entry["best"].append(cell["eval"]["best_mean"])
+            entry["by_trial"].append(cell["eval"]["mean_by_trial"])
+    return out
+
+
+def _cell_text(entry: dict | None, key: str) -> str:
+    if entry is None:
+        return "not run"
+    values = entry[key]
+    if not values:
+        return "out of memory" if "out of memory" in entry["status"] else "/".join(sorted(entry["status"]))
+    if len(values) == 1:
+        return f"{values[0]:.1f} (1)"
+    return f"{statistics.mean(values):.1f} ± {statistics.pstdev(values):.1f} ({len(values)})"
+
+
+def tables(cells: list[dict], tasks, methods) -> str:
+    summary = summarize(cells)
+    labels = [METHODS[m][0] for m in methods]
+    lines = []
+    for key, title in (("last", "the last trial"), ("best", "the best trial")):
+        lines += [
+            f"Returns of {title} (raw dm_control returns, mean ± std over seeds of the mean over episodes; (seeds))",
+            "",
+            "| task | " + " | ".join(labels) + " |",
+            "|---|" + "---|" * len(labels),
+        ]
+        for task in tasks:
+            lines.append(
+                f"| {task} | " + " | ".join(_cell_text(summary.get((task, m)), key) for m in methods) + " |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(cells: list[dict], tasks, methods, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarize(cells)
+    fig, axes = plt.subplots(2, len(tasks), figsize=(3.6 * len(tasks), 6.4), squeeze=False)
+    colors = {m: f"C{i}" for i, m in enumerate(METHODS)}
+    for col, task in enumerate(tasks):
+        top, bottom = axes[0, col], axes[1, col]
+        for method in methods:
+            runs = [c for c in cells if c["task"] == task and c["method"] == method and c["curve"]]
+            for i, cell in enumerate(runs):
+                rows = [r for r in cell["curve"] if "eval_loss" in r]
+                if rows:
+                    top.plot([r["step"] for r in rows], [r["eval_loss"] for r in rows], color=colors[method],
+                             alpha=0.8, label=METHODS[method][0] if i == 0 else None)  # fmt: skip
+            by_trial = summary.get((task, method), {}).get("by_trial")
+            if by_trial:
+                mean = np.mean(np.array(by_trial), axis=0)
+                bottom.plot(
+                    np.arange(1, len(mean) + 1), mean, "o-", color=colors[method], label=METHODS[method][0]
+                )
+        top.set_title(task)
+        top.set_xlabel("training step")
+        top.set_yscale("log")
+        bottom.set_xlabel("trial (in one context)")
+        if col == 0:
+            top.set_ylabel("validation action MSE")
+            bottom.set_ylabel("return (mean over seeds)")
+        top.grid(alpha=0.3)
+        bottom.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    axes[1, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(args) -> None:
+    cells = load_cells(Path(args.runs))
+    if not cells:
+        raise SystemExit(f"no cells (cell.json) under {args.runs}")
+    tasks = [t for t in args.tasks if any(c["task"] == t for c in cells)]
+    methods = [m for m in args.methods if any(c["method"] == m for c in cells)]
+    text = tables(cells, tasks, methods)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table.md").write_text(text)
+        slim = [{k: v for k, v in c.items() if k != "curve"} for c in cells]
+        (out / "results.json").write_text(json.dumps({"cells": slim}, indent=2))
+        plot(cells, tasks, methods, out / "rl_returns.png")
+        print(f"written to {out}")
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("stage", choices=("pack", "run", "report"))
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated: {', '.join(METHODS)}"
+    )
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument(
+        "--src", default="data/exorl", help="pack: the collected folder (bpt-collect-exorl --out)"
+    )
+    parser.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="pack: episodes a domain (default all); run: environments an evaluation",
+    )
+    parser.add_argument(
+        "--out", default="", help="pack: the folder to write; report: tables, results.json, PNG"
+    )
+    parser.add_argument("--data", default="bench_tmp/exorl", help="run: the packed folder")
+    parser.add_argument("--runs", default="results/rl_runs", help="run, report: the cells' folders")
+    parser.add_argument("--steps", type=int, default=1000, help="run: training steps a cell")
+    parser.add_argument("--trajectories_per_step", type=int, default=64)
+    parser.add_argument("--learning_rate", type=float, default=3e-4)
+    parser.add_argument(
+        "--env_seed", type=int, default=1000, help="run: evaluation environment i is seeded env_seed + i"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=4, help="run: cells at a time (processes sharing the GPU)"
+    )
+    parser.add_argument(
+        "--time_budget", type=float, default=0.0, help="run: seconds after which no cell starts (0: none)"
+    )
+    args = parser.parse_args()
+    args.tasks = args.tasks.split(",")
+    args.methods = args.methods.split(",")
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    for task in args.tasks:
+        if task not in TASKS:
+            parser.error(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
+    for method in args.methods:
+        if method not in METHODS:
+            parser.error(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+    if args.stage == "pack":
+        if not args.out:
+            parser.error("pack needs --out")
+        args.episodes = args.episodes or 10**9
+        return pack(args)
+    if args.stage == "run":
+        args.episodes = args.episodes or 10
+        return run(args)
+    return report(args)
+
+
+if __name__ == "__main__":
+    main()
