@@ -205,6 +205,8 @@ def run(args) -> None:
         if path.is_file() and json.loads(path.read_text()).get("status") in ("done", "out of memory"):
             continue
         todo.append((task, method, seed))
+    # Seed by seed, the long cells (32-trajectory chains) first, so the short ones fill in beside them.
+    todo.sort(key=lambda cell: (args.seeds.index(cell[2]), -METHODS[cell[1]][2]))
     print(
         f"{len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run with {args.jobs} at a time",
         flush=True,
