@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from benchlib import seconds_per_call
 
 from bpt.ops.gau import mixed_chunk_attention
 
@@ -31,13 +30,7 @@ DEFAULT_VARIANTS = '{"pallas": {}, "pallas, quadratic kernel": {"quadratic": tru
 
 
 def median_ms(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * seconds_per_call(fn, *args, repeats=repeats, warmup=1)
 
 
 def rel_err(a, b) -> float:

@@ -65,7 +65,7 @@ def pack(args) -> None:
     """Relabels the tasks' rewards in --src (cached there) and writes the first --episodes
     episodes of each domain to --out without the physics key, with the caches."""
     from bpt.rl import exorl
-    from bpt.rl.data import relabeled
+    from bpt.rl.data import cache_path, relabeled
 
     stats_path = Path(args.out) / "stats.json"
     stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {}  # other domains packed before
@@ -83,7 +83,8 @@ def pack(args) -> None:
                 np.savez_compressed(f, **{k: episode[k] for k in exorl.KEYS if k != "physics"})
         for task in tasks:
             episodes = [(n, t) for n, t in relabeled(args.src, task) if n in names]
-            np.savez(target.parent / f"relabeled_{task}.npz", **_cache_rows(args.src, domain, task, names))
+            with np.load(cache_path(args.src, task)) as cache:  # (relabeled() just wrote it)
+                np.savez(cache_path(args.out, task), **{k: cache[k] for k in cache.files if k in names})
             returns = np.array([t.total for _, t in episodes])
             stats[task] = {
                 "episodes": len(episodes),
@@ -96,15 +97,6 @@ def pack(args) -> None:
             print(f"{task}: {len(episodes)} episodes, returns {returns.mean():.1f} +- {returns.std():.1f} "
                   f"(min {returns.min():.1f}, max {returns.max():.1f})", flush=True)  # fmt: skip
     stats_path.write_text(json.dumps(stats, indent=2))
-
-
-def _cache_rows(src, domain: str, task: str, names: set[str]) -> dict:
-    """The relabeled rewards of the named episodes, from the cache relabeled() keeps in src."""
-    from bpt.rl import exorl
-
-    cache_path = exorl.episode_files(src, domain)[0].parent.parent / f"relabeled_{task}.npz"
-    with np.load(cache_path) as data:
-        return {k: data[k] for k in data.files if k in names}
 
 
 # ---------------------------------------------------------------------------------- run

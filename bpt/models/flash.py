@@ -354,13 +354,10 @@ class GAULayer(Layer):
         cfg = self.config
         impl = resolve_impl(cfg.attention_impl, cfg.chunk_size, cfg.qk_dim, cfg.hidden_dim)
         par = self.parallel
-        if (
-            impl != "pallas"
-            or par is None
-            or (par.size("tensor") == 1 and not has_bias)
-            or par.mesh.size == 1
-        ):
+        if impl != "pallas" or par is None or par.mesh.size == 1:
             return impl
+        if par.size("tensor") == 1 and not has_bias:
+            return impl  # per device, under shard_map over the batch shards
         if cfg.attention_impl == "pallas":
             raise ValueError(
                 "model.attention_impl='pallas' for FLASH runs on meshes that shard the batch only "

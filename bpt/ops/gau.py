@@ -359,29 +359,15 @@ def mixed_chunk_attention(
     e = v.shape[-1]
     kernel = None
     if resolve_impl(impl, g, quad_q.shape[-1], e) == "pallas" and not return_states:
-        # The states' kernels run one program per (sequence, value tile): narrower tiles when
-        # few sequences would leave most of the GPU idle (1 x 64K: 1.31x XLA with tiles of
-        # 32, 1.26x with 64; 8 x 8K: 64).
-        tile = 64 if b * e // 64 >= 96 and v.dtype.itemsize < 4 else 32
-        options = {
-            "interpret": jax.default_backend() != "gpu",
-            "state_block_e": tile,
+        kernel = kernels.config_for(
+            v.dtype,
+            batch=b,
+            chunk=g,
+            value_dim=e,
+            quad_scale=float(quad_scale),
+            lin_scale=float(lin_scale),
             **(kernel_options or {}),
-        }
-        kernel = kernels.GAUKernelConfig.for_dtype(
-            v.dtype, chunk=g, quad_scale=float(quad_scale), lin_scale=float(lin_scale), **options
         )
-        kernel = dataclasses.replace(
-            kernel,
-            block_q=min(kernel.block_q, g),
-            block_e=min(kernel.block_e, e),
-            state_block_e=min(kernel.state_block_e, e),
-        )
-        for name in ("block_e", "state_block_e"):
-            if e % getattr(kernel, name):
-                raise ValueError(
-                    f"kernel_options: {name}={getattr(kernel, name)} does not divide the value width {e}"
-                )
     static = _Static(g, float(quad_scale), float(lin_scale), kernel)
     args = (chunks(quad_q), chunks(quad_k), chunks(lin_q), chunks(lin_k), chunks(v), bias, seg, initial_state)
     if return_states:  # decoding: the states are an output too (autodiff would go through them)

@@ -26,6 +26,12 @@ from bpt.rl.sequences import Trajectory, best_fraction, chain, trajectory
 VAL_FRACTION = 0.05
 
 
+def cache_path(root, task: str):
+    """Where the task's relabeled rewards are cached: beside its domain's episode folder."""
+    domain, _ = exorl.split_task(task)
+    return exorl.episode_files(root, domain)[0].parent.parent / f"relabeled_{task}.npz"
+
+
 def relabeled(root, task: str, *, progress: bool = True) -> list[tuple[str, Trajectory]]:
     """(name, trajectory) of every episode of the task's domain, relabeled for the task
     (rewards cached beside the episodes when the folder is writable)."""
@@ -33,10 +39,10 @@ def relabeled(root, task: str, *, progress: bool = True) -> list[tuple[str, Traj
 
     domain, name = exorl.split_task(task)
     files = exorl.episode_files(root, domain)
-    cache_path = files[0].parent.parent / f"relabeled_{task}.npz"
+    cache = cache_path(root, task)
     cached = {}
-    if cache_path.is_file():
-        with np.load(cache_path) as data:
+    if cache.is_file():
+        with np.load(cache) as data:
             cached = {k: data[k] for k in data.files}
     env, out, fresh = None, [], 0
     for path in tqdm(files, desc=f"episodes ({task})", unit="episode", disable=not progress):
@@ -49,10 +55,10 @@ def relabeled(root, task: str, *, progress: bool = True) -> list[tuple[str, Traj
         out.append((path.name, trajectory(episode, rewards)))
     if fresh:
         try:
-            partial = cache_path.with_name(cache_path.name + ".partial")
+            partial = cache.with_name(cache.name + ".partial")
             with open(partial, "wb") as f:
                 np.savez(f, **cached)
-            partial.replace(cache_path)
+            partial.replace(cache)
         except OSError:  # a read-only dataset: relabel again next time
             pass
     return out
