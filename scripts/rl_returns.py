@@ -97,6 +97,11 @@ def pack(args) -> None:
             print(f"{task}: {len(episodes)} episodes, returns {returns.mean():.1f} +- {returns.std():.1f} "
                   f"(min {returns.min():.1f}, max {returns.max():.1f})", flush=True)  # fmt: skip
     stats_path.write_text(json.dumps(stats, indent=2))
+    print("\nThe data's returns by task\n")
+    print("| task | episodes | mean | std | min | 90th pct | max |\n|---|---|---|---|---|---|---|")
+    for task, r in stats.items():
+        values = [r[k] for k in ("return_mean", "return_std", "return_min", "return_p90", "return_max")]
+        print(f"| {task} | {r['episodes']} | " + " | ".join(f"{x:.1f}" for x in values) + " |")
 
 
 # ---------------------------------------------------------------------------------- run
