@@ -14,7 +14,9 @@ Transformer and the Agentic Transformer (4 and 32 trajectories) in dm_control.
 A cell is one bpt-train run (configs/rl/*.py with the settings below) followed by
 bpt-eval-rl on its last checkpoint; it runs in fresh processes and writes cell.json in its
 folder (runs/<task>/<method>/seed<k>) when it is done, so `run` picks up where an earlier
-one stopped and --time_budget stops it from starting cells it has no time for.
+one stopped, and --time_budget starts a cell only if the time left covers what a finished
+cell of its method took (so a GPU lent for a fixed time is not spent on cells cut off). A
+training run that fails for a reason other than memory is tried again once (--retries).
 
 Methods (METHODS): every one sees the same number of trajectories a step (--trajectories_per_step,
 64 by default: the paper's batch of 64 single trajectories), so AT(4) trains on batches of
@@ -166,6 +168,10 @@ def last_error(log: str) -> str:
     return (errors or lines or [""])[-1][-400:]
 
 
+def out_of_memory(log: str) -> bool:
+    return "MemoryError" in log or "RESOURCE_EXHAUSTED" in log or "out of memory" in log.lower()
+
+
 def run_cell(args, task: str, method: str, seed: int, env: dict) -> dict:
     workdir = cell_dir(Path(args.runs), task, method, seed)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -176,9 +182,18 @@ def run_cell(args, task: str, method: str, seed: int, env: dict) -> dict:
         env = {**env, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
     code, cell["train_s"] = run_logged(train_argv(args, task, method, seed, workdir), log, env)
     text = log.read_text()
+    for _ in range(args.retries):
+        if code == 0 or out_of_memory(text):
+            break
+        # A run that failed for another reason (a GPU runtime error) gets a fresh process; it
+        # resumes from its last checkpoint, if it wrote one.
+        with open(log, "a") as f:
+            f.write(f"retrying after: {last_error(text)}\n")
+        code, seconds = run_logged(train_argv(args, task, method, seed, workdir), log, env)
+        cell["train_s"] += seconds
+        text = log.read_text()
     if code != 0:
-        memory = "MemoryError" in text or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-        cell["status"] = "out of memory" if memory else "failed"
+        cell["status"] = "out of memory" if out_of_memory(text) else "failed"
         cell["error"] = last_error(text) or f"exit {code}"
     else:  # (vanilla attention that fits, on a larger GPU, trains and is evaluated like the rest)
         code, cell["eval_s"] = run_logged(eval_argv(args, method, seed, workdir), log, env)
@@ -213,16 +228,21 @@ def run(args) -> None:
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.jobs:.3f}")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(args.runs).resolve() / ".jax_cache"))
     deadline = time.monotonic() + args.time_budget if args.time_budget else None
-    lock, finished = threading.Lock(), []
+    lock, finished, skipped = threading.Lock(), [], []
+    took = longest_cells(runs)
 
     failures = [0]  # failed cells in a row: after 3 something is broken, so stop starting more
 
     def work(item):
-        if (deadline is not None and time.monotonic() > deadline) or failures[0] >= 3:
+        expected = took.get(item[1], 0.0)  # unknown: the cell may start until the deadline
+        if (deadline is not None and time.monotonic() + expected > deadline) or failures[0] >= 3:
+            skipped.append(item)
             return None
         cell = run_cell(args, *item, env)
         with lock:
             finished.append(cell)
+            if cell["status"] == "done":  # this campaign's own conditions (GPU neighbours) from now on
+                took[cell["method"]] = cell["train_s"] + cell["eval_s"]
             failures[0] = failures[0] + 1 if cell["status"] == "failed" else 0
             line = f"[{len(finished)}/{len(todo)}] {cell['task']} {cell['method']} seed {cell['seed']}: {cell['status']}"
             if cell["status"] == "done":
@@ -236,10 +256,19 @@ def run(args) -> None:
 
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(work, todo))
-    skipped = len(todo) - len(finished)
     if skipped:
-        why = "3 cells failed in a row" if failures[0] >= 3 else "time budget spent"
-        print(f"{why}: {skipped} cells not started", flush=True)
+        why = "3 cells failed in a row" if failures[0] >= 3 else "not enough of the time budget left"
+        print(f"{why}: {len(skipped)} cells not started", flush=True)
+
+
+def longest_cells(runs: Path) -> dict[str, float]:
+    """method -> the longest a finished cell of it took (train + eval seconds) in these runs."""
+    took: dict[str, float] = {}
+    for path in runs.glob("*/*/seed*/cell.json"):
+        cell = json.loads(path.read_text())
+        if cell.get("status") == "done":
+            took[cell["method"]] = max(took.get(cell["method"], 0.0), cell["train_s"] + cell["eval_s"])
+    return took
 
 
 # ---------------------------------------------------------------------------------- report
@@ -398,7 +427,18 @@ def main() -> None:
         "--jobs", type=int, default=4, help="run: cells at a time (processes sharing the GPU)"
     )
     parser.add_argument(
-        "--time_budget", type=float, default=0.0, help="run: seconds after which no cell starts (0: none)"
+        "--retries",
+        type=int,
+        default=1,
+        help="run: fresh attempts at a training run that failed (not for memory)",
+    )
+    parser.add_argument(
+        "--time_budget",
+        type=float,
+        default=0.0,
+        help="run: seconds the started cells should finish within: a cell starts only if the time "
+        "left covers what the last finished cell of its method took (before any: the longest in "
+        "--runs; 0: no limit)",
     )
     args = parser.parse_args()
     args.tasks = args.tasks.split(",")
