@@ -325,6 +325,10 @@ def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int, **from_dat
                     f"or leave it at {field.default!r}"
                 )
     fields = {name: value for name, value in fields.items() if name in defaults}
+    if fields.get("remat_layer") == "auto":
+        # Chosen by memory where a training step is compiled (bpt.train.probe.resolve_remat,
+        # which bpt-train runs first); evaluation and sampling do not rematerialize.
+        fields["remat_layer"] = "nothing_saveable"
     fields["vocab_size"] = fields["vocab_size"] or vocab_size
     fields["max_seq_len"] = fields["max_seq_len"] or seq_len
     for name, value in from_data.items():

@@ -28,6 +28,11 @@ REMATS = {
     "layer": ("nothing_saveable", "none", "nothing_saveable"),  # bpt's default
     "full": ("nothing_saveable", "nothing_saveable", "nothing_saveable"),
     "dots": ("dots_saveable", "none", "nothing_saveable"),
+    # bpt's: the backward keeps attention's output and logsumexp (never re-runs its forward),
+    # and with them the weight matmuls' outputs; auto takes the fastest that fits.
+    "attention": ("attention_saveable", "none", "nothing_saveable"),
+    "attention_dots": ("attention_and_dots_saveable", "none", "nothing_saveable"),
+    "auto": ("auto", "none", "nothing_saveable"),
     "none": ("none", "none", "none"),
 }
 RESULT = "RESULT "  # the line prefix a measuring subprocess reports its result with

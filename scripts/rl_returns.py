@@ -131,6 +131,7 @@ def train_argv(args, task: str, method: str, seed: int, workdir: Path) -> list[s
         "train.keep_checkpoints": 1,
         "model.dtype": "bfloat16",
         "model.attention_mode": mode,
+        "model.remat_layer": args.remat_layer,
     }
     if mode == "vanilla":
         settings["model.attention_impl"] = "reference"
@@ -425,6 +426,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--jobs", type=int, default=4, help="run: cells at a time (processes sharing the GPU)"
+    )
+    parser.add_argument(
+        "--remat_layer",
+        default="nothing_saveable",
+        help="run: model.remat_layer of the cells (a policy of bpt.ops.remat; the function trained is the same)",
     )
     parser.add_argument(
         "--retries",

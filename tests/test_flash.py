@@ -12,6 +12,7 @@ from conftest import rel_err
 
 from bpt.ops import attention, reference_attention
 from bpt.ops.kernels import flash_attention, flash_attention_with_lse
+from bpt.ops.remat import remat
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -95,6 +96,24 @@ def test_logsumexp_and_its_gradient_and_rows_that_see_nothing(key):
     assert rel_err(grad, ref_grad) < 1e-5
 
 
+def test_attention_saveable_keeps_the_kernels_output_and_logsumexp(key, capsys):
+    """Under remat with attention_saveable the backward kernels read the saved output and
+    logsumexp instead of re-running the forward kernel; the gradient is the same."""
+    q, k, v, d_out = inputs(key, 1, 48, 2, 2, 16)
+    layer = lambda q: flash_attention(jnp.tanh(q), k, v, causal=True, **SMALL)  # noqa: E731
+    grads = {}
+    for policy in ("nothing_saveable", "attention_saveable"):
+        loss = lambda q, policy=policy: jnp.sum(remat(layer, policy)(q) * d_out)  # noqa: E731
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(loss, q)
+        saved = capsys.readouterr().out
+        assert ("named 'attention_out'" in saved and "named 'attention_lse'" in saved) == (
+            policy == "attention_saveable"
+        ), saved
+        grads[policy] = jax.grad(loss)(q)
+    assert rel_err(grads["attention_saveable"], grads["nothing_saveable"]) < 1e-6
+
+
 def test_default_blocks(key):
     """No blocks given: the float32 defaults (TRITON_BLOCKS), a padded length, causal."""
     q, k, v, d_out = inputs(key, 1, 100, 2, 1, 16)
@@ -120,10 +139,10 @@ def test_entry_point_and_bad_inputs(key):
 @pytest.mark.parametrize(
     "dtype, causal, kv_heads, block_k",
     [
-        (jnp.bfloat16, True, 2, 64),  # GQA; the forward streams 4 key blocks through 2 slots
-        # MQA; the causal forward's first tile needs fewer blocks than the ring holds (the
-        # non-causal path runs in the GPU tests: each interpreted case costs over a minute)
-        (jnp.float16, True, 1, 128),
+        # GQA; the forward streams 4 key blocks through 2 slots. (Each interpreted case costs
+        # minutes on two cores: MQA, float16, 128-key blocks and the non-causal path run in
+        # the GPU tests, test_hopper_kernels_on_gpu.)
+        (jnp.bfloat16, True, 2, 64),
     ],
 )
 def test_hopper_kernels_in_the_mosaic_gpu_interpreter(key, dtype, causal, kv_heads, block_k):
@@ -201,3 +220,23 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k):
     q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, dtype)
     hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k)
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN's fused attention needs an NVIDIA GPU")
+def test_attention_saveable_keeps_cudnns_output_and_statistics(key, capsys):
+    """cuDNN's fused attention is a primitive, not bpt's code: attention_saveable keeps its
+    outputs (the output and the softmax statistics) by the primitive's name."""
+    q, k, v, d_out = inputs(key, 1, 512, 4, 4, 64, jnp.bfloat16)
+    layer = lambda q: attention(jnp.tanh(q), k, v, causal=True, impl="cudnn")  # noqa: E731
+    saved, grads = {}, {}
+    for policy in ("nothing_saveable", "attention_saveable"):
+        loss = lambda q, policy=policy: jnp.sum(remat(layer, policy)(q).astype(jnp.float32) * d_out)  # noqa: E731
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(loss, q)
+        saved[policy] = capsys.readouterr().out
+        grads[policy] = jax.grad(loss)(q)
+    assert "dot_product_attention" not in saved["nothing_saveable"]
+    more = len(saved["attention_saveable"].splitlines()) - len(saved["nothing_saveable"].splitlines())
+    assert more >= 2 and "dot_product_attention" in saved["attention_saveable"], saved["attention_saveable"]
+    assert rel_err(grads["attention_saveable"], grads["nothing_saveable"]) < 1e-6

@@ -1,6 +1,8 @@
 """The GPT: the three attention modes compute one function; causality; layer scan; memory."""
 
 import dataclasses
+import math
+import re
 
 import flax.linen as nn
 import jax
@@ -109,7 +111,15 @@ def test_scanned_and_unscanned_layers_agree(batch):
 
 @pytest.mark.parametrize(
     "policy",
-    ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable", "none"],
+    [
+        "nothing_saveable",
+        "dots_saveable",
+        "dots_with_no_batch_dims_saveable",
+        "everything_saveable",
+        "attention_saveable",
+        "attention_and_dots_saveable",
+        "none",
+    ],
 )
 def test_remat_policies_do_not_change_gradients(batch, policy):
     tokens, targets, params = batch
@@ -138,6 +148,37 @@ def test_grouped_remat_computes_the_same_function(key, mode, group, policy):
         {"params": params}, tokens, targets=targets, deterministic=False, rngs={"dropout": key}
     ).loss
     assert np.isfinite(float(train)) and float(train) != float(loss)
+
+
+def step_flops(cfg, params, tokens, targets) -> float:
+    """XLA's FLOP count of the compiled loss and gradient (value_and_grad: the forward's
+    results are needed, so a recomputed forward is not dead code)."""
+    model = GPT(cfg)
+    loss = lambda p: model.apply({"params": p}, tokens, targets=targets).loss  # noqa: E731
+    cost = jax.jit(jax.value_and_grad(loss)).lower(params).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+@pytest.mark.parametrize("mode", ["blockwise_parallel", "memory_efficient"])
+def test_attention_saveable_keeps_the_attention_forward_from_running_twice(batch, mode, capsys):
+    """Under layer remat the backward recomputes the layer; with attention_saveable the
+    attention's output and logsumexp are kept as well (exactly those numbers more), so only
+    the projections around it are recomputed."""
+    tokens, targets, params = batch
+    cfg = dataclasses.replace(BASE, attention_mode=mode)
+    kept = dataclasses.replace(cfg, remat_layer="attention_saveable")
+
+    def saved(cfg) -> int:  # numbers the backward keeps, from jax's printout ("f32[2,64] ...")
+        lines = saved_residuals(cfg, params, tokens, targets, capsys).splitlines()
+        shapes = [re.match(r"\w+\[([\d,]*)\]", line).group(1) for line in lines if line.strip()]
+        return sum(math.prod(int(n) for n in shape.split(",") if n) for shape in shapes)
+
+    b, n = tokens.shape
+    per_layer = b * n * BASE.d_model + b * BASE.num_heads * n  # the output and the logsumexp
+    assert saved(kept) - saved(cfg) == BASE.num_layers * per_layer
+    # And the recomputation no longer runs it: fewer FLOPs (XLA's count takes each loop body
+    # once, so the saving shows as the blockwise loops' bodies, not their trip counts).
+    assert step_flops(kept, params, tokens, targets) < step_flops(cfg, params, tokens, targets)
 
 
 def test_grouped_remat_keeps_fewer_layer_inputs():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bpt.config import base_config
-from bpt.train.probe import TrainingStep, longest_fitting
+from bpt.train.probe import AUTO_REMAT, TrainingStep, longest_fitting, resolve_remat
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/tiny.py"
@@ -245,3 +245,27 @@ def test_rl_script_end_to_end(tmp_path):
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["ok"] and row["tokens"] == 4000 and row["step_s"] > 0 and row["compiled_gib"] > 0
     assert "| 1 | 3.9K | 1 | BPT |" in (tmp_path / "table.md").read_text()
+
+
+def test_remat_auto_takes_the_fastest_policy_that_fits(capsys):
+    """The candidates need less memory in AUTO_REMAT's order; auto takes the first that fits
+    the budget, nothing_saveable where none does or the device reports no limit."""
+    c = tiny("blockwise_parallel", 512)
+    needs = {}
+    for policy in AUTO_REMAT:
+        c.model.remat_layer = policy
+        needs[policy] = TrainingStep(c, vocab_size=256).memory().peak
+    first, second, last = (needs[p] for p in AUTO_REMAT)
+    assert first > second > last, needs
+    c.model.remat_layer = "auto"
+    for budget, expected in ((first, AUTO_REMAT[0]), (first - 1, AUTO_REMAT[1]), (last - 1, AUTO_REMAT[2])):
+        chosen = resolve_remat(c, budget=budget, need=lambda c: needs[c.model.remat_layer])
+        assert chosen.model.remat_layer == expected, budget
+    assert c.model.remat_layer == "auto"  # the caller's config is left as it was
+    assert "model.remat_layer=auto: attention_saveable (step memory:" in capsys.readouterr().out
+    # A step made from the config directly resolves it too (here: no memory limit).
+    assert TrainingStep(c, vocab_size=256).model.config.remat_layer == "nothing_saveable"
+    agentic = base_config("tiny")
+    agentic.model.family, agentic.model.remat_layer = "agentic", "auto"
+    with pytest.raises(ValueError, match="for model.family='agentic' name a policy"):
+        resolve_remat(agentic, budget=1 << 30)

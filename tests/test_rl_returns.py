@@ -21,7 +21,7 @@ def rl_returns():
 
 def make_args(runs: Path, **overrides) -> argparse.Namespace:
     args = dict(runs=str(runs), data="unused", tasks=["walker_walk"], methods=["bc", "at32"], seeds=[0],
-                jobs=1, retries=1, time_budget=0.0, steps=10, trajectories_per_step=64,
+                jobs=1, retries=1, time_budget=0.0, steps=10, trajectories_per_step=64, remat_layer="nothing_saveable",
                 learning_rate=3e-4, episodes=2, env_seed=1000)  # fmt: skip
     args.update(overrides)
     return argparse.Namespace(**args)

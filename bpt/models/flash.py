@@ -288,9 +288,14 @@ class GAULayer(Layer):
             h = scale_norm(x, p["norm_scale"], cfg.layer_norm_epsilon)
         else:
             h = layer_norm(x, p["ln_scale"], p["ln_bias"], cfg.layer_norm_epsilon)
-        u = jax.nn.silu(h @ p["w_u"] + p["b_u"])
-        v = jax.nn.silu(h @ p["w_v"] + p["b_v"])
-        z = jax.nn.silu(h @ p["w_z"] + p["b_z"])
+        if par is not None and par.size("tensor") > 1:  # u and v split over the tensor axis
+            u = jax.nn.silu(h @ p["w_u"] + p["b_u"])
+            v = jax.nn.silu(h @ p["w_v"] + p["b_v"])
+            z = jax.nn.silu(h @ p["w_z"] + p["b_z"])
+        else:  # one matmul, as the paper's dense(x, 2e + s): one GEMM and one bias gradient, not three
+            w = jnp.concatenate([p["w_u"], p["w_v"], p["w_z"]], axis=1)
+            b = jnp.concatenate([p["b_u"], p["b_v"], p["b_z"]])
+            u, v, z = jnp.split(jax.nn.silu(h @ w + b), [cfg.hidden_dim, 2 * cfg.hidden_dim], axis=-1)
         qk = z[..., None, :] * p["qk_scale"] + p["qk_offset"]  # [batch, seq, num_qk, s]
         if cfg.position_embedding == "rotary":
             qk = apply_rotary(qk, *rotary_tables(positions, cfg.qk_dim, cfg.rope_theta))

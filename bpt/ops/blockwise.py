@@ -21,9 +21,11 @@ from typing import NamedTuple
 import einops
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from bpt.ops.chunked import from_chunks, resolve_chunk_size, to_chunks
 from bpt.ops.reference import SegmentIds, attention_mask, check_qkv, group_heads, split_segment_ids
+from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT
 
 Array = jax.Array
 
@@ -115,6 +117,8 @@ def _chunk_attention(spec, q, k, v, q_seg, kv_seg, q_start):
 
 def _chunk_attention_fwd(spec, q, k, v, q_seg, kv_seg, q_start):
     out, lse = _chunk_attention(spec, q, k, v, q_seg, kv_seg, q_start)
+    # Named, so that a remat policy can keep them (bpt.ops.remat: attention_saveable).
+    out, lse = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
     return (out, lse), (q, k, v, q_seg, kv_seg, q_start, out, lse)
 
 

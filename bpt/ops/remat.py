@@ -1,4 +1,5 @@
-"""Rematerialization (gradient checkpointing) policies by the names the BPT paper uses."""
+"""Rematerialization (gradient checkpointing) policies by the names the BPT paper uses, and
+bpt's own that keep attention's results."""
 
 from __future__ import annotations
 
@@ -6,11 +7,39 @@ from collections.abc import Callable
 
 import jax
 
+# The checkpoint names bpt's attention forwards give the results their backward needs (the
+# Pallas kernels' and the blockwise scan's custom_vjp residuals).
+ATTENTION_OUT = "attention_out"
+ATTENTION_LSE = "attention_lse"
+
+
+def _attention_saveable(prim, *_, **params) -> bool:
+    if prim.name == "name":  # a checkpoint_name
+        return params.get("name") in (ATTENTION_OUT, ATTENTION_LSE)
+    # cuDNN's fused attention (jax.nn.dot_product_attention) is a primitive whose outputs are
+    # its output and softmax statistics (dot_product_attention_fwd_wrapper, and its fp8 twin):
+    # keeping them keeps its backward from re-running its forward.
+    return prim.name.startswith("dot_product_attention") and "_fwd" in prim.name
+
+
+def _attention_and_dots_saveable(prim, *args, **params) -> bool:
+    return _attention_saveable(
+        prim, *args, **params
+    ) or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+
+
 POLICIES: dict[str, Callable | None] = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    # Attention's output and logsumexp are kept (its kernels' or the blockwise scan's, or
+    # cuDNN's output and statistics): the backward recomputes the projections around it but
+    # never the attention forward. Per token and layer: the output (d_model in the compute
+    # dtype) and 4 bytes a head.
+    "attention_saveable": _attention_saveable,
+    # That, and the outputs of the weight matmuls (the projections and the FFN's).
+    "attention_and_dots_saveable": _attention_and_dots_saveable,
     # No checkpoint at all: JAX's autodiff keeps what it needs.
     "none": None,
 }

@@ -24,7 +24,7 @@ from bpt.sample import generate
 from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.optimizer import learning_rate_schedule
-from bpt.train.probe import StepMemory, is_out_of_memory, memory_budget
+from bpt.train.probe import StepMemory, is_out_of_memory, memory_budget, resolve_remat
 from bpt.train.state import create_state, jit_steps, make_parallelism
 
 
@@ -177,8 +177,11 @@ def setup(config: ConfigDict) -> tuple[object, CausalLM, TrainState]:
     parallel = make_parallelism(config)
     dataset = make_dataset(config.data, config.seed)
     fields = getattr(dataset, "model_fields", {})  # what the data says of the model (AT's shapes)
+    # remat_layer=auto: the policy is chosen on this device (the saved config keeps "auto").
+    model_settings = resolve_remat(config, vocab_size=dataset.vocab_size).model
     model = make_model(
-        model_config(config.model, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len, **fields), parallel
+        model_config(model_settings, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len, **fields),
+        parallel,
     )
     state = create_state(config, model, jax.random.fold_in(jax.random.PRNGKey(config.seed), 0))
     return dataset, model, state

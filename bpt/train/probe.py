@@ -8,6 +8,7 @@ are loops over these.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import statistics
@@ -69,15 +70,62 @@ def is_out_of_memory(error: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
+# model.remat_layer=auto tries these, the fastest first, and takes the first whose step fits.
+AUTO_REMAT = ("attention_and_dots_saveable", "attention_saveable", "nothing_saveable")
+
+
+def resolve_remat(
+    config: ConfigDict,
+    *,
+    vocab_size: int = GPT2_VOCAB,
+    devices=None,
+    budget: int | None = None,
+    need: Callable[[ConfigDict], int] | None = None,
+    say=print,
+) -> ConfigDict:
+    """config itself, or where model.remat_layer is "auto" a copy with the first policy of
+    AUTO_REMAT whose training step fits the memory budget (default: the device's). need(config)
+    is a step's bytes (default: its compiled peak, from shapes: nothing is allocated). Where
+    the device reports no limit (a CPU) auto is nothing_saveable; where none fits, the last
+    (and bpt-train's preflight says what would make it fit)."""
+    if config.model.remat_layer != "auto":
+        return config
+    if config.model.get("family", "gpt") == "agentic":
+        raise ValueError(
+            "model.remat_layer=auto compiles a language model's step on random tokens; for "
+            f"model.family='agentic' name a policy: {', '.join(AUTO_REMAT)}"
+        )
+    budget = memory_budget() if budget is None else budget
+    chosen = copy.deepcopy(config)
+    if not budget:
+        chosen.model.remat_layer = AUTO_REMAT[-1]
+        say(f"model.remat_layer=auto: {AUTO_REMAT[-1]} (the device reports no memory limit)")
+        return chosen
+    if need is None:
+        need = lambda c: TrainingStep(c, vocab_size=vocab_size, devices=devices).memory().peak  # noqa: E731
+    needs = []
+    for policy in AUTO_REMAT:
+        chosen.model.remat_layer = policy
+        bytes_ = need(chosen)
+        needs.append(f"{policy} {bytes_ / 2**30:.1f} GiB")
+        if bytes_ <= budget:
+            break
+    say(f"model.remat_layer=auto: {chosen.model.remat_layer} (step memory: {', '.join(needs)}; "
+        f"the device has {budget / 2**30:.1f} GiB)")  # fmt: skip
+    return chosen
+
+
 class TrainingStep:
     """One config's training step on random tokens, compiled once, measured on demand.
 
     vocab_size fills config.model.vocab_size when that is unset (default: GPT-2's). The step
-    runs on the mesh config.mesh describes over `devices` (default: all).
+    runs on the mesh config.mesh describes over `devices` (default: all). model.remat_layer
+    may be "auto" (resolve_remat).
     """
 
     def __init__(self, config: ConfigDict, *, vocab_size: int = GPT2_VOCAB, devices=None):
         check_config(config)
+        config = resolve_remat(config, vocab_size=vocab_size, devices=devices)
         self.config = config
         vocab_size = config.model.vocab_size or vocab_size  # random tokens: no tokenizer to fit
         self.parallel = make_parallelism(config, devices)
