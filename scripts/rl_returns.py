@@ -170,7 +170,10 @@ def last_error(log: str) -> str:
 
 
 def out_of_memory(log: str) -> bool:
-    return "MemoryError" in log or "RESOURCE_EXHAUSTED" in log or "out of memory" in log.lower()
+    """XLA's out-of-memory error, or bpt-train's preflight verdict ("error: MemoryError: ...")."""
+    from bpt.train.probe import is_out_of_memory
+
+    return "MemoryError" in log or is_out_of_memory(log)
 
 
 def run_cell(args, task: str, method: str, seed: int, env: dict) -> dict:

@@ -96,22 +96,29 @@ def test_logsumexp_and_its_gradient_and_rows_that_see_nothing(key):
     assert rel_err(grad, ref_grad) < 1e-5
 
 
+def under_remat(attend, q, d_out, capsys) -> dict:
+    """policy -> (what the backward keeps, as jax prints it; the gradient wrt q) of
+    attend(tanh(q)) under nothing_saveable and attention_saveable."""
+    out = {}
+    for policy in ("nothing_saveable", "attention_saveable"):
+        layer = remat(lambda q: attend(jnp.tanh(q)), policy)
+        loss = lambda q, layer=layer: jnp.sum(layer(q).astype(jnp.float32) * d_out)  # noqa: E731
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(loss, q)
+        out[policy] = (capsys.readouterr().out, jax.grad(loss)(q))
+    return out
+
+
 def test_attention_saveable_keeps_the_kernels_output_and_logsumexp(key, capsys):
     """Under remat with attention_saveable the backward kernels read the saved output and
     logsumexp instead of re-running the forward kernel; the gradient is the same."""
     q, k, v, d_out = inputs(key, 1, 48, 2, 2, 16)
-    layer = lambda q: flash_attention(jnp.tanh(q), k, v, causal=True, **SMALL)  # noqa: E731
-    grads = {}
-    for policy in ("nothing_saveable", "attention_saveable"):
-        loss = lambda q, policy=policy: jnp.sum(remat(layer, policy)(q) * d_out)  # noqa: E731
-        capsys.readouterr()
-        jax.ad_checkpoint.print_saved_residuals(loss, q)
-        saved = capsys.readouterr().out
+    runs = under_remat(lambda q: flash_attention(q, k, v, causal=True, **SMALL), q, d_out, capsys)
+    for policy, (saved, _) in runs.items():
         assert ("named 'attention_out'" in saved and "named 'attention_lse'" in saved) == (
             policy == "attention_saveable"
         ), saved
-        grads[policy] = jax.grad(loss)(q)
-    assert rel_err(grads["attention_saveable"], grads["nothing_saveable"]) < 1e-6
+    assert rel_err(runs["attention_saveable"][1], runs["nothing_saveable"][1]) < 1e-6
 
 
 def test_default_blocks(key):
@@ -228,15 +235,9 @@ def test_attention_saveable_keeps_cudnns_output_and_statistics(key, capsys):
     """cuDNN's fused attention is a primitive, not bpt's code: attention_saveable keeps its
     outputs (the output and the softmax statistics) by the primitive's name."""
     q, k, v, d_out = inputs(key, 1, 512, 4, 4, 64, jnp.bfloat16)
-    layer = lambda q: attention(jnp.tanh(q), k, v, causal=True, impl="cudnn")  # noqa: E731
-    saved, grads = {}, {}
-    for policy in ("nothing_saveable", "attention_saveable"):
-        loss = lambda q, policy=policy: jnp.sum(remat(layer, policy)(q).astype(jnp.float32) * d_out)  # noqa: E731
-        capsys.readouterr()
-        jax.ad_checkpoint.print_saved_residuals(loss, q)
-        saved[policy] = capsys.readouterr().out
-        grads[policy] = jax.grad(loss)(q)
-    assert "dot_product_attention" not in saved["nothing_saveable"]
-    more = len(saved["attention_saveable"].splitlines()) - len(saved["nothing_saveable"].splitlines())
-    assert more >= 2 and "dot_product_attention" in saved["attention_saveable"], saved["attention_saveable"]
-    assert rel_err(grads["attention_saveable"], grads["nothing_saveable"]) < 1e-6
+    runs = under_remat(lambda q: attention(q, k, v, causal=True, impl="cudnn"), q, d_out, capsys)
+    (plain, plain_grad), (kept, kept_grad) = runs["nothing_saveable"], runs["attention_saveable"]
+    assert "dot_product_attention" not in plain
+    more = len(kept.splitlines()) - len(plain.splitlines())
+    assert more >= 2 and "dot_product_attention" in kept, kept
+    assert rel_err(kept_grad, plain_grad) < 1e-6

@@ -22,12 +22,6 @@ def _attention_saveable(prim, *_, **params) -> bool:
     return prim.name.startswith("dot_product_attention") and "_fwd" in prim.name
 
 
-def _attention_and_dots_saveable(prim, *args, **params) -> bool:
-    return _attention_saveable(
-        prim, *args, **params
-    ) or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-
-
 POLICIES: dict[str, Callable | None] = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
@@ -39,7 +33,9 @@ POLICIES: dict[str, Callable | None] = {
     # dtype) and 4 bytes a head.
     "attention_saveable": _attention_saveable,
     # That, and the outputs of the weight matmuls (the projections and the FFN's).
-    "attention_and_dots_saveable": _attention_and_dots_saveable,
+    "attention_and_dots_saveable": jax.checkpoint_policies.save_from_both_policies(
+        _attention_saveable, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    ),
     # No checkpoint at all: JAX's autodiff keeps what it needs.
     "none": None,
 }

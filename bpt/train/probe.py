@@ -65,7 +65,8 @@ class StepMemory:
         )
 
 
-def is_out_of_memory(error: BaseException) -> bool:
+def is_out_of_memory(error: BaseException | str) -> bool:
+    """Whether an error (or a log's text) is XLA's running out of device memory."""
     text = str(error)
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
@@ -87,7 +88,8 @@ def resolve_remat(
     AUTO_REMAT whose training step fits the memory budget (default: the device's). need(config)
     is a step's bytes (default: its compiled peak, from shapes: nothing is allocated). Where
     the device reports no limit (a CPU) auto is nothing_saveable; where none fits, the last
-    (and bpt-train's preflight says what would make it fit)."""
+    (and bpt-train's preflight says what would make it fit). The chosen step is compiled
+    again by its user: auto costs up to three extra compilations, once per run."""
     if config.model.remat_layer != "auto":
         return config
     if config.model.get("family", "gpt") == "agentic":
