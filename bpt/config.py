@@ -253,9 +253,12 @@ def get_config() -> ConfigDict:
 
 
 def paper_config(size: str) -> ConfigDict:
-    """A Table 1 size set up for a GPU: bf16 compute, fp32 parameters, 8K context."""
+    """A Table 1 size set up for a GPU: bf16 compute, fp32 parameters, 8K context, and the
+    layer remat chosen on the device (model.remat_layer=auto: the fastest policy whose step
+    fits its memory; bpt.train.probe.resolve_remat)."""
     c = base_config(size)
     c.model.dtype = "bfloat16"
+    c.model.remat_layer = "auto"
     c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1024
     c.data.seq_len = 8192
     c.train.steps = 10000

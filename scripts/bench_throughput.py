@@ -9,7 +9,9 @@ tokens (gradient accumulation), so every length does the same work per token and
 mode's memory is its own at one micro-batch. MFU counts model FLOPs only (bpt.train.metrics),
 never what rematerialization recomputes. --chunks runs the modes of --grid_modes at each chunk
 size (a size longer than the context is the context) and the tables keep each mode's
-fastest, as the paper's appendix grid does.
+fastest, as the paper's appendix grid does. The layer remat is the config's: for the paper's
+sizes model.remat_layer=auto, which each run resolves on its device (the tables then name the
+policy it took); --set model.remat_layer=nothing_saveable measures one policy throughout.
 
 Loss agreement (--loss_steps N > 0): each mode trains N steps from the same initial
 parameters on the same batches (--loss_data, a bpt-prepare-data folder; else the config's
@@ -152,6 +154,8 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
         chunks_run.setdefault((r["mode"], r["seq_len"]), set()).add(r.get("chunk"))
     grid_modes = {mode for (mode, _), chunks in chunks_run.items() if len(chunks) > 1}
     grid = bool(grid_modes)
+    # model.remat_layer=auto may choose per length: then each cell names its policy.
+    remats = {r.get("remat_layer") for r in results if r["ok"]}
 
     def cell(mode, n, fmt):
         r = by.get((mode, n))
@@ -159,7 +163,8 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
             return "–"
         if not r["ok"]:
             return "OOM" if r.get("out_of_memory") else "failed"
-        return fmt(r) + (f", chunks {r['chunk']}" if grid and mode in grid_modes else "")
+        text = fmt(r) + (f", chunks {r['chunk']}" if grid and mode in grid_modes else "")
+        return text + (f", {r.get('remat_layer')}" if len(remats) > 1 else "")
 
     header = "| context | " + " | ".join(LABELS[m] for m in modes)
     ratio = "blockwise_parallel" in modes and "memory_efficient" in modes

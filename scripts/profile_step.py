@@ -39,6 +39,44 @@ KINDS = (  # (kind, a pattern of kernel names), the first match wins
 )
 
 
+PARTS = (  # what a language model's step spends its time on (part_of)
+    "attention forward",
+    "attention backward",
+    "dense matmuls",
+    "LM head and loss",
+    "optimizer and gradient sums",
+    "collectives",
+    "copies",
+    "elementwise and norms",
+)
+
+
+def part_of(op: dict, *, vocab_sizes=(), param_shapes=()) -> str:
+    """The part of the step one profiled operation (a row of summarize's ops) belongs to:
+    attention kernels (cuDNN's or Pallas') forward or backward; anything with a vocabulary
+    dimension (the LM head's matmuls, the loss); whole-parameter updates run once a step
+    (param_shapes: 'f32[24,2048,8192]', ...); then by kernel kind."""
+    text = f"{op['op']} {op['hlo']} {op['kernel']}".lower()
+    if re.search(r"attention|fmha|flash|mosaic|pallas|gau_", text):
+        return "attention backward" if re.search(r"bwd|backward|_dq|_dkv", text) else "attention forward"
+    if re.search(r"nccl|all-reduce|all_reduce|all-gather|all_gather|reduce-scatter|collective-permute", text):
+        return "collectives"
+    if any(re.search(rf"[\[,]{v}[\],]", op["hlo"]) for v in vocab_sizes):
+        return "LM head and loss"
+    if op["calls"] <= 1 and any(shape in op["hlo"] for shape in param_shapes):
+        return "optimizer and gradient sums"
+    kind = kind_of(f"{op['kernel']} {op['op']} {op['hlo']}")
+    return {"matmul": "dense matmuls", "copy": "copies"}.get(kind, "elementwise and norms")
+
+
+def by_part(ops: list[dict], **known) -> dict[str, float]:
+    """Milliseconds a step per part (PARTS order; parts with no operation left out)."""
+    totals = collections.Counter()
+    for op in ops:
+        totals[part_of(op, **known)] += op["ms"]
+    return {part: totals[part] for part in PARTS if part in totals}
+
+
 def kind_of(name: str) -> str:
     lowered = name.lower()
     for kind, pattern in KINDS:
@@ -145,8 +183,19 @@ def main() -> None:
     seconds = (time.perf_counter() - start) / args.steps  # with the profiler's own overhead
     hlo = compiled.as_text()
     summary = summarize(device_events(trace_dir), args.steps, hlo_shapes(hlo))
+    vocab = step.model.config.vocab_size
+    summary["by_part"] = by_part(
+        summary["ops"],
+        vocab_sizes={vocab, -(-vocab // 128) * 128},  # the chunked loss pads the head to 128s
+        param_shapes={
+            f"{x.dtype}[{','.join(map(str, x.shape))}]".replace("float32", "f32").replace("bfloat16", "bf16")
+            for x in jax.tree.leaves(step.state_shapes.params)
+            if x.ndim
+        },
+    )
     result = dict(
         run_meta(config=args.config, seq_len=args.seq_len, batch=args.batch, overrides=args.set),
+        remat_layer=step.config.model.remat_layer,
         step_seconds_profiled=seconds,
         trace_dir=trace_dir,
         **summary,
@@ -158,8 +207,14 @@ def main() -> None:
         with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
             f.write(hlo)
     total = summary["kernel_ms_per_step"]
-    print(f"\n{args.config} at {args.seq_len} x {args.batch} {' '.join(args.set)}")
+    print(
+        f"\n{args.config} at {args.seq_len} x {args.batch} {' '.join(args.set)} (remat_layer {result['remat_layer']})"
+    )
     print(f"step {seconds * 1e3:.1f} ms (profiled), kernels {total:.1f} ms a step")
+    print(
+        "parts: "
+        + ", ".join(f"{k} {v:.1f} ms ({v / total:.0%})" for k, v in summary["by_part"].items() if total)
+    )
     print(
         "kinds: "
         + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(summary["by_kind"].items(), key=lambda kv: -kv[1]))

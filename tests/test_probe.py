@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bpt.config import base_config
+from bpt.train import probe
 from bpt.train.probe import AUTO_REMAT, TrainingStep, longest_fitting, resolve_remat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,7 +248,7 @@ def test_rl_script_end_to_end(tmp_path):
     assert "| 1 | 3.9K | 1 | BPT |" in (tmp_path / "table.md").read_text()
 
 
-def test_remat_auto_takes_the_fastest_policy_that_fits(capsys):
+def test_remat_auto_takes_the_fastest_policy_that_fits(capsys, monkeypatch):
     """The candidates need less memory in AUTO_REMAT's order; auto takes the first that fits
     the budget, nothing_saveable where none does or the device reports no limit."""
     c = tiny("blockwise_parallel", 512)
@@ -265,7 +266,71 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(capsys):
     assert "model.remat_layer=auto: attention_saveable (step memory:" in capsys.readouterr().out
     # A step made from the config directly resolves it too (here: no memory limit).
     assert TrainingStep(c, vocab_size=256).model.config.remat_layer == "nothing_saveable"
+    # With a limit, the step keeps the executable it compiled for the chosen policy.
+    monkeypatch.setattr(probe, "memory_budget", lambda: first - 1)
+    step = TrainingStep(c, vocab_size=256)
+    assert step.config.model.remat_layer == step.model.config.remat_layer == AUTO_REMAT[1]
+    assert step._compiled is not None and step.memory().peak == second
     agentic = base_config("tiny")
     agentic.model.family, agentic.model.remat_layer = "agentic", "auto"
     with pytest.raises(ValueError, match="for model.family='agentic' name a policy"):
         resolve_remat(agentic, budget=1 << 30)
+
+
+def test_profile_parts_of_a_step(monkeypatch):
+    """scripts/profile_step.py sums a trace's kernels by operation, then by part of the step."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    hlo = """
+  %dot_product_attention_fwd.4 = (bf16[1,16,32768,128]{3,1,2,0}, f32[1,16,32768]{2,1,0}) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmax"
+  %dot_product_attention_bwd.8 = (bf16[1,16,32768,128]{3,1,2,0}) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmaxBackward"
+  %custom-call.1 = (bf16[16384,2048]{1,0}, s8[33554432]{0}) custom-call(%a), custom_call_target="__cublas$lt$matmul"
+  %custom-call.9 = (f32[16384,50304]{1,0}, s8[33554432]{0}) custom-call(%a), custom_call_target="__cublas$lt$matmul"
+  %loop_add_select_fusion = f32[24,2048,8192]{2,1,0} fusion(%a), kind=kLoop, calls=%f
+  %loop_add_fusion.1 = f32[8192,2048]{1,0} fusion(%a), kind=kLoop, calls=%g
+  %all-reduce.3 = f32[2048]{0} all-reduce(%a), replica_groups={}
+  %copy.21 = bf16[2,1,16384,2048]{3,2,1,0} copy(%a)
+"""
+    shapes = profile_step.hlo_shapes(hlo)
+    assert (
+        shapes["custom-call.9"].endswith("__cublas$lt$matmul")
+        and shapes["loop_add_fusion.1"] == "f32[8192,2048] kLoop"
+    )
+    events = [  # two profiled steps: (operation, kernel, microseconds, launches)
+        ("dot_product_attention_fwd.4", "cudnn_fmha_fwd", 900, 2),
+        ("dot_product_attention_bwd.8", "cudnn_fmha_bwd", 2000, 2),
+        ("custom-call.1", "nvjet_sm90_tst", 400, 4),
+        ("custom-call.9", "nvjet_sm90_tst", 300, 2),
+        ("loop_add_select_fusion", "loop_add_select_fusion", 100, 2),  # once a step: the optimizer
+        ("loop_add_fusion.1", "loop_add_fusion_1", 60, 6),  # a layer's gradient, inside the scan
+        ("all-reduce.3", "ncclDevKernel_AllReduce", 50, 2),
+        ("copy.21", "MemcpyD2D", 40, 2),
+    ]
+    trace = [
+        {"name": kernel, "dur": us / n, "args": {"hlo_op": op}}
+        for op, kernel, us, n in events
+        for _ in range(n)
+    ]
+    summary = profile_step.summarize(trace, 2, shapes)
+    assert summary["kernel_ms_per_step"] == pytest.approx(sum(us for _, _, us, _ in events) / 2e3)
+    assert summary["ops"][0]["op"] == "dot_product_attention_bwd.8" and summary["ops"][0]["calls"] == 1
+    parts = profile_step.by_part(
+        summary["ops"], vocab_sizes={50257, 50304}, param_shapes={"f32[24,2048,8192]"}
+    )
+    assert parts == pytest.approx(
+        {
+            "attention forward": 0.45,
+            "attention backward": 1.0,
+            "dense matmuls": 0.2,
+            "LM head and loss": 0.15,
+            "optimizer and gradient sums": 0.05,
+            "collectives": 0.025,
+            "copies": 0.02,
+            "elementwise and norms": 0.03,
+        }
+    )
+    assert list(parts) == [p for p in profile_step.PARTS if p in parts]

@@ -127,7 +127,19 @@ class TrainingStep:
 
     def __init__(self, config: ConfigDict, *, vocab_size: int = GPT2_VOCAB, devices=None):
         check_config(config)
-        config = resolve_remat(config, vocab_size=vocab_size, devices=devices)
+        if config.model.remat_layer == "auto":
+            # Each policy tried is a TrainingStep of its own; the chosen one's compiled step
+            # is kept, so auto costs only the compilations of the policies that did not fit.
+            tried = {}
+
+            def need(c: ConfigDict) -> int:
+                tried[c.model.remat_layer] = step = TrainingStep(c, vocab_size=vocab_size, devices=devices)
+                return step.memory().peak
+
+            config = resolve_remat(config, vocab_size=vocab_size, devices=devices, need=need)
+            if config.model.remat_layer in tried:
+                self.__dict__.update(tried[config.model.remat_layer].__dict__)
+                return
         self.config = config
         vocab_size = config.model.vocab_size or vocab_size  # random tokens: no tokenizer to fit
         self.parallel = make_parallelism(config, devices)
@@ -214,6 +226,7 @@ def measure(config: ConfigDict, *, steps: int = 1, warmup: int = 0, devices=None
     result = {}
     try:
         step = TrainingStep(config, devices=devices)
+        result["remat_layer"] = step.config.model.remat_layer  # auto's choice, where asked
         result["compiled_gib"] = step.memory().peak / 2**30
         measured = step.run(steps=steps, warmup=warmup)
     except Exception as e:  # reported, not raised: a sweep goes on past an out-of-memory
