@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see bench_max_context.py
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from benchlib import LABELS, MODES, human_tokens, parse_choices  # noqa: E402  (after the environment)
+from benchlib import LABELS, MODES, REMATS, human_tokens, parse_choices  # noqa: E402  (after the environment)
 
 
 def config_for(args, mode: str, seq_len: int):
@@ -36,6 +36,7 @@ def config_for(args, mode: str, seq_len: int):
         mode=mode,
         impl=args.impl,
         chunk=min(args.chunk, seq_len),
+        remat=args.remat,
         dtype=args.dtype,
         overrides=args.set,
     )
@@ -125,6 +126,12 @@ def main() -> None:
     parser.add_argument("--impl", default="auto", help="attention_impl of the two non-vanilla modes")
     parser.add_argument("--chunk", type=int, default=1024, help="query, key/value and loss chunk size")
     parser.add_argument("--dtype", default="", help="compute dtype (default: the config's)")
+    parser.add_argument(
+        "--remat",
+        default="layer",
+        help=f"remat preset ({', '.join(REMATS)}); the paper's layer remat by default, so that "
+        "the memory is a mode's own and not auto's choice for the device",
+    )
     parser.add_argument("--set", action="append", default=[], help="section.name=value (repeatable)")
     parser.add_argument("--real", action="store_true", help="also run one real step per fitting length")
     parser.add_argument("--memory_gib", type=float, default=0.0, help="budget (default: the device's limit)")
@@ -165,7 +172,7 @@ def main() -> None:
                     f"--mode={mode}",
                     f"--seq_len={n}",
                 ]
-                cmd += [f"--impl={args.impl}", f"--chunk={args.chunk}", f"--dtype={args.dtype}"]
+                cmd += [f"--impl={args.impl}", f"--chunk={args.chunk}", f"--dtype={args.dtype}", f"--remat={args.remat}"]
                 result["real"] = run_in_subprocess(cmd + [f"--set={s}" for s in args.set])
             results.append(result)
             print(json.dumps(result), flush=True)

@@ -52,7 +52,7 @@ def run_one(args) -> dict:
     from bpt.train.probe import TrainingStep
 
     step = TrainingStep(load_config(args), vocab_size=257)
-    result = {"mode": args.mode, "impl": args.impl}
+    result = {"mode": args.mode, "impl": args.impl, "remat_layer": step.config.model.remat_layer}
     result["compiled_temp_gib"] = step.memory().temp / 2**30
     measured = step.run(steps=args.steps, warmup=2)
     result["peak_gib"] = (measured["peak_bytes"] or float("nan")) / 2**30
