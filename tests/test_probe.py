@@ -334,3 +334,19 @@ def test_profile_parts_of_a_step(monkeypatch):
         }
     )
     assert list(parts) == [p for p in profile_step.PARTS if p in parts]
+
+
+def test_only_training_chooses_the_remat(monkeypatch):
+    """bpt-eval and bpt-sample (restore_run -> setup) never compile candidate training steps
+    for model.remat_layer=auto; bpt-train (setup with training=True) does."""
+    from bpt.train import loop
+
+    chosen = []
+    monkeypatch.setattr(loop, "resolve_remat", lambda c, **kw: chosen.append(c.model.remat_layer) or c)
+    c = tiny("blockwise_parallel", 128)
+    c.model.remat_layer = "auto"
+    c.data.name = "copy"
+    loop.setup(c)
+    assert chosen == []
+    loop.setup(c, training=True)
+    assert chosen == ["auto"]

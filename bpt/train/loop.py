@@ -170,15 +170,16 @@ class StopRequest:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def setup(config: ConfigDict) -> tuple[object, CausalLM, TrainState]:
+def setup(config: ConfigDict, *, training: bool = False) -> tuple[object, CausalLM, TrainState]:
     """The run's dataset, model (on the mesh config.mesh describes) and initial train state,
-    after checking the config."""
+    after checking the config. training: model.remat_layer=auto is chosen on this device
+    (resolve_remat; the saved config keeps "auto"); evaluation and sampling do not
+    rematerialize, so they skip the choice and its compilations."""
     check_config(config)
     parallel = make_parallelism(config)
     dataset = make_dataset(config.data, config.seed)
     fields = getattr(dataset, "model_fields", {})  # what the data says of the model (AT's shapes)
-    # remat_layer=auto: the policy is chosen on this device (the saved config keeps "auto").
-    model_settings = resolve_remat(config, vocab_size=dataset.vocab_size).model
+    model_settings = resolve_remat(config, vocab_size=dataset.vocab_size).model if training else config.model
     model = make_model(
         model_config(model_settings, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len, **fields),
         parallel,
@@ -364,7 +365,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         # before the data is tokenized: a mistyped path should not cost minutes
         raise FileNotFoundError(f"config.init.params_from={source!r} does not exist")
     say("preparing the run: config, data, model ...", flush=True)
-    dataset, model, state = setup(config)
+    dataset, model, state = setup(config, training=True)
     rng = jax.random.PRNGKey(config.seed)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     say(

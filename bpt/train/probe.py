@@ -88,8 +88,9 @@ def resolve_remat(
     AUTO_REMAT whose training step fits the memory budget (default: the device's). need(config)
     is a step's bytes (default: its compiled peak, from shapes: nothing is allocated). Where
     the device reports no limit (a CPU) auto is nothing_saveable; where none fits, the last
-    (and bpt-train's preflight says what would make it fit). The chosen step is compiled
-    again by its user: auto costs up to three extra compilations, once per run."""
+    (and bpt-train's preflight says what would make it fit). Each policy tried is compiled
+    once: a TrainingStep keeps the chosen one's executable, bpt-train compiles its own step
+    after choosing (up to three extra compilations, once per run)."""
     if config.model.remat_layer != "auto":
         return config
     if config.model.get("family", "gpt") == "agentic":
