@@ -337,7 +337,9 @@ def tables(cells: list[dict], tasks, methods) -> str:
     return "\n".join(lines)
 
 
-def plot(cells: list[dict], tasks, methods, path: Path) -> None:
+def plot(cells: list[dict], tasks, methods, path: Path) -> list[str]:
+    """Validation loss by step (top) and return by trial (bottom), a column per task; returns
+    the legend's labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -370,10 +372,16 @@ def plot(cells: list[dict], tasks, methods, path: Path) -> None:
             bottom.set_ylabel("return (mean over seeds)")
         top.grid(alpha=0.3)
         bottom.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7)
-    axes[1, 0].legend(fontsize=7)
-    fig.tight_layout()
+    # One legend for the figure: a method run on only some tasks (at32_me) is in it too.
+    handles = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return list(handles)
 
 
 def report(args) -> None:

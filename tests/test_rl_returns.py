@@ -97,3 +97,35 @@ def test_time_budget_skips_cells_longer_than_the_time_left_and_run_resumes(rl_re
     assert fake.calls == [("train", "at32"), ("eval", "at32")]
     cell = json.loads((tmp_path / "walker_walk/at32/seed0/cell.json").read_text())
     assert cell["status"] == "done" and cell["eval"]["best_mean"] == 2.0
+
+
+def test_report_tables_and_one_legend_for_methods_run_on_some_tasks(rl_returns, tmp_path, capsys):
+    """A method run on one task only (at32_me) has its column ("not run" elsewhere) and its
+    entry in the figure's legend; out-of-memory cells are reported as such."""
+
+    def cell(task, method, seed, by_trial=None, status="done"):
+        folder = tmp_path / "runs" / task / method / f"seed{seed}"
+        folder.mkdir(parents=True)
+        body = {"task": task, "method": method, "seed": seed, "status": status}
+        if by_trial:
+            body["eval"] = {"mean_by_trial": by_trial, "best_mean": max(by_trial)}
+            rows = [{"step": 10, "loss": 1.0, "eval_loss": 0.5}, {"step": 20, "loss": 0.5, "eval_loss": 0.25}]
+            (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        (folder / "cell.json").write_text(json.dumps(body))
+
+    for seed, shift in ((0, 0.0), (1, 10.0)):
+        cell("walker_walk", "at32", seed, [100.0 + shift, 120.0 + shift])
+        cell("cheetah_run", "at32", seed, [10.0 + shift, 30.0 + shift])
+    cell("cheetah_run", "at32_me", 0, [12.0, 28.0])
+    cell("walker_walk", "at32_vanilla", 0, status="out of memory")
+    args = make_args(tmp_path / "runs", tasks=["walker_walk", "cheetah_run"], out=str(tmp_path / "report"),
+                     methods=["at32", "at32_me", "at32_vanilla"])  # fmt: skip
+    rl_returns.report(args)
+    table = (tmp_path / "report" / "table.md").read_text()
+    assert "| walker_walk | 125.0 ± 5.0 (2) | not run | out of memory |" in table
+    assert "| cheetah_run | 35.0 ± 5.0 (2) | 28.0 (1) | not run |" in table
+    assert (tmp_path / "report" / "rl_returns.png").stat().st_size > 10_000
+    labels = rl_returns.plot(
+        rl_returns.load_cells(tmp_path / "runs"), args.tasks, args.methods[:2], tmp_path / "f.png"
+    )
+    assert labels == ["AT(32), BPT", "AT(32), MemoryEfficient"]

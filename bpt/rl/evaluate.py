@@ -14,6 +14,8 @@ over a cache of trials x episode length x 4 slots.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +64,7 @@ def rollout(
     total = trials * length
     cache = init_cache(model, episodes, total)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place, not copied a step
     def act(cache, inputs, index):
         cache = {**cache, "index": jnp.full_like(cache["index"], index)}
         out, variables = model.apply(
