@@ -122,7 +122,7 @@ def base_config(size: str = "small") -> ConfigDict:
     # from data.path relabeled for data.task; data.seq_len = 4 x trajectories x episode_length
     c.data.task = "walker_walk"
     c.data.trajectories = 4  # a chain's trajectories (AT 4 or 32; DT and BC 1)
-    c.data.episode_length = 1000
+    c.data.episode_length = 1000  # dm_control suite's (jaco's: 250)
     c.data.best_fraction = 1.0  # keep the best fraction of training trajectories (BC-10%: 0.1)
 
     c.train = ConfigDict()
@@ -284,6 +284,10 @@ def agentic_config(task: str = "walker_walk", trajectories: int = 4, baseline: s
     c.data.name = "exorl"
     c.data.path = "data/exorl"
     c.data.task = task
+    if task.startswith("jaco_"):  # bpt.rl.jaco: 10 s at 0.04 s a step
+        from bpt.rl.jaco import CONTROL_TIMESTEP, TIME_LIMIT
+
+        c.data.episode_length = round(TIME_LIMIT / CONTROL_TIMESTEP)
     c.data.trajectories = 1 if baseline != "at" else trajectories
     c.data.best_fraction = 0.1 if baseline == "bc" else 1.0
     c.model.returns_input = baseline != "bc"

@@ -11,6 +11,9 @@ Transformer and the Agentic Transformer (4 and 32 trajectories) in dm_control.
     # 3. the tables, results.json and the curves (PNG) from the runs
     python scripts/rl_returns.py report --runs results/rl_runs --out results/rl_returns
 
+--tasks defaults to the five suite tasks; the sixth, jaco reach (bpt.rl.jaco), is any of
+jaco_reach_top_left, _top_right, _bottom_left, _bottom_right (collected with --domain jaco).
+
 A cell is one bpt-train run (configs/rl/*.py with the settings below) followed by
 bpt-eval-rl on its last checkpoint; it runs in fresh processes and writes cell.json in its
 folder (runs/<task>/<method>/seed<k>) when it is done, so `run` picks up where an earlier
@@ -47,7 +50,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-TASKS = ("walker_stand", "walker_run", "walker_walk", "cheetah_run", "cartpole_swingup")
+TASKS = ("walker_stand", "walker_run", "walker_walk", "cheetah_run", "cartpole_swingup")  # the default
+# The paper's sixth task, jaco reach (bpt.rl.jaco: 250 steps an episode), in its four corners.
+JACO = ("jaco_reach_top_left", "jaco_reach_top_right", "jaco_reach_bottom_left", "jaco_reach_bottom_right")
 # name -> (label, config file argument, trajectories a chain, test-time trials, attention mode)
 METHODS = {
     "bc": ("BC-10%", "configs/rl/bc.py:{task}", 1, 1, "blockwise_parallel"),
@@ -462,8 +467,8 @@ def main() -> None:
     args.methods = args.methods.split(",")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     for task in args.tasks:
-        if task not in TASKS:
-            parser.error(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
+        if task not in TASKS + JACO:
+            parser.error(f"unknown task {task!r}; allowed: {', '.join(TASKS + JACO)}")
     for method in args.methods:
         if method not in METHODS:
             parser.error(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")

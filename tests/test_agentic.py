@@ -225,3 +225,15 @@ def test_rl_settings_are_checked(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
         check_config(c)
         setup(c)
+
+
+def test_jaco_configs_follow_its_episode_length():
+    """configs/rl/{at,dt}.py for a jaco task: 250 steps a trajectory, so AT(32) chains 32,000 tokens."""
+    from bpt.config import check_config, load_config_file
+
+    at32 = load_config_file("configs/rl/at.py:jaco_reach_top_left,32")
+    assert (at32.data.episode_length, at32.data.seq_len, at32.data.task) == (250, 32000, "jaco_reach_top_left")
+    dt = load_config_file("configs/rl/dt.py:jaco_reach_bottom_right")
+    assert (dt.data.episode_length, dt.data.seq_len) == (250, 1000)
+    check_config(at32)
+    assert load_config_file("configs/rl/at.py:walker_walk,32").data.seq_len == 128000

@@ -48,6 +48,29 @@ def test_relabel_gives_dm_controls_online_rewards_bit_for_bit(task):
         assert not np.array_equal(without_control[1:, 0], online[1:])
 
 
+def test_jaco_reach_the_papers_sixth_task_relabels_exactly_for_its_four_targets(tmp_path):
+    """bpt.rl.jaco: dm_control's Jaco arm reaching a fixed target, 250 steps an episode; one
+    dataset relabels for the four corners (the target is not observed), bit for bit."""
+    episode, online = online_episode("jaco_reach_top_left", steps=40, seed=3)
+    assert episode["observation"].shape == (41, 42) and episode["action"].shape == (41, 9)
+    np.testing.assert_array_equal(exorl.relabel(episode, "jaco_reach_top_left")[1:, 0], online[1:])
+    assert online[1:].max() > 0.01  # the shaped reward has a signal away from the target
+    others = [exorl.relabel(episode, f"jaco_{name}")[1:, 0] for name in exorl.JACO_TASKS[1:]]
+    assert not any(np.array_equal(r, online[1:]) for r in others)
+    env = exorl.make_env("jaco")
+    assert exorl.episode_steps(env) == 250 and exorl.episode_steps(exorl.make_env("cartpole")) == 1000
+    # Collection seeds jaco's initial state per episode (a composer environment's random state).
+    paths = collect.collect("jaco", 2, tmp_path, time_limit=0.4, progress=False)
+    assert [p.name for p in paths] == ["random_000000_10.npz", "random_000001_10.npz"]
+    first = exorl.load_episode(paths[0])["physics"][0]
+    paths[0].unlink()
+    collect.collect("jaco", 2, tmp_path, time_limit=0.4, progress=False)
+    np.testing.assert_array_equal(exorl.load_episode(paths[0])["physics"][0], first)
+    assert not np.array_equal(exorl.load_episode(paths[1])["physics"][0], first)
+    with pytest.raises(ValueError, match="jaco task must be one of reach_top_left"):
+        exorl.make_env("jaco", "reach_middle")
+
+
 def test_collection_writes_exorls_layout_and_resumes(tmp_path):
     paths = collect.collect("cartpole", 2, tmp_path, progress=False)
     assert [p.name for p in paths] == ["random_000000_1000.npz", "random_000001_1000.npz"]
@@ -88,7 +111,7 @@ def test_episode_files_reads_exorls_nested_layout(tmp_path):
         exorl.episode_files(tmp_path / "datasets", "cheetah")
     with pytest.raises(ValueError, match="missing discount"):
         exorl.save_episode(tmp_path / "bad_1.npz", {k: v for k, v in episode.items() if k != "discount"})
-    with pytest.raises(ValueError, match="task must be a dm_control suite task"):
+    with pytest.raises(ValueError, match="task must be a dm_control suite or jaco task"):
         exorl.relabel(episode, "walker_fly")
     with pytest.raises(ValueError, match="another domain"):
         exorl.relabel(episode, "cartpole_swingup")

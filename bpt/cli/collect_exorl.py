@@ -22,7 +22,10 @@ def define_flags() -> SimpleNamespace:
 
     return SimpleNamespace(
         domain=flags.DEFINE_string(
-            "domain", None, "A dm_control suite domain (walker, cheetah, cartpole, ...).", required=True
+            "domain",
+            None,
+            "A dm_control suite domain (walker, cheetah, cartpole, ...) or jaco (bpt.rl.jaco).",
+            required=True,
         ),
         episodes=flags.DEFINE_integer(
             "episodes", 100, "Episodes of the agent in all (those on disk count).", lower_bound=1
@@ -31,7 +34,9 @@ def define_flags() -> SimpleNamespace:
         agent=flags.DEFINE_enum("agent", "random", AGENTS, "The exploration agent."),
         workers=flags.DEFINE_integer("num_workers", 1, "Worker processes.", lower_bound=1),
         seed=flags.DEFINE_integer("seed", 0, "Episode i is seeded from (seed, i)."),
-        time_limit=flags.DEFINE_float("time_limit", None, "Seconds an episode lasts (default: the task's own, 1000 steps)."),
+        time_limit=flags.DEFINE_float(
+            "time_limit", None, "Seconds an episode lasts (default: the task's own, 1000 steps)."
+        ),
     )
 
 

@@ -308,7 +308,7 @@ def collect_rnd(
     bar = tqdm(total=episodes, initial=len(done), desc=f"{domain} rnd", unit="episode", disable=not progress)
     for index in range(len(done), episodes):
         e_seed = episode_seed(seed, index)
-        env.task.random.seed(e_seed % 2**32)
+        exorl.seed_episode(env, e_seed)
         rng = np.random.RandomState(e_seed % 2**32 ^ 0x5EED)
         pending = {k: [] for k in ("obs", "action", "next_obs", "discount")}
 

@@ -65,7 +65,7 @@ def _collect_one(domain: str, agent: str, index: int, seed: int, out: str, time_
     key = (domain, time_limit)
     env = _ENVS.get(key) or _ENVS.setdefault(key, exorl.make_env(domain, time_limit=time_limit))
     episode_seed_ = episode_seed(seed, index)
-    env.task.random.seed(episode_seed_ % 2**32)  # the reset's initial state
+    exorl.seed_episode(env, episode_seed_)  # the reset's initial state
     rng = np.random.RandomState(episode_seed_ % 2**32 ^ 0x5EED)
     if agent != "random":
         raise ValueError(f"workers collect the random agent's episodes; got {agent!r}")

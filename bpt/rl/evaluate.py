@@ -57,7 +57,7 @@ def rollout(
     if episode_length is not None:
         time_limit = episode_length * exorl.make_env(domain, name).control_timestep()
     envs = [exorl.make_env(domain, name, seed=seed + i, time_limit=time_limit) for i in range(episodes)]
-    length = int(envs[0]._step_limit)  # dm_control's steps an episode
+    length = exorl.episode_steps(envs[0])
     cfg = model.config
     if length > cfg.max_timestep:
         raise ValueError(f"the task's episodes have {length} steps; model.max_timestep is {cfg.max_timestep}")

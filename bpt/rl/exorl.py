@@ -35,39 +35,67 @@ KEYS = ("observation", "action", "reward", "discount", "physics")
 # The task a domain's reward-free collection runs in (its reward is stored but not used).
 COLLECTION_TASKS = {"walker": "stand", "cheetah": "run", "cartpole": "swingup", "hopper": "stand",
                     "quadruped": "walk", "point_mass": "easy", "reacher": "easy"}  # fmt: skip
-# The paper's five suite tasks (jaco reach is URLB's own task, not in dm_control's suite).
+# The paper's five suite tasks; its sixth, jaco reach, is URLB's own task (bpt.rl.jaco).
 TASKS = ("walker_stand", "walker_run", "walker_walk", "cheetah_run", "cartpole_swingup")
+JACO_TASKS = ("reach_top_left", "reach_top_right", "reach_bottom_left", "reach_bottom_right")
+COLLECTION_TASKS["jaco"] = "reach_top_left"
 _NAME = re.compile(r"^(?P<name>.+)_(?P<length>\d+)\.npz$")
+
+
+def all_tasks() -> tuple[tuple[str, str], ...]:
+    """(domain, task) of every task: dm_control's suite, then jaco's (bpt.rl.jaco)."""
+    from dm_control import suite
+
+    return tuple(suite.ALL_TASKS) + tuple(("jaco", name) for name in JACO_TASKS)
 
 
 def split_task(task: str) -> tuple[str, str]:
     """'walker_walk' -> ('walker', 'walk'), by dm_control's own domain names."""
-    from dm_control import suite
-
-    for domain, name in suite.ALL_TASKS:
+    for domain, name in all_tasks():
         if task == f"{domain}_{name}":
             return domain, name
-    known = ", ".join(f"{d}_{t}" for d, t in suite.ALL_TASKS)
-    raise ValueError(f"task must be a dm_control suite task as domain_task; got {task!r} (known: {known})")
+    known = ", ".join(f"{d}_{t}" for d, t in all_tasks())
+    raise ValueError(
+        f"task must be a dm_control suite or jaco task as domain_task; got {task!r} (known: {known})"
+    )
 
 
 def make_env(domain: str, task: str | None = None, seed: int = 0, time_limit: float | None = None):
-    """A dm_control suite environment (states only). task: the task's name within the domain
-    (default: the domain's collection task); time_limit: seconds an episode lasts (default the
-    task's own: 1000 steps for walker, cheetah and cartpole)."""
+    """A dm_control environment (states only): a suite task, or jaco's (bpt.rl.jaco). task:
+    the task's name within the domain (default: the domain's collection task); time_limit:
+    seconds an episode lasts (default the task's own: 1000 steps for walker, cheetah and
+    cartpole, 250 for jaco)."""
     from dm_control import suite
 
+    if domain == "jaco":
+        from bpt.rl import jaco
+
+        return jaco.make(task or COLLECTION_TASKS["jaco"], seed=seed, time_limit=time_limit)
     tasks = [t for d, t in suite.ALL_TASKS if d == domain]
     task = task or COLLECTION_TASKS.get(domain) or (tasks[0] if tasks else None)
     if (domain, task) not in suite.ALL_TASKS:
         if not tasks:
-            domains = sorted({d for d, _ in suite.ALL_TASKS})
+            domains = sorted({d for d, _ in all_tasks()})
             raise ValueError(
-                f"domain must be a dm_control suite domain ({', '.join(domains)}); got {domain!r}"
+                f"domain must be a dm_control suite domain or jaco ({', '.join(domains)}); got {domain!r}"
             )
         raise ValueError(f"task {task!r} is not one of {domain}'s: {', '.join(sorted(tasks))}")
     limit = {} if time_limit is None else {"time_limit": time_limit}  # every suite task takes it
     return suite.load(domain, task, task_kwargs={"random": seed, **limit})
+
+
+def episode_steps(env) -> int:
+    """Steps an episode of env lasts (a suite environment's or a composer one's, as jaco's)."""
+    if hasattr(env, "_step_limit"):  # dm_control.rl.control.Environment
+        return int(env._step_limit)
+    return int(round(env._time_limit / env.control_timestep()))
+
+
+def seed_episode(env, seed: int) -> None:
+    """Seeds the initial state of env's next reset (suite: its task's random state; composer:
+    the environment's)."""
+    random = env.task.random if hasattr(env.task, "random") else env.random_state
+    random.seed(seed % 2**32)
 
 
 def flatten_observation(observation) -> np.ndarray:
