@@ -21,8 +21,8 @@ builds them from those parts:
   policy's returns are then 0-120 of 250), so a return lies in [0, steps];
 - an episode lasts 10 s at the manipulation suite's control step of 0.04 s: 250 steps.
 
-The four targets are the corners of the top of that box seen from the arm's base: reach_top_left
-is the far left corner. These are bpt's choices; URLB's exact target coordinates and episode
+The four targets are near the corners of that box's upper part (x, y = +-0.15, z = 0.35):
+"top" is the side away from the arm's base (y < 0), "left" is x < 0. These are bpt's choices; URLB's exact target coordinates and episode
 length are not reproduced, so returns are comparable across bpt's methods, not with
 URLB/ExoRL's published jaco numbers.
 """
