@@ -284,10 +284,10 @@ def agentic_config(task: str = "walker_walk", trajectories: int = 4, baseline: s
     c.data.name = "exorl"
     c.data.path = "data/exorl"
     c.data.task = task
-    if task.startswith("jaco_"):  # bpt.rl.jaco: 10 s at 0.04 s a step
-        from bpt.rl.jaco import CONTROL_TIMESTEP, TIME_LIMIT
+    if task.startswith("jaco_"):  # bpt.rl.jaco's episodes are shorter than the suite's
+        from bpt.rl.jaco import EPISODE_STEPS
 
-        c.data.episode_length = round(TIME_LIMIT / CONTROL_TIMESTEP)
+        c.data.episode_length = EPISODE_STEPS
     c.data.trajectories = 1 if baseline != "at" else trajectories
     c.data.best_fraction = 0.1 if baseline == "bc" else 1.0
     c.model.returns_input = baseline != "bc"

@@ -49,10 +49,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bpt.rl import exorl
+
 REPO = Path(__file__).resolve().parent.parent
-TASKS = ("walker_stand", "walker_run", "walker_walk", "cheetah_run", "cartpole_swingup")  # the default
+TASKS = exorl.TASKS  # the default: the paper's five suite tasks
 # The paper's sixth task, jaco reach (bpt.rl.jaco: 250 steps an episode), in its four corners.
-JACO = ("jaco_reach_top_left", "jaco_reach_top_right", "jaco_reach_bottom_left", "jaco_reach_bottom_right")
+JACO = tuple(f"jaco_{name}" for name in exorl.JACO_TASKS)
 # name -> (label, config file argument, trajectories a chain, test-time trials, attention mode)
 METHODS = {
     "bc": ("BC-10%", "configs/rl/bc.py:{task}", 1, 1, "blockwise_parallel"),
@@ -71,7 +73,6 @@ DEFAULT_METHODS = ("bc", "dt", "at4", "at32", "at32_vanilla")
 def pack(args) -> None:
     """Relabels the tasks' rewards in --src (cached there) and writes the first --episodes
     episodes of each domain to --out without the physics key, with the caches."""
-    from bpt.rl import exorl
     from bpt.rl.data import cache_path, relabeled
 
     stats_path = Path(args.out) / "stats.json"

@@ -34,11 +34,10 @@ os.environ.setdefault("MUJOCO_GL", "disable")  # states only: no rendering conte
 KEYS = ("observation", "action", "reward", "discount", "physics")
 # The task a domain's reward-free collection runs in (its reward is stored but not used).
 COLLECTION_TASKS = {"walker": "stand", "cheetah": "run", "cartpole": "swingup", "hopper": "stand",
-                    "quadruped": "walk", "point_mass": "easy", "reacher": "easy"}  # fmt: skip
+                    "quadruped": "walk", "point_mass": "easy", "reacher": "easy", "jaco": "reach_top_left"}  # fmt: skip
 # The paper's five suite tasks; its sixth, jaco reach, is URLB's own task (bpt.rl.jaco).
 TASKS = ("walker_stand", "walker_run", "walker_walk", "cheetah_run", "cartpole_swingup")
 JACO_TASKS = ("reach_top_left", "reach_top_right", "reach_bottom_left", "reach_bottom_right")
-COLLECTION_TASKS["jaco"] = "reach_top_left"
 _NAME = re.compile(r"^(?P<name>.+)_(?P<length>\d+)\.npz$")
 
 

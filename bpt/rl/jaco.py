@@ -32,7 +32,8 @@ from __future__ import annotations
 import numpy as np
 
 CONTROL_TIMESTEP = 0.04
-TIME_LIMIT = 10.0  # seconds: 250 steps
+TIME_LIMIT = 10.0  # seconds
+EPISODE_STEPS = round(TIME_LIMIT / CONTROL_TIMESTEP)  # 250: what data.episode_length must be
 TARGET_RADIUS = 0.05
 MARGIN = 0.2  # the reward falls to 0.1 this far past the target radius
 # Targets in the arena's frame (the arm's base is at y = 0.4, dm_control's ARM_OFFSET).
