@@ -1,5 +1,6 @@
 """FLASH: relu^2 attention (bpt.ops.gau) and the FLASH model (bpt.models.flash)."""
 
+import dataclasses
 import functools
 import json
 
@@ -262,7 +263,7 @@ def random_params(model, key, seq_len=8):
 
 FORMS = [
     dict(attention="mixed_chunk"),
-    dict(attention="mixed_chunk", position_embedding="relative_bias", norm="layer_norm"),
+    dict(attention="mixed_chunk", position_embedding="relative_bias", norm="layer_norm", use_bias=False),
     dict(attention="quadratic"),
     dict(attention="quadratic", position_embedding="relative_bias", scan_layers=False),
 ]
@@ -356,6 +357,11 @@ def test_family_config_and_counts():
     )
     params = nn.meta.unbox(FLASH(biased).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
     assert sum(x.size for x in jax.tree.leaves(params)) == biased.num_params()
+    plain = dataclasses.replace(biased, use_bias=False)  # model.use_bias=False: no b_u, b_v, b_z, b_o
+    params = nn.meta.unbox(FLASH(plain).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    names = {path[-1].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert not names & {"b_u", "b_v", "b_z", "b_o"} and {"w_u", "ln_bias", "relative_bias"} <= names, names
+    assert sum(x.size for x in jax.tree.leaves(params)) == plain.num_params() < biased.num_params()
     # FLOPs: FLASH's own count, growing with the chunk, not with the sequence (mixed_chunk)
     assert train_flops_per_token(cfg, 128) == train_flops_per_token(cfg, 4096) == cfg.train_flops_per_token(1)
     quad = FLASHConfig(vocab_size=50, num_layers=2, d_model=32, attention="quadratic")

@@ -82,6 +82,9 @@ class FLASHConfig(LMConfigMixin):
     # take the sizes and the mesh shards no more than the batch).
     attention_impl: str = "auto"
     norm: str = "scale_norm"
+    # Biases on the dense layers (u, v, z and the output), as the paper's dense(); without them
+    # the backward has no column sums over every token of the 2e + s wide pre-activation.
+    use_bias: bool = True
     position_embedding: str = "rotary"  # or relative_bias: T5's bucketed bias on the relu^2 scores
     rope_theta: float = 10000.0
     relative_buckets: int = 32
@@ -179,7 +182,8 @@ class FLASHConfig(LMConfigMixin):
         d, e, s = self.d_model, self.hidden_dim, self.qk_dim
         norm = 1 if self.norm == "scale_norm" else 2 * d
         bias = self.relative_buckets if self.position_embedding == "relative_bias" else 0
-        per_layer = norm + 2 * (d * e + e) + d * s + s + 2 * self.num_qk * s + e * d + d + bias
+        biases = (2 * e + s + d) if self.use_bias else 0
+        per_layer = norm + 2 * d * e + d * s + 2 * self.num_qk * s + e * d + biases + bias
         total = self.num_layers * per_layer + norm
         if embeddings:
             total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
@@ -247,18 +251,16 @@ class GAULayer(Layer):
         else:
             p["ln_scale"] = self._param("ln_scale", (d,), ("embed",), ones)
             p["ln_bias"] = self._param("ln_bias", (d,), ("embed",), zeros)
-        p.update(
-            w_u=self._param("w_u", (d, e), ("embed", "mlp"), normal),
-            b_u=self._param("b_u", (e,), ("mlp",), zeros),
-            w_v=self._param("w_v", (d, e), ("embed", "mlp"), normal),
-            b_v=self._param("b_v", (e,), ("mlp",), zeros),
-            w_z=self._param("w_z", (d, s), ("embed", "qk"), normal),
-            b_z=self._param("b_z", (s,), ("qk",), zeros),
-            qk_scale=self._param("qk_scale", (cfg.num_qk, s), (None, "qk"), qk_scale_init),
-            qk_offset=self._param("qk_offset", (cfg.num_qk, s), (None, "qk"), zeros),
-            w_o=self._param("w_o", (e, d), ("mlp", "embed"), residual),
-            b_o=self._param("b_o", (d,), ("embed",), zeros),
-        )
+        shapes = {"u": (e, "mlp"), "v": (e, "mlp"), "z": (s, "qk")}
+        for name, (width, axis) in shapes.items():  # in this order: the initial values depend on it
+            p[f"w_{name}"] = self._param(f"w_{name}", (d, width), ("embed", axis), normal)
+            if cfg.use_bias:
+                p[f"b_{name}"] = self._param(f"b_{name}", (width,), (axis,), zeros)
+        p["qk_scale"] = self._param("qk_scale", (cfg.num_qk, s), (None, "qk"), qk_scale_init)
+        p["qk_offset"] = self._param("qk_offset", (cfg.num_qk, s), (None, "qk"), zeros)
+        p["w_o"] = self._param("w_o", (e, d), ("mlp", "embed"), residual)
+        if cfg.use_bias:
+            p["b_o"] = self._param("b_o", (d,), ("embed",), zeros)
         if cfg.position_embedding == "relative_bias":
             p["relative_bias"] = self._param("relative_bias", (cfg.relative_buckets,), (None,), zeros)
         return p
@@ -289,13 +291,13 @@ class GAULayer(Layer):
         else:
             h = layer_norm(x, p["ln_scale"], p["ln_bias"], cfg.layer_norm_epsilon)
         if par is not None and par.size("tensor") > 1:  # u and v split over the tensor axis
-            u = jax.nn.silu(h @ p["w_u"] + p["b_u"])
-            v = jax.nn.silu(h @ p["w_v"] + p["b_v"])
-            z = jax.nn.silu(h @ p["w_z"] + p["b_z"])
+            u, v, z = (jax.nn.silu(self._dense(h, p, n)) for n in ("u", "v", "z"))
         else:  # one matmul, as the paper's dense(x, 2e + s): one GEMM and one bias gradient, not three
             w = jnp.concatenate([p["w_u"], p["w_v"], p["w_z"]], axis=1)
-            b = jnp.concatenate([p["b_u"], p["b_v"], p["b_z"]])
-            u, v, z = jnp.split(jax.nn.silu(h @ w + b), [cfg.hidden_dim, 2 * cfg.hidden_dim], axis=-1)
+            uvz = h @ w
+            if cfg.use_bias:
+                uvz = uvz + jnp.concatenate([p["b_u"], p["b_v"], p["b_z"]])
+            u, v, z = jnp.split(jax.nn.silu(uvz), [cfg.hidden_dim, 2 * cfg.hidden_dim], axis=-1)
         qk = z[..., None, :] * p["qk_scale"] + p["qk_offset"]  # [batch, seq, num_qk, s]
         if cfg.position_embedding == "rotary":
             qk = apply_rotary(qk, *rotary_tables(positions, cfg.qk_dim, cfg.rope_theta))
@@ -305,10 +307,15 @@ class GAULayer(Layer):
             a, stacks = self._cached_attention(qk, v, table, positions, valid, cache_index, stacks, layer)
         else:
             a = self._attention(qk, v, table, segment_ids)
-        out = (u * a) @ p["w_o"] + p["b_o"]
+        out = self._dense(u * a, p, "o")
         rng = None if self.deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
         x = x + dropout(out, cfg.dropout, rng)
         return (x if stacks is None else (x, *stacks)), None
+
+    @staticmethod
+    def _dense(x, p, name):
+        y = x @ p[f"w_{name}"]
+        return y + p[f"b_{name}"] if f"b_{name}" in p else y
 
     def _attention(self, qk, v, table, segment_ids):
         cfg = self.config
