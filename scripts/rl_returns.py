@@ -352,7 +352,7 @@ def plot(cells: list[dict], tasks, methods, path: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     summary = summarize(cells)
-    fig, axes = plt.subplots(2, len(tasks), figsize=(3.6 * len(tasks), 6.4), squeeze=False)
+    fig, axes = plt.subplots(2, len(tasks), figsize=(max(3.6 * len(tasks), 5.0), 6.4), squeeze=False)
     colors = {m: f"C{i}" for i, m in enumerate(METHODS)}
     for col, task in enumerate(tasks):
         top, bottom = axes[0, col], axes[1, col]
@@ -383,8 +383,10 @@ def plot(cells: list[dict], tasks, methods, path: Path) -> list[str]:
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    ncol = min(len(handles), max(2, 2 * len(tasks)))  # about two labels fit beside a column
+    rows = -(-len(handles) // ncol)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, fontsize=8)
+    fig.tight_layout(rect=(0, 0.04 * rows + 0.01, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return list(handles)

@@ -146,20 +146,20 @@ def test_entry_point_and_bad_inputs(key):
 @pytest.mark.parametrize(
     "dtype, causal, kv_heads, block_k",
     [
-        # GQA; the forward streams 4 key blocks through 2 slots. (Each interpreted case costs
-        # minutes on two cores: MQA, float16, 128-key blocks and the non-causal path run in
-        # the GPU tests, test_hopper_kernels_on_gpu.)
-        (jnp.bfloat16, True, 2, 64),
+        # GQA 2:1; the forward streams 4 key blocks through 2 slots. (Each interpreted case
+        # costs minutes on two cores: MQA, float16, 128-key blocks and the non-causal path run
+        # in the GPU tests, test_hopper_kernels_on_gpu.)
+        (jnp.bfloat16, True, 1, 64),
     ],
 )
 def test_hopper_kernels_in_the_mosaic_gpu_interpreter(key, dtype, causal, kv_heads, block_k):
     """The warp-specialized kernels' data movement, barriers and masks, run by Mosaic GPU's
     interpreter (the matmuls there are plain dots; the GPU tests run the wgmma path)."""
-    q, k, v, d_out = inputs(key, 1, 256, 4, kv_heads, 64, dtype)
+    q, k, v, d_out = inputs(key, 1, 256, 2, kv_heads, 64, dtype)
     hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k)
     out, lse = flash_attention_with_lse(q, k, v, causal=causal, **hopper)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    scores = jnp.einsum("bqhd,bkhd->bhqk", up(q), jnp.repeat(up(k), 4 // kv_heads, axis=2)) / 8.0
+    scores = jnp.einsum("bqhd,bkhd->bhqk", up(q), jnp.repeat(up(k), 2 // kv_heads, axis=2)) / 8.0
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((256, 256), bool)), scores, -jnp.inf)
     assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-3

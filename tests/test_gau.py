@@ -20,6 +20,7 @@ from bpt.ops.gau import (
     relu2_attention_reference,
     resolve_impl,
 )
+from bpt.ops.remat import remat
 from bpt.sample import generate, generate_batch, init_cache
 from bpt.train.metrics import train_flops_per_token
 
@@ -114,6 +115,29 @@ def test_mixed_chunk_from_an_initial_state_and_in_bf16(key):
         *half
     )
     assert all(x.dtype == jnp.bfloat16 for x in grads)
+
+
+def test_attention_saveable_keeps_what_the_backward_reads(key, capsys):
+    """Under remat with attention_saveable the mixed chunk attention's output and computed
+    residuals (the relu^2 weights, [W | lq] and [v ; states]) are kept, so the backward never
+    re-runs its forward; nothing_saveable keeps none of them; the gradients are the same."""
+    g, t = 8, 32
+    qk, v = gau_inputs(key, t=t)
+    cot = jax.random.normal(jax.random.fold_in(key, 1), v.shape)
+    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
+    runs = {}
+    for policy in ("nothing_saveable", "attention_saveable"):
+        # squared, as the unit's gate multiplies it: its backward needs the output too
+        attend = lambda *a: jnp.square(mixed_chunk_attention(*(jnp.tanh(x) for x in a), **kwargs))  # noqa: E731
+        layer = remat(attend, policy)
+        loss = lambda *a, layer=layer: jnp.sum(layer(*a) * cot)  # noqa: E731
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(loss, *qk, v)
+        runs[policy] = (capsys.readouterr().out, jax.grad(loss, argnums=tuple(range(5)))(*qk, v))
+    kept, plain = runs["attention_saveable"][0], runs["nothing_saveable"][0]
+    assert kept.count("named 'attention_residual'") == 3 and "named 'attention_out'" in kept, kept
+    assert "named 'attention" not in plain, plain
+    assert tree_rel_err(runs["attention_saveable"][1], runs["nothing_saveable"][1]) < 1e-6
 
 
 def mixed_chunk_grads(attend, qk, v, cot, **kwargs):
@@ -278,6 +302,20 @@ def test_later_tokens_never_change_earlier_logits(form, key):
     changed = model.apply({"params": params}, tokens.at[:, 21:].set(3))
     np.testing.assert_allclose(logits[:, :21], changed[:, :21], rtol=1e-5, atol=1e-6)
     assert float(jnp.max(jnp.abs(logits[:, 21:] - changed[:, 21:]))) > 1e-3
+
+
+def test_remat_policies_do_not_change_flash_gradients(key):
+    """model.remat_layer chooses only what the backward recomputes (attention_saveable keeps
+    the chunk attention's results, bpt.ops.gau)."""
+    tokens = jax.random.randint(jax.random.fold_in(key, 2), (2, 24), 0, 40)
+
+    def grads(policy):
+        model = FLASH(small_flash(remat_layer=policy))
+        params = random_params(model, key)
+        loss = lambda p: model.apply({"params": p}, tokens, targets=jnp.roll(tokens, -1, 1)).loss  # noqa: E731
+        return jax.grad(loss)(params)
+
+    assert tree_rel_err(grads("attention_and_dots_saveable"), grads("nothing_saveable")) < 1e-5
 
 
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: "-".join(str(v) for v in f.values()))

@@ -26,8 +26,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from bpt.ops.kernels import gau as kernels
+from bpt.ops.remat import ATTENTION_OUT, ATTENTION_RESIDUAL
 
 Array = jax.Array
 
@@ -190,9 +192,17 @@ def _mixed_chunks(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, initial_st
     return _mixed_chunks_forward(static, quad_q, quad_k, lin_q, lin_k, v, bias, seg, initial_state)[0]
 
 
+# The residuals the forward computes (the rest are its inputs): named, so that a remat policy
+# can keep them and the backward never re-runs the forward (bpt.ops.remat: attention_saveable).
+_COMPUTED = ("r", "x", "y", "st")
+
+
 def _mixed_chunks_fwd(static, *args):
     out, _, residuals = _mixed_chunks_forward(static, *args)
-    return out, residuals
+    for name in _COMPUTED:
+        if residuals.get(name) is not None:
+            residuals[name] = checkpoint_name(residuals[name], ATTENTION_RESIDUAL)
+    return checkpoint_name(out, ATTENTION_OUT), residuals
 
 
 def _flat(x: Array | None) -> Array | None:

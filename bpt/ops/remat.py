@@ -11,11 +11,15 @@ import jax
 # Pallas kernels' and the blockwise scan's custom_vjp residuals).
 ATTENTION_OUT = "attention_out"
 ATTENTION_LSE = "attention_lse"
+# What else an attention forward computed for its backward, where that is more than the
+# output and logsumexp (FLASH's relu^2 weights and the [values ; states] it multiplied).
+ATTENTION_RESIDUAL = "attention_residual"
+ATTENTION_NAMES = (ATTENTION_OUT, ATTENTION_LSE, ATTENTION_RESIDUAL)
 
 
 def _attention_saveable(prim, *_, **params) -> bool:
     if prim.name == "name":  # a checkpoint_name
-        return params.get("name") in (ATTENTION_OUT, ATTENTION_LSE)
+        return params.get("name") in ATTENTION_NAMES
     # cuDNN's fused attention (jax.nn.dot_product_attention) is a primitive whose outputs are
     # its output and softmax statistics (dot_product_attention_fwd_wrapper, and its fp8 twin):
     # keeping them keeps its backward from re-running its forward.
