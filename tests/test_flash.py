@@ -121,6 +121,56 @@ def test_attention_saveable_keeps_the_kernels_output_and_logsumexp(key, capsys):
     assert rel_err(runs["attention_saveable"][1], runs["nothing_saveable"][1]) < 1e-6
 
 
+@pytest.mark.parametrize("causal, segments", [(True, False), (False, True)])
+def test_fp8_forward_runs_its_matmuls_in_e4m3_within_its_error(key, causal, segments):
+    """fp8=True: the forward kernel takes float8_e4m3fn q, k, v (scaled per token, per token
+    and per channel) and keeps the inputs' dtype out; its error against the float32 truth is
+    e4m3's (3 mantissa bits): under 8% of the output's norm, above the 16-bit kernel's; the
+    logsumexp and the gradients (the 16-bit backward at the fp8 forward's statistics) stay
+    close. Padded length and head_dim, GQA, packed documents."""
+    q, k, v, d_out = inputs(key, 1, 80, 4, 2, 24, jnp.bfloat16)
+    seg = packed_segments(jax.random.fold_in(key, 1), 1, 80) if segments else None
+    settings = dict(causal=causal, segment_ids=seg, **SMALL)
+    fp8 = lambda q, k, v: flash_attention_with_lse(q, k, v, fp8=True, **settings)  # noqa: E731
+    program = str(jax.make_jaxpr(fp8)(q, k, v))
+    assert "bpt_flash_fwd_fp8" in program and "f8_e4m3fn" in program
+    (out, lse), (half, _) = fp8(q, k, v), flash_attention_with_lse(q, k, v, **settings)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    truth, truth_lse = flash_attention_with_lse(up(q), up(k), up(v), **settings)
+    assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(up(out))))
+    assert rel_err(half, truth) < rel_err(out, truth) < 0.08, (rel_err(half, truth), rel_err(out, truth))
+    assert rel_err(lse, truth_lse) < 0.01, rel_err(lse, truth_lse)
+    loss = lambda fn: lambda q, k, v: jnp.sum(up(fn(q, k, v)[0]) * up(d_out))  # noqa: E731
+    grads = jax.grad(loss(fp8), argnums=(0, 1, 2))(q, k, v)
+    exact = jax.grad(loss(lambda *a: flash_attention_with_lse(*a, **settings)), argnums=(0, 1, 2))(
+        up(q), up(k), up(v)
+    )
+    for name, g, r in zip("qkv", grads, exact):
+        assert rel_err(g, r) < 0.1, (name, rel_err(g, r))
+    with pytest.raises(ValueError, match="forward='hopper' cannot take fp8=True"):
+        flash_attention(q, k, v, fp8=True, forward="hopper")
+    same = dict(causal=causal, segment_ids=seg)  # model.attention_impl=pallas_fp8: the same kernel
+    np.testing.assert_array_equal(attention(q, k, v, impl="pallas_fp8", **same), flash_attention(q, k, v, fp8=True, **same))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the fp8 kernel needs an NVIDIA GPU with fp8 tensor cores")
+@pytest.mark.parametrize("head_dim, segments", [(128, False), (64, True)])
+def test_fp8_forward_on_gpu(key, head_dim, segments):
+    """The Triton-lowered fp8 forward at a real size: e4m3's error, and a finite gradient."""
+    q, k, v, d_out = inputs(key, 2, 2048, 8, 2, head_dim, jnp.bfloat16)
+    seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048) if segments else None
+    out, lse = jax.jit(lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True, segment_ids=seg, fp8=True))(
+        q, k, v
+    )
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        truth = reference_attention(up(q), up(k), up(v), causal=True, segment_ids=seg)
+    assert out.dtype == jnp.bfloat16 and rel_err(out, truth) < 0.08, rel_err(out, truth)
+    grads = jax.grad(lambda q: jnp.sum(up(flash_attention(q, k, v, causal=True, segment_ids=seg, fp8=True)) * up(d_out)))(q)
+    assert bool(jnp.all(jnp.isfinite(up(grads))))
+
+
 def test_default_blocks(key):
     """No blocks given: the float32 defaults (TRITON_BLOCKS), a padded length, causal."""
     q, k, v, d_out = inputs(key, 1, 100, 2, 1, 16)

@@ -377,7 +377,7 @@ class Block(Layer):
         if cfg.attention_mode == "blockwise_parallel" and impl == "blockwise" and shards == 1:
             return self._fused_blockwise(p, x, q, k, v, segment_ids, rng, ffn_residual), None
 
-        if par is not None and (shards > 1 or impl in ("pallas", "cudnn")):
+        if par is not None and (shards > 1 or impl in ("pallas", "pallas_fp8", "cudnn")):
             # Across the sequence shards (ring or all-gather), or a kernel XLA cannot split
             # by itself: attention runs inside shard_map, per device.
             attend = functools.partial(

@@ -25,7 +25,9 @@ from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
 
 Array = jax.Array
 SHORT = 4096  # up to here, bpt's Hopper kernels measured faster than cuDNN (causal, H100)
-IMPLS = ("reference", "blockwise", "cudnn", "pallas", "auto")
+# pallas_fp8: bpt's Triton forward with its matmuls in float8_e4m3fn (flash_attention's
+# fp8=True), chosen by name only: auto never picks it.
+IMPLS = ("reference", "blockwise", "cudnn", "pallas", "pallas_fp8", "auto")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -114,8 +116,8 @@ def attention(
             q_chunk_size=q_chunk_size,
             kv_chunk_size=kv_chunk_size,
         )
-    if impl == "pallas":
-        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    if impl in ("pallas", "pallas_fp8"):
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, fp8=impl == "pallas_fp8")
     reason = cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids)
     if reason is not None:
         raise ValueError(

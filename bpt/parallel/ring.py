@@ -380,10 +380,10 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def local_impl(impl: str, dtype) -> str:
     """The attention a hop runs: bpt's flash kernels on a GPU for 16-bit inputs (impl 'auto',
     'pallas' or 'cudnn'), else the blockwise scan."""
-    allowed = LOCAL_IMPLS + ("reference", "cudnn")
+    allowed = LOCAL_IMPLS + ("reference", "cudnn", "pallas_fp8")
     if impl not in allowed:
         raise ValueError(f"unknown attention impl {impl!r}; allowed: {', '.join(allowed)}")
-    if impl == "pallas":
+    if impl in ("pallas", "pallas_fp8"):  # (pallas_fp8 on one sequence shard only: checked by the caller)
         return "pallas"
     on_gpu = jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
     return "pallas" if impl in ("auto", "cudnn") and on_gpu else "blockwise"
@@ -425,6 +425,11 @@ def context_parallel_attention(
         )
     if seq % (shards * (2 if layout == "zigzag" and causal else 1)):
         raise ValueError(f"sequence length {seq} does not split into {shards} {layout} shards")
+    if impl == "pallas_fp8" and shards > 1:
+        raise ValueError(
+            f"attention impl 'pallas_fp8' runs on one sequence shard; mesh.{axis}={shards} needs "
+            "model.attention_impl=pallas, auto or blockwise"
+        )
     q_seg, kv_seg = split_segment_ids(segment_ids, seq, seq)
     local = seq // shards
     chunk = lambda c: min(c, local // 2 if layout == "zigzag" and causal and shards > 1 else local)  # noqa: E731

@@ -47,6 +47,12 @@ KERNELS = ("auto", "triton", "hopper")
 # element. float32 tiles take twice the registers of bf16 ones: at the bf16 sizes the float32
 # backward spilled so much that compiling it took minutes on an H100 (at these, seconds).
 TRITON_BLOCKS = {2: (128, 64, 64, 64), 4: (64, 32, 32, 32)}
+# The fp8 forward (fp8=True): q and k scaled per token and head, v per channel, to e4m3's
+# range; the probabilities (<= 1) times 2^8 before their cast, so that small ones stay in
+# e4m3's normal range (down to 2^-6) instead of flushing to zero.
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+P_SCALE = 256.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +75,7 @@ class FlashConfig:
     hopper_block_k: int = 128
     hopper_stages: int = 2
     pad_d: int = 0  # zeros added to head_dim
+    fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
 
 def _dot(a: Array, b: Array, *, ta: bool = False, tb: bool = False) -> Array:
@@ -98,13 +105,18 @@ def _mask(cfg: FlashConfig, q_pos, k_pos, q_seg, k_seg, *, diagonal: bool, tail:
     return mask
 
 
-def _masked_scores(cfg: FlashConfig, q, k, q_pos, k_pos, q_seg, k_seg, *, diagonal: bool, tail: bool):
+def _masked_scores(
+    cfg: FlashConfig, q, k, q_pos, k_pos, q_seg, k_seg, *, diagonal: bool, tail: bool, scales=None
+):
     """Scores of one [bq, bk] block in base 2 (scaled by log2(e)/sqrt(d)), -inf where masked.
 
     The backward turns them into probabilities with exp2(s - lse * log2(e)): masked pairs
-    give exactly 0, and so do rows with lse = +inf (rows that see no key).
+    give exactly 0, and so do rows with lse = +inf (rows that see no key). scales: the fp8
+    forward's (per query [bq], per key [bk]) dequantization factors.
     """
     s = _dot(q, k, tb=True) * (cfg.scale * LOG2E)
+    if scales is not None:
+        s = s * scales[0][:, None] * scales[1][None, :]
     mask = _mask(cfg, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
@@ -136,16 +148,17 @@ def _q_ranges(cfg: FlashConfig, k_block, block_q: int, block_k: int, num_q: int)
 
 
 def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
-    if has_seg:
-        qs_ref, ks_ref, o_ref, lse_ref = refs
-    else:
-        o_ref, lse_ref = refs
+    refs = list(refs)
+    qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+    q_scale_ref, k_scale_ref, v_scale_ref = (refs.pop(0) for _ in range(3)) if cfg.fp8 else (None,) * 3
+    o_ref, lse_ref = refs
     block_q, block_k = cfg.block_q, cfg.block_k
     i = pl.program_id(2)
     num_k = k_ref.shape[0] // block_k
     q = q_ref[...]
     q_pos = _iota(block_q, i * block_q)
     q_seg = qs_ref[...] if has_seg else None
+    q_scale = q_scale_ref[...] if cfg.fp8 else None
 
     def visit(diagonal, tail):
         def body(j, carry):
@@ -154,13 +167,17 @@ def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
             k, v = k_ref[span, :], v_ref[span, :]
             k_seg = ks_ref[span] if has_seg else None
             k_pos = _iota(block_k, j * block_k)
-            s = _masked_scores(cfg, q, k, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail)
+            scales = (q_scale, k_scale_ref[span]) if cfg.fp8 else None
+            s = _masked_scores(
+                cfg, q, k, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail, scales=scales
+            )
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
             p = jnp.exp2(s - shift[:, None])
             alpha = jnp.exp2(m - shift)
             row_sum = row_sum * alpha + jnp.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+            p_in = (p * P_SCALE).astype(FP8) if cfg.fp8 else p.astype(v.dtype)
+            acc = acc * alpha[:, None] + _dot(p_in, v)
             return m_new, row_sum, acc
 
         return body
@@ -175,6 +192,8 @@ def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
     m, row_sum, acc = carry
     seen = row_sum > 0.0
     safe = jnp.where(seen, row_sum, 1.0)
+    if cfg.fp8:  # back from P_SCALE * p and v / (its channel's scale)
+        acc = acc * (v_scale_ref[...] * (1.0 / P_SCALE))[None, :]
     o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe)) * LN2, jnp.inf)
 
@@ -217,20 +236,37 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
     has_seg = q_seg is not None
     spec = _query_grid_specs(cfg.block_q, sk, d, group)
     seg_specs, seg_args = ([spec["q_seg"], spec["kv_seg"]], [q_seg, kv_seg]) if has_seg else ([], [])
+    out_dtype, scale_specs, scale_args = q.dtype, [], []
+    if cfg.fp8:
+        (q, q_scale), (k, k_scale), (v, v_scale) = (quantize_fp8(x, axis) for x, axis in ((q, 3), (k, 3), (v, 1)))
+        scale_specs = [
+            spec["stats"],  # [b, h, s]: a query block's row
+            pl.BlockSpec((None, None, sk), lambda b, h, i: (b, h // group, 0)),  # [b, hk, s]
+            pl.BlockSpec((None, None, d), lambda b, h, i: (b, h // group, 0)),  # [b, hk, d]
+        ]
+        scale_args = [jnp.swapaxes(q_scale[..., 0], 1, 2), jnp.swapaxes(k_scale[..., 0], 1, 2), v_scale[:, 0]]
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg, has_seg),
         grid=(b, h, sq // cfg.block_q),
-        in_specs=[spec["rows"], spec["kv"], spec["kv"], *seg_specs],
+        in_specs=[spec["rows"], spec["kv"], spec["kv"], *seg_specs, *scale_specs],
         out_specs=[spec["rows"], spec["stats"]],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(q.shape, out_dtype),
             jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
         ],
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
-        name="bpt_flash_fwd",
-    )(q, k, v, *seg_args)
+        name="bpt_flash_fwd_fp8" if cfg.fp8 else "bpt_flash_fwd",
+    )(q, k, v, *seg_args, *scale_args)
     return out, lse
+
+
+def quantize_fp8(x: Array, axis: int) -> tuple[Array, Array]:
+    """(x / scale as float8_e4m3fn, scale float32 with axis kept as 1): scale = max |x| over
+    axis / 448, e4m3's largest value (1 where that is 0: padding)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x.astype(jnp.float32) / scale).astype(FP8), scale
 
 
 # --- backward ------------------------------------------------------------------------------
@@ -423,6 +459,7 @@ def flash_attention_with_lse(
     hopper_block_k: int = 128,
     hopper_stages: int = 2,
     interpret: bool | None = None,
+    fp8: bool = False,
 ) -> tuple[Array, Array]:
     """(out [b, s, h, d], logsumexp [b, h, s] float32) of exact attention, by the Pallas kernels.
 
@@ -434,7 +471,11 @@ def flash_attention_with_lse(
     the depth of the Hopper kernels' shared-memory ring. interpret: run the kernels in an
     interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
-    TRITON_BLOCKS for the input's dtype.
+    TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
+    (the Triton forward; q and k scaled per token and head, v per channel, the probabilities
+    by 2^8; float32 accumulation and softmax statistics), for GPUs with fp8 tensor cores
+    (compute capability 8.9 and up); the output keeps the inputs' dtype, and the backward
+    is the 16-bit one, run at the fp8 forward's output and logsumexp.
     """
     cfg, (q, k, v, q_seg, kv_seg) = _prepare(q, k, v, causal, segment_ids, locals())
     out, lse = _flash(cfg, q, k, v, q_seg, kv_seg)
@@ -453,6 +494,7 @@ _SETTINGS = (
     "hopper_block_k",
     "hopper_stages",
     "interpret",
+    "fp8",
 )
 
 
@@ -465,6 +507,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     forward, backward = settings.get("forward", "auto"), settings.get("backward", "auto")
     hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages", 2)
     interpret = settings.get("interpret")
+    fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
     num_stages = 2 if num_stages is None else num_stages
     check_qkv(q, k, v)
@@ -498,8 +541,10 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     if why_not is None and (pad_q or pad_k or dp):
         why_not = "inputs the Triton kernels would pad"
     use_hopper = why_not is None and not interpret and flash_hopper.is_hopper()
+    if fp8 and forward == "hopper":
+        raise ValueError("flash forward='hopper' cannot take fp8=True; the fp8 forward is the Triton kernel's")
     if forward == "auto":
-        forward = "hopper" if use_hopper else "triton"
+        forward = "hopper" if use_hopper and not fp8 else "triton"
     if backward == "auto":
         backward = "hopper" if use_hopper else "triton"
     for setting, value in (("forward", forward), ("backward", backward)):
@@ -522,6 +567,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         backward=backward,
         hopper_block_k=hopper_block_k,
         hopper_stages=hopper_stages,
+        fp8=fp8,
     )
     if pad_q or pad_k or dp:
         q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, dp)))
