@@ -238,7 +238,8 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
     seg_specs, seg_args = ([spec["q_seg"], spec["kv_seg"]], [q_seg, kv_seg]) if has_seg else ([], [])
     out_dtype, scale_specs, scale_args = q.dtype, [], []
     if cfg.fp8:
-        (q, q_scale), (k, k_scale), (v, v_scale) = (quantize_fp8(x, axis) for x, axis in ((q, 3), (k, 3), (v, 1)))
+        # per token and head for q and k ([b, s, h, 1]), per channel for v ([b, 1, hk, d])
+        (q, q_scale), (k, k_scale), (v, v_scale) = (quantize_fp8(x, a) for x, a in ((q, 3), (k, 3), (v, 1)))
         scale_specs = [
             spec["stats"],  # [b, h, s]: a query block's row
             pl.BlockSpec((None, None, sk), lambda b, h, i: (b, h // group, 0)),  # [b, hk, s]
