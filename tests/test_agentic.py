@@ -165,6 +165,19 @@ def test_a_rollout_with_the_cache_acts_as_the_full_forward_predicts():
     np.testing.assert_allclose(np.asarray(full), out["actions"], atol=1e-5)
     assert np.abs(out["actions"]).max() > 0  # it acted (and differently per episode)
     assert not np.array_equal(out["actions"][0], out["actions"][1])
+    # hindsight: trial 1 (short of the target) is relabeled to completion 0 and its cache
+    # recomputed, so trial 2 acts as the full forward over the relabeled chain predicts, and
+    # trial 1 as it did over the chain as played
+    kwargs = dict(episodes=2, trials=2, target_return=20.0, time_limit=0.2, progress=False)
+    out = rollout(model, params, "cartpole_swingup", hindsight=True, **kwargs)
+    assert np.all(out["returns"][:, 0] < 20.0)
+    np.testing.assert_array_equal(out["completion"], np.repeat([[0.0] * 20 + [1.0] * 20], 2, axis=0))
+    fed = {k: v for k, v in out.items() if k != "returns"}
+    relabeled = np.asarray(model.apply({"params": params}, fed))
+    played = np.asarray(model.apply({"params": params}, {**fed, "completion": np.ones_like(out["completion"])}))
+    np.testing.assert_allclose(relabeled[:, 20:], out["actions"][:, 20:], atol=1e-5)
+    np.testing.assert_allclose(played[:, :20], out["actions"][:, :20], atol=1e-5)
+    assert np.abs(relabeled[:, 20:] - played[:, 20:]).max() > 1e-4  # the flag changed what trial 2 saw
 
 
 def test_bpt_train_and_bpt_eval_rl_on_collected_episodes(tmp_path):
@@ -191,14 +204,17 @@ def test_bpt_train_and_bpt_eval_rl_on_collected_episodes(tmp_path):
     assert [r["step"] for r in records] == [10, 20]
     assert records[-1]["loss"] < records[0]["loss"] and "eval_loss" in last and "eval_perplexity" not in last
     assert (tmp_path / "exorl" / "cartpole" / "relabeled_cartpole_swingup.npz").is_file()  # cached
-    result = subprocess.run(
-        [sys.executable, "-m", "bpt.cli.eval_rl", "--workdir", str(tmp_path / "run"), "--episodes", "2", "--trials", "2"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "trial 2: return" in result.stdout
-    saved = json.loads((tmp_path / "run" / "eval_rl.json").read_text())
-    assert saved["step"] == 20 and len(saved["returns"]) == 2 and len(saved["returns"][0]) == 2
+    for extra, name in (([], "eval_rl.json"), (["--hindsight"], "eval_rl_hindsight.json")):
+        result = subprocess.run(
+            [sys.executable, "-m", "bpt.cli.eval_rl", "--workdir", str(tmp_path / "run"), "--episodes", "2",
+             "--trials", "2", *extra],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "trial 2: return" in result.stdout
+        saved = json.loads((tmp_path / "run" / name).read_text())
+        assert saved["step"] == 20 and len(saved["returns"]) == 2 and len(saved["returns"][0]) == 2
+        assert saved["hindsight"] == bool(extra)
 
 
 @pytest.mark.parametrize(

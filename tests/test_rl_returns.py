@@ -22,7 +22,7 @@ def rl_returns():
 def make_args(runs: Path, **overrides) -> argparse.Namespace:
     args = dict(runs=str(runs), data="unused", tasks=["walker_walk"], methods=["bc", "at32"], seeds=[0],
                 jobs=1, retries=1, time_budget=0.0, steps=10, trajectories_per_step=64, remat_layer="nothing_saveable",
-                learning_rate=3e-4, episodes=2, env_seed=1000)  # fmt: skip
+                learning_rate=3e-4, episodes=2, env_seed=1000, hindsight=False)  # fmt: skip
     args.update(overrides)
     return argparse.Namespace(**args)
 
@@ -46,7 +46,10 @@ class FakeCommands:
             if kind == "train" and self.failures:
                 f.write(self.failures.pop(0))
                 return 1, 1.0
-        if kind == "eval":
+        if kind == "eval" and "--hindsight" in argv:
+            result = {"mean_by_trial": [1.0, 3.0], "best_mean": 3.0, "hindsight": True}
+            (workdir / "eval_rl_hindsight.json").write_text(json.dumps(result))
+        elif kind == "eval":
             result = {"mean_by_trial": [1.0, 2.0], "best_mean": 2.0}
             (workdir / "eval_rl.json").write_text(json.dumps(result))
         return 0, self.seconds.get((kind, method), 1.0)
@@ -129,3 +132,21 @@ def test_report_tables_and_one_legend_for_methods_run_on_some_tasks(rl_returns, 
         rl_returns.load_cells(tmp_path / "runs"), args.tasks, args.methods[:2], tmp_path / "f.png"
     )
     assert labels == ["AT(32), BPT", "AT(32), MemoryEfficient"]
+
+
+def test_hindsight_evaluates_at_twice_and_the_report_reads_it(rl_returns, tmp_path, monkeypatch, capsys):
+    """--hindsight: AT cells (several trials) are evaluated again with bpt-eval-rl --hindsight,
+    BC (one trial) is not; report --hindsight takes AT's relabeled returns."""
+    fake = FakeCommands()
+    monkeypatch.setattr(rl_returns, "run_logged", fake)
+    rl_returns.run(make_args(tmp_path, hindsight=True))
+    assert sorted(fake.calls) == [("eval", "at32"), ("eval", "at32"), ("eval", "bc"), ("train", "at32"), ("train", "bc")]
+    at32 = json.loads((tmp_path / "walker_walk/at32/seed0/cell.json").read_text())
+    assert at32["eval"]["best_mean"] == 2.0 and at32["eval_hindsight"]["best_mean"] == 3.0
+    assert "eval_hindsight" not in json.loads((tmp_path / "walker_walk/bc/seed0/cell.json").read_text())
+    capsys.readouterr()
+    rl_returns.report(make_args(tmp_path, out=""))
+    assert "| walker_walk | 2.0 (1) | 2.0 (1) |" in capsys.readouterr().out
+    rl_returns.report(make_args(tmp_path, out="", hindsight=True))
+    printed = capsys.readouterr().out
+    assert "relabeled in hindsight" in printed and "| walker_walk | 2.0 (1) | 3.0 (1) |" in printed

@@ -6,7 +6,9 @@
 Each of --episodes environments plays --trials trials in one context, conditioned on
 --target_return (default: the best return among the run's training trajectories) and on its
 own earlier trials. Prints the mean and std of the returns by trial and writes them to
-WORKDIR/eval_rl.json.
+WORKDIR/eval_rl.json. --hindsight relabels each finished trial's completion flag by its
+return before the next trial, as the training chains are labeled (bpt.rl.evaluate), and
+writes WORKDIR/eval_rl_hindsight.json instead.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def define_flags() -> SimpleNamespace:
         trials=flags.DEFINE_integer("trials", 1, "Trials each environment plays in one context.", lower_bound=1),
         target_return=flags.DEFINE_float("target_return", None, "The return asked for (default: the best in the data)."),
         seed=flags.DEFINE_integer("seed", 0, "Environment i is seeded with seed + i."),
+        hindsight=flags.DEFINE_boolean(
+            "hindsight", False, "Relabel finished trials' completion flags by their returns (as in training)."
+        ),
     )
 
 
@@ -53,6 +58,7 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
         target_return=target,
         seed=f.seed.value,
         episode_length=config.data.episode_length,
+        hindsight=f.hindsight.value,
     )
     returns = out["returns"]
     result = {
@@ -61,6 +67,7 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
         "target_return": target,
         "episodes": f.episodes.value,
         "trials": f.trials.value,
+        "hindsight": f.hindsight.value,
         "mean_by_trial": returns.mean(axis=0).tolist(),
         "std_by_trial": returns.std(axis=0).tolist(),
         "returns": returns.tolist(),
@@ -70,7 +77,7 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
     best = returns.max(axis=1)
     print(f"best trial per episode: {best.mean():.1f} +- {best.std():.1f}")
     result["best_mean"], result["best_std"] = float(np.mean(best)), float(np.std(best))
-    path = Path(f.workdir.value) / "eval_rl.json"
+    path = Path(f.workdir.value) / ("eval_rl_hindsight.json" if f.hindsight.value else "eval_rl.json")
     path.write_text(json.dumps(result, indent=2))
     print(f"written to {path}")
 

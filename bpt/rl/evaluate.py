@@ -2,8 +2,12 @@
 
 AT at test time plays several trials in a row in one context: each trial is conditioned on
 the target return (completion flag 1: asked to reach it) and on its own earlier trials, which
-stay in the context as they happened (returns-to-go to the same target), so it can improve
-from trial to trial. Episodes run in parallel environments, one per row of the batch.
+stay in the context (returns-to-go to the same target), so it can improve from trial to
+trial. By default they stay as they were played, flag 1 included; with hindsight=True a
+finished trial is relabeled as the training chains label theirs (flag 1 only if it reached
+the target, else 0) and its part of the cache is computed again, so the context the next
+trial sees looks like a training chain's. Episodes run in parallel environments, one per
+row of the batch.
 
 A step's action is read at its state token, which sees neither the action nor the reward
 after it; so each call feeds the previous step, now with its real action and reward, and the
@@ -42,6 +46,7 @@ def rollout(
     seed: int = 0,
     time_limit: float | None = None,
     episode_length: int | None = None,
+    hindsight: bool = False,
     progress: bool = True,
 ) -> dict[str, np.ndarray]:
     """`episodes` environments of the task, each playing `trials` trials in one context.
@@ -50,7 +55,8 @@ def rollout(
     was fed (states, actions, rewards, returns_to_go, completion, timestep: [episodes,
     trials x steps, ...]), so the rollout can be checked against the model's full forward.
     time_limit (seconds) or episode_length (steps): how long an episode lasts (default the
-    task's own)."""
+    task's own). hindsight: relabel each finished trial's completion flag by its return (see
+    the module docstring); the chain returned holds the flags as relabeled."""
     from tqdm.auto import tqdm
 
     domain, name = exorl.split_task(task)
@@ -92,5 +98,11 @@ def rollout(
             chain["rewards"][:, g] = [s.reward for s in steps]
             returns[:, trial] += chain["rewards"][:, g]
             bar.update()
+        if hindsight and trial + 1 < trials:  # the trial again, as a training chain labels it
+            start = trial * length
+            done = returns[:, trial] >= target_return
+            chain["completion"][:, start : start + length] = done[:, None].astype(np.float32)
+            window = {k: jnp.asarray(v[:, start : start + length]) for k, v in chain.items()}
+            _, cache = act(cache, window, TOKENS_PER_STEP * start)
     bar.close()
     return {"returns": returns, **chain}
