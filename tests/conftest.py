@@ -33,3 +33,12 @@ def tree_rel_err(a, b) -> float:
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         worst = max(worst, float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-3 * total, 1e-30)))
     return worst
+
+
+def saved_and_grads(loss, args, capsys) -> tuple[str, object]:
+    """(what loss's backward keeps, as jax.ad_checkpoint prints it; the gradient of loss with
+    respect to its one argument, or the tuple of them for several)."""
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(loss, *args)
+    argnums = 0 if len(args) == 1 else tuple(range(len(args)))
+    return capsys.readouterr().out, jax.grad(loss, argnums=argnums)(*args)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import rel_err, saved_and_grads
 
 from bpt.ops import attention, reference_attention
 from bpt.ops.kernels import flash_attention, flash_attention_with_lse
@@ -103,9 +103,7 @@ def under_remat(attend, q, d_out, capsys) -> dict:
     for policy in ("nothing_saveable", "attention_saveable"):
         layer = remat(lambda q: attend(jnp.tanh(q)), policy)
         loss = lambda q, layer=layer: jnp.sum(layer(q).astype(jnp.float32) * d_out)  # noqa: E731
-        capsys.readouterr()
-        jax.ad_checkpoint.print_saved_residuals(loss, q)
-        out[policy] = (capsys.readouterr().out, jax.grad(loss)(q))
+        out[policy] = saved_and_grads(loss, (q,), capsys)
     return out
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, rel_err, tree_rel_err
+from conftest import REPO, rel_err, saved_and_grads, tree_rel_err
 
 from bpt.config import base_config, model_config
 from bpt.models import FLASH, FLASHConfig, GPTConfig, make_model
@@ -131,9 +131,7 @@ def test_attention_saveable_keeps_what_the_backward_reads(key, capsys):
         attend = lambda *a: jnp.square(mixed_chunk_attention(*(jnp.tanh(x) for x in a), **kwargs))  # noqa: E731
         layer = remat(attend, policy)
         loss = lambda *a, layer=layer: jnp.sum(layer(*a) * cot)  # noqa: E731
-        capsys.readouterr()
-        jax.ad_checkpoint.print_saved_residuals(loss, *qk, v)
-        runs[policy] = (capsys.readouterr().out, jax.grad(loss, argnums=tuple(range(5)))(*qk, v))
+        runs[policy] = saved_and_grads(loss, (*qk, v), capsys)
     kept, plain = runs["attention_saveable"][0], runs["nothing_saveable"][0]
     assert kept.count("named 'attention_residual'") == 3 and "named 'attention_out'" in kept, kept
     assert "named 'attention" not in plain, plain

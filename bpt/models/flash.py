@@ -293,10 +293,10 @@ class GAULayer(Layer):
         if par is not None and par.size("tensor") > 1:  # u and v split over the tensor axis
             u, v, z = (jax.nn.silu(self._dense(h, p, n)) for n in ("u", "v", "z"))
         else:  # one matmul, as the paper's dense(x, 2e + s): one GEMM and one bias gradient, not three
-            w = jnp.concatenate([p["w_u"], p["w_v"], p["w_z"]], axis=1)
-            uvz = h @ w
+            names = ("u", "v", "z")
+            uvz = h @ jnp.concatenate([p[f"w_{n}"] for n in names], axis=1)
             if cfg.use_bias:
-                uvz = uvz + jnp.concatenate([p["b_u"], p["b_v"], p["b_z"]])
+                uvz = uvz + jnp.concatenate([p[f"b_{n}"] for n in names])
             u, v, z = jnp.split(jax.nn.silu(uvz), [cfg.hidden_dim, 2 * cfg.hidden_dim], axis=-1)
         qk = z[..., None, :] * p["qk_scale"] + p["qk_offset"]  # [batch, seq, num_qk, s]
         if cfg.position_embedding == "rotary":
@@ -312,10 +312,9 @@ class GAULayer(Layer):
         x = x + dropout(out, cfg.dropout, rng)
         return (x if stacks is None else (x, *stacks)), None
 
-    @staticmethod
-    def _dense(x, p, name):
+    def _dense(self, x, p, name):
         y = x @ p[f"w_{name}"]
-        return y + p[f"b_{name}"] if f"b_{name}" in p else y
+        return y + p[f"b_{name}"] if self.config.use_bias else y
 
     def _attention(self, qk, v, table, segment_ids):
         cfg = self.config

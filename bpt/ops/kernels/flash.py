@@ -112,10 +112,12 @@ def _masked_scores(
 
     The backward turns them into probabilities with exp2(s - lse * log2(e)): masked pairs
     give exactly 0, and so do rows with lse = +inf (rows that see no key). scales: the fp8
-    forward's (per query [bq], per key [bk]) dequantization factors.
+    forward's factors (per query [bq], with log2(e)/sqrt(d) folded in; per key [bk]).
     """
-    s = _dot(q, k, tb=True) * (cfg.scale * LOG2E)
-    if scales is not None:
+    s = _dot(q, k, tb=True)
+    if scales is None:
+        s = s * (cfg.scale * LOG2E)
+    else:
         s = s * scales[0][:, None] * scales[1][None, :]
     mask = _mask(cfg, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
@@ -158,7 +160,7 @@ def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
     q = q_ref[...]
     q_pos = _iota(block_q, i * block_q)
     q_seg = qs_ref[...] if has_seg else None
-    q_scale = q_scale_ref[...] if cfg.fp8 else None
+    q_scale = q_scale_ref[...] * (cfg.scale * LOG2E) if cfg.fp8 else None  # once, not a block
 
     def visit(diagonal, tail):
         def body(j, carry):
