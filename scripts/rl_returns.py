@@ -34,7 +34,8 @@ best trial's; per task and method the mean +- std of those over the seeds. Retur
 dm_control returns (0 to 1000), not normalized. With --hindsight, `run` also evaluates the AT
 cells with each finished trial relabeled by its return before the next (bpt-eval-rl
 --hindsight: the context then looks like a training chain's), and `report --hindsight`
-reports those.
+reports those, with a table of each AT's first and last trial both ways and the trials as
+played dashed in the figure.
 """
 
 from __future__ import annotations
@@ -313,13 +314,12 @@ def summarize(cells: list[dict]) -> dict:
     out: dict = {}
     for cell in cells:
         entry = out.setdefault(
-            (cell["task"], cell["method"]), {"last": [], "best": [], "by_trial": [], "status": set()}
+            (cell["task"], cell["method"]), {"last": [], "best": [], "status": set()}
         )
         entry["status"].add(cell["status"])
         if cell["status"] == "done":
             entry["last"].append(cell["eval"]["mean_by_trial"][-1])
             entry["best"].append(cell["eval"]["best_mean"])
-            entry["by_trial"].append(cell["eval"]["mean_by_trial"])
     return out
 
 
@@ -353,6 +353,34 @@ def tables(cells: list[dict], tasks, methods) -> str:
     return "\n".join(lines)
 
 
+def _by_trial(cells: list[dict], task: str, method: str, key: str) -> np.ndarray | None:
+    """The mean over seeds of each trial's return under cells' `key` ("eval", "eval_played")."""
+    rows = [c[key]["mean_by_trial"] for c in cells
+            if c["task"] == task and c["method"] == method and c["status"] == "done" and key in c]  # fmt: skip
+    return np.mean(np.array(rows), axis=0) if rows else None
+
+
+def hindsight_table(cells: list[dict], tasks, methods) -> str:
+    """AT's in-context improvement (first trial -> last) as played and relabeled in hindsight,
+    the same models (report --hindsight)."""
+    at = [m for m in methods if METHODS[m][3] > 1]
+    lines = [
+        "AT's trials as played and relabeled in hindsight (the same models; mean over seeds, first trial -> last)",
+        "",
+        "| task | " + " | ".join(f"{METHODS[m][0]} as played | {METHODS[m][0]} hindsight" for m in at) + " |",
+        "|---|" + "---|---|" * len(at),
+    ]
+    for task in tasks:
+        row = []
+        for method in at:
+            seeds = sum(c["task"] == task and c["method"] == method and "eval_played" in c for c in cells)
+            for key in ("eval_played", "eval"):
+                curve = _by_trial(cells, task, method, key) if seeds else None
+                row.append("–" if curve is None else f"{curve[0]:.1f} -> {curve[-1]:.1f} ({seeds})")
+        lines.append(f"| {task} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(cells: list[dict], tasks, methods, path: Path) -> list[str]:
     """Validation loss by step (top) and return by trial (bottom), a column per task; returns
     the legend's labels."""
@@ -361,7 +389,6 @@ def plot(cells: list[dict], tasks, methods, path: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = summarize(cells)
     fig, axes = plt.subplots(2, len(tasks), figsize=(max(3.6 * len(tasks), 5.0), 6.4), squeeze=False)
     colors = {m: f"C{i}" for i, m in enumerate(METHODS)}
     for col, task in enumerate(tasks):
@@ -373,12 +400,15 @@ def plot(cells: list[dict], tasks, methods, path: Path) -> list[str]:
                 if rows:
                     top.plot([r["step"] for r in rows], [r["eval_loss"] for r in rows], color=colors[method],
                              alpha=0.8, label=METHODS[method][0] if i == 0 else None)  # fmt: skip
-            by_trial = summary.get((task, method), {}).get("by_trial")
-            if by_trial:
-                mean = np.mean(np.array(by_trial), axis=0)
+            mean = _by_trial(cells, task, method, "eval")
+            if mean is not None:
                 bottom.plot(
                     np.arange(1, len(mean) + 1), mean, "o-", color=colors[method], label=METHODS[method][0]
                 )
+            played = _by_trial(cells, task, method, "eval_played")  # report --hindsight: the same models
+            if played is not None:
+                bottom.plot(np.arange(1, len(played) + 1), played, "--", color=colors[method], alpha=0.6,
+                            label=f"{METHODS[method][0]}, as played")  # fmt: skip
         top.set_title(task)
         top.set_xlabel("training step")
         top.set_yscale("log")
@@ -402,21 +432,29 @@ def plot(cells: list[dict], tasks, methods, path: Path) -> list[str]:
     return list(handles)
 
 
+def use_hindsight(cells: list[dict]) -> None:
+    """AT's returns with its earlier trials relabeled (eval_hindsight) become the cells' "eval",
+    the returns as played their "eval_played"; BC and DT play one trial and keep theirs."""
+    for cell in cells:
+        if cell["status"] == "done" and METHODS[cell["method"]][3] > 1:
+            if "eval_hindsight" in cell:
+                cell["eval_played"], cell["eval"] = cell["eval"], cell["eval_hindsight"]
+            else:
+                cell["status"] = "no hindsight evaluation"
+
+
 def report(args) -> None:
     cells = load_cells(Path(args.runs))
     if not cells:
         raise SystemExit(f"no cells (cell.json) under {args.runs}")
-    if args.hindsight:  # AT's returns with its earlier trials relabeled (BC and DT play one trial)
-        for cell in cells:
-            if cell["status"] == "done" and METHODS[cell["method"]][3] > 1:
-                if "eval_hindsight" in cell:
-                    cell["eval"] = cell["eval_hindsight"]
-                else:
-                    cell["status"] = "no hindsight evaluation"
+    if args.hindsight:
+        use_hindsight(cells)
         print("AT's earlier trials relabeled in hindsight (--hindsight)\n")
     tasks = [t for t in args.tasks if any(c["task"] == t for c in cells)]
     methods = [m for m in args.methods if any(c["method"] == m for c in cells)]
     text = tables(cells, tasks, methods)
+    if args.hindsight:
+        text += "\n" + hindsight_table(cells, tasks, methods)
     print(text)
     if args.out:
         out = Path(args.out)

@@ -150,3 +150,13 @@ def test_hindsight_evaluates_at_twice_and_the_report_reads_it(rl_returns, tmp_pa
     rl_returns.report(make_args(tmp_path, out="", hindsight=True))
     printed = capsys.readouterr().out
     assert "relabeled in hindsight" in printed and "| walker_walk | 2.0 (1) | 3.0 (1) |" in printed
+    # AT's first -> last trial both ways (BC plays one trial: not in it), and the figure's
+    # dashed curve of the trials as played
+    assert "| AT(32), BPT as played | AT(32), BPT hindsight |" in printed
+    assert "| walker_walk | 1.0 -> 2.0 (1) | 1.0 -> 3.0 (1) |" in printed
+    rl_returns.report(make_args(tmp_path, out=str(tmp_path / "report"), hindsight=True))
+    assert "1.0 -> 3.0" in (tmp_path / "report" / "table.md").read_text()
+    cells = rl_returns.load_cells(tmp_path)
+    rl_returns.use_hindsight(cells)
+    labels = rl_returns.plot(cells, ["walker_walk"], ["bc", "at32"], tmp_path / "h.png")
+    assert labels == ["BC-10%", "AT(32), BPT", "AT(32), BPT, as played"]
