@@ -313,9 +313,7 @@ def summarize(cells: list[dict]) -> dict:
     """(task, method) -> {seeds, last/best mean and std over seeds, status}."""
     out: dict = {}
     for cell in cells:
-        entry = out.setdefault(
-            (cell["task"], cell["method"]), {"last": [], "best": [], "status": set()}
-        )
+        entry = out.setdefault((cell["task"], cell["method"]), {"last": [], "best": [], "status": set()})
         entry["status"].add(cell["status"])
         if cell["status"] == "done":
             entry["last"].append(cell["eval"]["mean_by_trial"][-1])

@@ -140,7 +140,13 @@ def test_hindsight_evaluates_at_twice_and_the_report_reads_it(rl_returns, tmp_pa
     fake = FakeCommands()
     monkeypatch.setattr(rl_returns, "run_logged", fake)
     rl_returns.run(make_args(tmp_path, hindsight=True))
-    assert sorted(fake.calls) == [("eval", "at32"), ("eval", "at32"), ("eval", "bc"), ("train", "at32"), ("train", "bc")]
+    assert sorted(fake.calls) == [
+        ("eval", "at32"),
+        ("eval", "at32"),
+        ("eval", "bc"),
+        ("train", "at32"),
+        ("train", "bc"),
+    ]
     at32 = json.loads((tmp_path / "walker_walk/at32/seed0/cell.json").read_text())
     assert at32["eval"]["best_mean"] == 2.0 and at32["eval_hindsight"]["best_mean"] == 3.0
     assert "eval_hindsight" not in json.loads((tmp_path / "walker_walk/bc/seed0/cell.json").read_text())
