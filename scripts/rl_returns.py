@@ -373,7 +373,7 @@ def hindsight_table(cells: list[dict], tasks, methods) -> str:
         for method in at:
             seeds = sum(c["task"] == task and c["method"] == method and "eval_played" in c for c in cells)
             for key in ("eval_played", "eval"):
-                curve = _by_trial(cells, task, method, key) if seeds else None
+                curve = _by_trial(cells, task, method, key)
                 row.append("–" if curve is None else f"{curve[0]:.1f} -> {curve[-1]:.1f} ({seeds})")
         lines.append(f"| {task} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"

@@ -380,10 +380,10 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def local_impl(impl: str, dtype) -> str:
     """The attention a hop runs: bpt's flash kernels on a GPU for 16-bit inputs (impl 'auto',
     'pallas' or 'cudnn'), else the blockwise scan."""
-    allowed = LOCAL_IMPLS + ("reference", "cudnn", "pallas_fp8")
+    allowed = LOCAL_IMPLS + ("reference", "cudnn")
     if impl not in allowed:
         raise ValueError(f"unknown attention impl {impl!r}; allowed: {', '.join(allowed)}")
-    if impl in ("pallas", "pallas_fp8"):  # (pallas_fp8 on one sequence shard only: checked by the caller)
+    if impl == "pallas":
         return "pallas"
     on_gpu = jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
     return "pallas" if impl in ("auto", "cudnn") and on_gpu else "blockwise"
@@ -433,16 +433,6 @@ def context_parallel_attention(
     q_seg, kv_seg = split_segment_ids(segment_ids, seq, seq)
     local = seq // shards
     chunk = lambda c: min(c, local // 2 if layout == "zigzag" and causal and shards > 1 else local)  # noqa: E731
-    settings = _Settings(
-        axis,
-        shards,
-        strategy,
-        layout,
-        causal,
-        local_impl(impl, q.dtype),
-        chunk(q_chunk_size),
-        chunk(kv_chunk_size),
-    )
     batch = mesh_axes(mesh, batch_axes)
     heads = mesh_axes(mesh, (head_axis,))
     seq_axis = axis if shards > 1 else None
@@ -460,10 +450,14 @@ def context_parallel_attention(
                 impl=impl,
                 causal=causal,
                 segment_ids=seg,
-                q_chunk_size=settings.q_chunk_size,
-                kv_chunk_size=settings.kv_chunk_size,
+                q_chunk_size=chunk(q_chunk_size),
+                kv_chunk_size=chunk(kv_chunk_size),
             )
     else:
+        impl = local_impl(impl, q.dtype)  # what each hop runs
+        settings = _Settings(
+            axis, shards, strategy, layout, causal, impl, chunk(q_chunk_size), chunk(kv_chunk_size)
+        )
         body = functools.partial(_attend, settings)
     seg_specs = (None, None) if q_seg is None else (segs, segs)
     return jax.shard_map(
