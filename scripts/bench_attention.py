@@ -54,6 +54,11 @@ IMPLS = {
     # bpt's kernels: those that "auto" picks (the Mosaic GPU ones on H100-class GPUs), and the
     # Triton ones.
     "bpt-pallas": lambda q, k, v, *, causal, **kw: flash_attention(q, k, v, causal=causal, **kw),
+    # The Hopper backward in two passes (dK/dV, then dQ recomputing P) instead of one that
+    # adds dQ as it goes.
+    "bpt-pallas-2pass": lambda q, k, v, *, causal, **kw: flash_attention(
+        q, k, v, causal=causal, hopper_fused_dq=False, **kw
+    ),
     "bpt-triton": lambda q, k, v, *, causal, **kw: flash_attention(
         q, k, v, causal=causal, forward="triton", backward="triton", **kw
     ),

@@ -4,6 +4,8 @@ On CPU the kernels run in Pallas interpret mode on small shapes; the tests marke
 the Triton-lowered kernels at real sizes (scripts run them on a GPU machine, not CI).
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,7 +150,9 @@ def test_fp8_forward_runs_its_matmuls_in_e4m3_within_its_error(key, causal, segm
     with pytest.raises(ValueError, match="forward='hopper' cannot take fp8=True"):
         flash_attention(q, k, v, fp8=True, forward="hopper")
     same = dict(causal=causal, segment_ids=seg)  # model.attention_impl=pallas_fp8: the same kernel
-    np.testing.assert_array_equal(attention(q, k, v, impl="pallas_fp8", **same), flash_attention(q, k, v, fp8=True, **same))
+    np.testing.assert_array_equal(
+        attention(q, k, v, impl="pallas_fp8", **same), flash_attention(q, k, v, fp8=True, **same)
+    )
 
 
 @pytest.mark.gpu
@@ -158,14 +162,16 @@ def test_fp8_forward_on_gpu(key, head_dim, segments):
     """The Triton-lowered fp8 forward at a real size: e4m3's error, and a finite gradient."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, 2, head_dim, jnp.bfloat16)
     seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048) if segments else None
-    out, lse = jax.jit(lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True, segment_ids=seg, fp8=True))(
-        q, k, v
-    )
+    out, lse = jax.jit(
+        lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True, segment_ids=seg, fp8=True)
+    )(q, k, v)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     with jax.default_matmul_precision("highest"):
         truth = reference_attention(up(q), up(k), up(v), causal=True, segment_ids=seg)
     assert out.dtype == jnp.bfloat16 and rel_err(out, truth) < 0.08, rel_err(out, truth)
-    grads = jax.grad(lambda q: jnp.sum(up(flash_attention(q, k, v, causal=True, segment_ids=seg, fp8=True)) * up(d_out)))(q)
+    grads = jax.grad(
+        lambda q: jnp.sum(up(flash_attention(q, k, v, causal=True, segment_ids=seg, fp8=True)) * up(d_out))
+    )(q)
     assert bool(jnp.all(jnp.isfinite(up(grads))))
 
 
@@ -192,26 +198,73 @@ def test_entry_point_and_bad_inputs(key):
 
 
 @pytest.mark.parametrize(
-    "dtype, causal, kv_heads, block_k",
+    "dtype, head_dim, causal, kv_heads, block_k, fused_dq",
     [
-        # GQA 2:1; the forward streams 4 key blocks through 2 slots. (Each interpreted case
-        # costs minutes on two cores: MQA, float16, 128-key blocks and the non-causal path run
-        # in the GPU tests, test_hopper_kernels_on_gpu.)
-        (jnp.bfloat16, True, 1, 64),
+        # GQA 2:1; the forward streams 4 key blocks through 2 slots; at head_dim 128 the
+        # backward adds dQ in its dK/dV pass (the default there), at 64 it runs a second pass
+        # for it. (Each interpreted case costs about 20 s on two cores: MQA, float16, 128-key
+        # blocks and the non-causal path run in the GPU tests, test_hopper_kernels_on_gpu.)
+        (jnp.bfloat16, 128, True, 1, 64, None),
+        (jnp.bfloat16, 64, True, 1, 64, None),
     ],
 )
-def test_hopper_kernels_in_the_mosaic_gpu_interpreter(key, dtype, causal, kv_heads, block_k):
+def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
+    key, dtype, head_dim, causal, kv_heads, block_k, fused_dq
+):
     """The warp-specialized kernels' data movement, barriers and masks, run by Mosaic GPU's
-    interpreter (the matmuls there are plain dots; the GPU tests run the wgmma path)."""
-    q, k, v, d_out = inputs(key, 1, 256, 2, kv_heads, 64, dtype)
-    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k)
+    interpreter (the matmuls there are plain dots, and the fused backward's dQ is written per
+    warpgroup and summed by XLA where the GPU reduces it in place; the GPU tests run the
+    wgmma path)."""
+    q, k, v, d_out = inputs(key, 1, 256, 2, kv_heads, head_dim, dtype)
+    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k, hopper_fused_dq=fused_dq)
     out, lse = flash_attention_with_lse(q, k, v, causal=causal, **hopper)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    scores = jnp.einsum("bqhd,bkhd->bhqk", up(q), jnp.repeat(up(k), 2 // kv_heads, axis=2)) / 8.0
+    scores = jnp.einsum("bqhd,bkhd->bhqk", up(q), jnp.repeat(up(k), 2 // kv_heads, axis=2)) / math.sqrt(
+        head_dim
+    )
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((256, 256), bool)), scores, -jnp.inf)
     assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-3
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal):
+    """On the GPU the fused backward adds each block's dQ into one float32 buffer with TMA's
+    reduce-add (which the interpreter lacks): its Mosaic GPU lowering, checked here without a
+    GPU, aliases that buffer in and out of the kernel and issues the reduction; the two-pass
+    backward issues none."""
+    from bpt.ops.kernels import flash_hopper
+
+    q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
+
+    def lowered(fused_dq):
+        def grads(q, k, v, d_out, lse, delta):
+            return flash_hopper.backward(
+                q, k, v, d_out, lse, delta, causal=causal, scale=0.1, fused_dq=fused_dq
+            )
+
+        return jax.jit(grads).trace(q, kv, kv, q, stats, stats).lower(lowering_platforms=("cuda",)).as_text()
+
+    fused, two_pass = lowered(True), lowered(False)
+    assert fused.count("cp.reduce.async.bulk.tensor") == 1 and "output_operand_alias" in fused
+    assert "cp.reduce.async.bulk" not in two_pass
+    assert fused.count("mosaic_gpu") < two_pass.count("mosaic_gpu")  # one kernel where there were two
+    with pytest.raises(ValueError, match="fused_dq=True needs head_dim 128; got 256"):
+        big = jnp.zeros((1, 128, 1, 256), jnp.bfloat16)
+        flash_hopper.backward(
+            big,
+            big,
+            big,
+            big,
+            jnp.zeros((1, 1, 128)),
+            jnp.zeros((1, 1, 128)),
+            causal=True,
+            scale=0.1,
+            fused_dq=True,
+        )
 
 
 def test_hopper_kernels_refuse_what_they_cannot_take(key):
@@ -263,17 +316,20 @@ def test_flash_on_gpu(key, dtype, head_dim, causal, segments, kv_heads):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
 @pytest.mark.parametrize(
-    "dtype, head_dim, causal, kv_heads, block_k",
+    "dtype, head_dim, causal, kv_heads, block_k, fused_dq",
     [
-        (jnp.bfloat16, 128, True, 2, 128),
-        (jnp.float16, 64, False, 8, 128),
-        (jnp.bfloat16, 64, True, 1, 64),
+        (jnp.bfloat16, 128, True, 2, 128, None),  # None: dQ fused where it can be (head_dim 128)
+        (jnp.float16, 128, False, 8, 128, None),
+        (jnp.float16, 64, False, 8, 128, None),
+        (jnp.bfloat16, 64, True, 1, 64, None),
+        (jnp.bfloat16, 128, True, 2, 128, False),
     ],
 )
-def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k):
-    """The wgmma/TMA kernels at real sizes, forward and backward."""
+def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, fused_dq):
+    """The wgmma/TMA kernels at real sizes, forward and backward (dQ fused into the dK/dV
+    pass by default, or in its own pass)."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, dtype)
-    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k)
+    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k, hopper_fused_dq=fused_dq)
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
 
 

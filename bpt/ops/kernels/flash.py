@@ -74,6 +74,7 @@ class FlashConfig:
     backward: str = "triton"
     hopper_block_k: int = 128
     hopper_stages: int = 2
+    hopper_fused_dq: bool | None = None  # flash_hopper.backward's fused_dq (None: where it fits)
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -370,6 +371,7 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
             causal=cfg.causal,
             scale=cfg.scale,
             stages=cfg.hopper_stages,
+            fused_dq=cfg.hopper_fused_dq,
             interpret=cfg.interpret,
         )
     seg_args = [q_seg, kv_seg] if has_seg else []
@@ -461,6 +463,7 @@ def flash_attention_with_lse(
     backward: str = "auto",
     hopper_block_k: int = 128,
     hopper_stages: int = 2,
+    hopper_fused_dq: bool | None = None,
     interpret: bool | None = None,
     fp8: bool = False,
 ) -> tuple[Array, Array]:
@@ -471,7 +474,9 @@ def flash_attention_with_lse(
     "hopper" (the Mosaic GPU kernels of flash_hopper.py: wgmma/TMA, H100-class GPUs,
     bf16/fp16, no segment ids, lengths multiples of 128), or "auto" (hopper where it can run,
     else triton). hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
-    the depth of the Hopper kernels' shared-memory ring. interpret: run the kernels in an
+    the depth of the Hopper kernels' shared-memory ring; hopper_fused_dq: the Hopper backward
+    adds dQ inside its dK/dV pass (True; head_dim up to 128) or runs a second pass for it
+    (False); None: fused where it fits. interpret: run the kernels in an
     interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
@@ -496,6 +501,7 @@ _SETTINGS = (
     "backward",
     "hopper_block_k",
     "hopper_stages",
+    "hopper_fused_dq",
     "interpret",
     "fp8",
 )
@@ -509,6 +515,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     )
     forward, backward = settings.get("forward", "auto"), settings.get("backward", "auto")
     hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages", 2)
+    hopper_fused_dq = settings.get("hopper_fused_dq")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
@@ -545,7 +552,9 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         why_not = "inputs the Triton kernels would pad"
     use_hopper = why_not is None and not interpret and flash_hopper.is_hopper()
     if fp8 and forward == "hopper":
-        raise ValueError("flash forward='hopper' cannot take fp8=True; the fp8 forward is the Triton kernel's")
+        raise ValueError(
+            "flash forward='hopper' cannot take fp8=True; the fp8 forward is the Triton kernel's"
+        )
     if forward == "auto":
         forward = "hopper" if use_hopper and not fp8 else "triton"
     if backward == "auto":
@@ -570,6 +579,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         backward=backward,
         hopper_block_k=hopper_block_k,
         hopper_stages=hopper_stages,
+        hopper_fused_dq=hopper_fused_dq,
         fp8=fp8,
     )
     if pad_q or pad_k or dp:

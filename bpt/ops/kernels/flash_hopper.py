@@ -10,22 +10,28 @@ with the 1/sqrt(d) scale folded into one multiply.
 
 - forward: S = Q K^T, online softmax, O += P V; rescaled once at the end. Writes O and the
   logsumexp (natural units, [batch, heads, seq] float32), the contract of flash.py.
-- backward, in two passes that recompute P from the logsumexp (no atomics):
-  dK/dV: per key block, over the query blocks of every query head of its GQA group:
-  dV += P^T dO, dK += dS^T Q with dS = P * (dP - D); dQ: per query block, over key blocks:
-  dQ += dS K. D = rowsum(dO * O) (minus the logsumexp's cotangent) comes from XLA.
+- backward: P recomputed from the logsumexp. dK/dV: per key tile, over the query blocks of
+  every query head of its GQA group: dV += P^T dO, dK += dS^T Q with dS = P * (dP - D).
+  At head_dim 128 the same pass adds dQ: the two warpgroups share their dS through shared
+  memory, each computes dS^T K for half of dQ's columns over the tile's 128 keys, and TMA's
+  reduce-add sends it into a float32 buffer (5 matmuls a block). Otherwise a second pass,
+  per query block over key blocks, recomputes P for dQ += dS K (7). D = rowsum(dO * O)
+  (minus the logsumexp's cotangent) comes from XLA.
 - causal: a warpgroup visits only the blocks that its rows can see and masks only those the
   diagonal crosses; a warpgroup that needs fewer blocks than its partner still waits for and
-  releases the slots it skips, so the ring keeps turning.
+  releases the slots it skips, so the ring keeps turning (the fused backward's warpgroups
+  take the same blocks, the partner's first one fully masked, since dQ needs both halves).
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
 multiple of 64 up to 256, no segment ids, lengths a multiple of the blocks (see supported).
 Off the GPU the kernels run under Mosaic GPU's interpreter (slow; for tests), where the
-matmuls are plain dots and register layouts do not exist.
+matmuls are plain dots and register layouts do not exist; it has no TMA reduce-add, so
+there the fused backward writes each key tile's partial dQ and XLA sums them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -42,6 +48,9 @@ LN2 = math.log(2.0)
 COMPUTE_WGS = 2  # compute warpgroups per CTA; one more moves data
 TILE = 128  # the lengths must be multiples of this (two compute warpgroups' 64 rows)
 BLOCKS = (64, 128)  # the block sizes the kernels take
+# Registers per thread: each compute warpgroup's, the memory warpgroup's (2 x 240 + 24 a
+# thread's worth fill the register file: 65,536 a CTA).
+REGISTERS = (240, 24)
 
 
 def supported(q: Array, k: Array, *, segment_ids=None) -> str | None:
@@ -87,6 +96,20 @@ def _scores(a_ref, b_ref, interpret: bool) -> Array:
         return acc_ref[...]
 
     return pl.run_scoped(mma, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
+
+
+def _scores_t(a_ref, b_ref, interpret: bool) -> Array:
+    """a^T @ b in float32 on the tensor cores (both operands in shared memory)."""
+    if interpret:
+        return lax.dot_general(
+            a_ref[...], b_ref[...], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_ref.transpose((1, 0)), b_ref)
+        return acc_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC((a_ref.shape[1], b_ref.shape[1]), jnp.float32))
 
 
 def _accumulate(acc: Array, a: Array, b_ref, interpret: bool) -> Array:
@@ -152,7 +175,7 @@ class _Ring:
         return lax.rem(j, self.stages)
 
     def produce(self):
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(REGISTERS[1], action="decrease")
 
         def load(j, slot, reuse: bool):
             # Waiting for every group's slot before the first copy measured faster (H100) than
@@ -246,7 +269,10 @@ def _copy_in(barrier, *copies) -> None:
 
 
 def _smem(shape, dtype, swizzled: bool = True):
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if swizzled else ()
+    """Shared memory; swizzled: tiled in rows of 128 bytes with the 128-byte swizzle, the
+    layout wgmma and TMA read without bank conflicts."""
+    row = 128 // jnp.dtype(dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, row)), plgpu.SwizzleTransform(128)) if swizzled else ()
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
@@ -254,24 +280,59 @@ def _barriers(n: int, arrivals: int = 1):
     return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
 
-def _launch(body, scratch, *, out_type, tiles: int, heads: int, batch: int, interpret: bool, name: str):
+def _launch(
+    body,
+    scratch,
+    *,
+    out_type,
+    tiles: int,
+    heads: int,
+    batch: int,
+    interpret: bool,
+    name: str,
+    mutable: bool = False,
+):
     """Runs body(*hbm_refs, *scratch_refs) on three warpgroups per CTA, over the grid
-    (tiles, heads, batch) that the streams' open() reads by those names."""
+    (tiles, heads, batch) that the streams' open() reads by those names.
+
+    mutable: the kernel also takes mutable arrays (jax.new_ref) after its inputs, which it
+    updates in place; body sees them between the inputs and the outputs."""
 
     def entry(*hbm):
         pl.run_scoped(lambda *scratch_refs: body(*hbm, *scratch_refs), *scratch, collective_axes="wg")
 
-    return plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=(tiles, heads, batch),
-        grid_names=("tiles", "heads", "batch"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
+    grid = dict(grid=(tiles, heads, batch), grid_names=("tiles", "heads", "batch"))
+    common = dict(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None,
-        kernel_name=name,
     )
+    if not mutable:
+        return plgpu.kernel(
+            entry,
+            out_type=out_type,
+            num_threads=COMPUTE_WGS + 1,
+            thread_name="wg",
+            kernel_name=name,
+            **grid,
+            **common,
+        )
+    # plgpu.kernel's batching wrapper takes no mutable arrays; pl.kernel aliases each one in
+    # and out of the kernel.
+    mesh = plgpu.Mesh(num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name=name, **grid)
+    launch = pl.kernel(entry, out_type=out_type, mesh=mesh, name=name, **common)
+
+    def call(*args):
+        with _no_vma_check():  # as plgpu.kernel runs its kernels (inside shard_map)
+            return launch(*args)
+
+    return call
+
+
+def _no_vma_check():
+    from jax._src import config as jax_config  # internal in jax 0.10/0.11, as plgpu.kernel uses it
+
+    check = getattr(jax_config, "_check_vma", None)
+    return check(False) if check is not None else contextlib.nullcontext()
 
 
 def _check(q: Array, k: Array, causal: bool, **blocks) -> None:
@@ -320,7 +381,7 @@ def forward(
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
             row0 = tile * TILE + wg * bq
             my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, bq), head], my_q, q_ready.at[wg])
@@ -395,7 +456,7 @@ def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
             row0 = tile * TILE + wg * bq
             rows = pl.ds(row0, bq)
             my_q, my_do = q_smem.at[wg], do_smem.at[wg]
@@ -488,9 +549,7 @@ class _QueryStream:
         per_head = self.num_q - first
 
         def head_rows(j):
-            return kv_head * self.group + j // per_head, pl.ds(
-                (first + lax.rem(j, per_head)) * self.bq, self.bq
-            )
+            return self.head_rows(kv_head, first, per_head, j)
 
         def rows_of(ref):
             return lambda j: ref.at[bi, head_rows(j)[1], head_rows(j)[0]]
@@ -507,10 +566,22 @@ class _QueryStream:
         ring = _Ring([(free, buffers)], self.stages, self.group * per_head)
         return tile, bi, kv_head, wg, ring, first, per_head
 
+    def head_rows(self, kv_head, first, per_head, j):
+        """(query head, query rows) of step j."""
+        return kv_head * self.group + j // per_head, pl.ds((first + lax.rem(j, per_head)) * self.bq, self.bq)
 
-def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
+
+def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_acc=None, dq_parts=False):
     """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
-    query head of its group that see them."""
+    query head of its group that see them.
+
+    With dq_acc (a float32 mutable array shaped like q, zeros) the pass also adds dS^T K of
+    each query block to its rows of dQ (unscaled), so that no second pass recomputes P: the
+    two compute warpgroups put their dS in shared memory (two buffers, so one may run a step
+    ahead), and each computes half of dQ's columns over the tile's 128 keys, which TMA's
+    reduce-add sends to dq_acc. dq_parts: the same in the interpreter, which has no
+    reduce-add: each key tile writes its own partial dQ, a third output [key tiles, *q.shape]
+    whose rows above the diagonal (causal) stay unwritten."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group = h // hk
@@ -519,9 +590,32 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
     regs = _Regs(interpret)
     c = scale * LOG2E
     queries = _QueryStream(num_q, group, bq, max(1, min(stages, num_q)), causal)
+    with_dq = dq_acc is not None or dq_parts
+    half = d // COMPUTE_WGS  # dQ's columns per warpgroup
+    scratch = [
+        _smem((TILE, d), dtype),  # the tile's keys, warpgroup w's rows at 64 w
+        _smem((COMPUTE_WGS, bk, d), dtype),
+        _barriers(COMPUTE_WGS),
+        *queries.scratch(d, dtype),
+    ]
+    if with_dq:
+        scratch += [
+            _smem((2, TILE, bq), dtype),  # dS^T of both warpgroups, by the step's parity
+            _smem((COMPUTE_WGS, bq, half), jnp.float32),  # each warpgroup's dQ columns, for TMA
+            _barriers(2, COMPUTE_WGS),  # both warpgroups' dS are in
+            _barriers(1, COMPUTE_WGS),  # both warpgroups are done reading the keys
+        ]
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref, *scratch):
-        k_smem, v_smem, own_ready, *ring_scratch = scratch
+    def body(*refs):
+        (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *outs), scratch_refs = (
+            refs[: -len(scratch)],
+            refs[-len(scratch) :],
+        )
+        dq_ref = outs.pop(0) if dq_acc is not None else outs.pop() if dq_parts else None
+        dk_ref, dv_ref = outs
+        k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
+        if with_dq:
+            *ring_scratch, ds_smem, dq_smem, ds_ready, keys_read = ring_scratch
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_scratch
         tile, bi, kv_head, wg, ring, first, per_head = queries.open(
             (q_ref, do_ref, lse2_ref, delta_ref), *ring_scratch
@@ -529,13 +623,35 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
             key0 = tile * TILE + wg * bk
             keys = pl.ds(key0, bk)
-            my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+            my_k, my_v = k_smem.at[pl.ds(wg * bk, bk)], v_smem.at[wg]
             _copy_in(
                 own_ready.at[wg], (k_ref.at[bi, keys, kv_head], my_k), (v_ref.at[bi, keys, kv_head], my_v)
             )
+            cols = pl.ds(wg * half, half)
+
+            def share_ds(j, ds_t):
+                parity = lax.rem(j, 2)
+                ds_smem.at[parity, pl.ds(wg * bk, bk)][...] = ds_t
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[parity])
+
+            def add_dq(j):
+                """dQ[rows of step j, my columns] += dS^T K over the tile's keys."""
+                parity = lax.rem(j, 2)
+                plgpu.barrier_wait(ds_ready.at[parity])
+                part = _scores_t(ds_smem.at[parity], k_smem.at[:, cols], interpret)  # [queries, half]
+                my_dq = dq_smem.at[wg]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's copy has read my_dq
+                my_dq[...] = part
+                plgpu.commit_smem()
+                head, rows = queries.head_rows(kv_head, first, per_head, j)
+                if dq_parts:
+                    plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[tile, bi, rows, head, cols])
+                else:
+                    plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[bi, rows, head, cols], reduction_op="add")
 
             def step(j, carry, masked: bool):
                 dk, dv = carry
@@ -551,16 +667,23 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
                 dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
                 dp_t = _scores(my_v, do_smem.at[slot], interpret)
                 plgpu.barrier_wait(delta_ready.at[slot])
-                ds_t = p_t * (dp_t - _cols(regs.vector(delta_smem.at[slot], 0), dp_t.shape))
-                dk = _accumulate(dk, ds_t.astype(dtype), q_smem.at[slot], interpret)
+                ds_t = (p_t * (dp_t - _cols(regs.vector(delta_smem.at[slot], 0), dp_t.shape))).astype(dtype)
+                if with_dq:
+                    share_ds(j, ds_t)
+                dk = _accumulate(dk, ds_t, q_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])
+                if with_dq:
+                    add_dq(j)
                 return dk, dv
 
             def head_loop(g, carry):
                 base = g * per_head - first  # step of query block i is base + i
                 if causal:
                     mine, clear = key0 // bq, pl.cdiv(key0 + bk - 1, bq)  # first visible, first unmasked
-                    ring.skip(base + first, base + mine)  # blocks only the partner warpgroup sees
+                    if with_dq:  # both warpgroups take every step: dQ needs both halves of dS
+                        mine = first
+                    else:
+                        ring.skip(base + first, base + mine)  # blocks only the partner warpgroup sees
                     carry = lax.fori_loop(
                         base + mine, base + clear, functools.partial(step, masked=True), carry
                     )
@@ -570,6 +693,9 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
                 return lax.fori_loop(base, base + num_q, functools.partial(step, masked=False), carry)
 
             dk, dv = lax.fori_loop(0, group, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
+            if with_dq:  # the partner's last dQ still reads my keys
+                plgpu.barrier_arrive(keys_read.at[0])
+                plgpu.barrier_wait(keys_read.at[0])
             my_k[...] = (dk * scale).astype(dtype)
             my_v[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -579,30 +705,66 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
 
         pl.when(wg == COMPUTE_WGS)(ring.produce)
 
-    scratch = [
-        _smem((COMPUTE_WGS, bk, d), dtype),
-        _smem((COMPUTE_WGS, bk, d), dtype),
-        _barriers(COMPUTE_WGS),
-        *queries.scratch(d, dtype),
-    ]
+    out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    if dq_parts:
+        out_type.append(jax.ShapeDtypeStruct((num_tiles, *q.shape), jnp.float32))
     return _launch(
         body,
         scratch,
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        out_type=tuple(out_type),
         tiles=num_tiles,
         heads=hk,
         batch=b,
         interpret=interpret,
-        name="bpt_flash_hopper_dkdv",
-    )(q, k, v, d_out, lse2, delta)
+        name="bpt_flash_hopper_dkdvdq" if with_dq else "bpt_flash_hopper_dkdv",
+        mutable=dq_acc is not None,
+    )(q, k, v, d_out, lse2, delta, *([dq_acc] if dq_acc is not None else []))
+
+
+def fuses_dq(q: Array) -> bool:
+    """Whether backward() can add dQ inside the dK/dV pass: head_dim 128 (each compute
+    warpgroup takes 64 of dQ's columns, one swizzled tile wide; 256 would not fit in shared
+    memory)."""
+    return q.shape[-1] == 128
 
 
 def backward(
-    q, k, v, d_out, lse, delta, *, causal: bool, scale: float, stages: int = 2, interpret: bool = False
+    q,
+    k,
+    v,
+    d_out,
+    lse,
+    delta,
+    *,
+    causal: bool,
+    scale: float,
+    stages: int = 2,
+    fused_dq: bool | None = None,
+    interpret: bool = False,
 ):
-    """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s]."""
+    """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s].
+
+    fused_dq: one pass that adds dQ into a float32 buffer as it computes dK and dV (5 matmuls a
+    block; head_dim 128), or False: a second pass for dQ that recomputes P (7). None: fused
+    where it can be (fuses_dq)."""
     _check(q, k, causal)
+    fused_dq = fuses_dq(q) if fused_dq is None else fused_dq
+    if fused_dq and not fuses_dq(q):
+        raise ValueError(f"fused_dq=True needs head_dim 128; got {q.shape[-1]}")
     kw = dict(causal=causal, scale=scale, stages=stages, interpret=interpret)
     lse2 = lse * LOG2E  # both passes compute p = exp2(s * log2(e) / sqrt(d) - lse2)
-    dk, dv = _dkdv(q, k, v, d_out, lse2, delta, **kw)
-    return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
+    if not fused_dq:
+        dk, dv = _dkdv(q, k, v, d_out, lse2, delta, **kw)
+        return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
+    if interpret:
+        dk, dv, parts = _dkdv(q, k, v, d_out, lse2, delta, dq_parts=True, **kw)
+        if causal:  # part t holds keys [128 t, 128 t + 128): it wrote the query rows from 128 t on
+            rows = TILE * jnp.arange(parts.shape[0])
+            seen = jnp.arange(q.shape[1])[None, :] >= rows[:, None]
+            parts = jnp.where(seen[:, None, :, None, None], parts, 0.0)
+        dq = parts.sum(0)
+    else:
+        acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+        dk, dv = _dkdv(q, k, v, d_out, lse2, delta, dq_acc=acc, **kw)
+        dq = acc[...]
+    return (dq * scale).astype(q.dtype), dk, dv
