@@ -94,10 +94,14 @@ def time_fn(fn, *args, min_seconds: float = 0.3) -> float:
                 return elapsed / calls
 
 
-def measure(impl: str, *, seq: int, heads: int, head_dim: int, causal: bool, batch: int, dtype, **kw) -> dict:
+def measure(
+    impl: str, *, seq: int, heads: int, head_dim: int, causal: bool, batch: int, dtype, kv_heads=None, **kw
+) -> dict:
+    """kv_heads: the keys' and values' heads (GQA; default: heads)."""
     keys = jax.random.split(jax.random.PRNGKey(seq + head_dim), 4)
-    shape = (batch, seq, heads, head_dim)
-    q, k, v, do = (jax.random.normal(key, shape, dtype) for key in keys)
+    shape, kv_shape = (batch, seq, heads, head_dim), (batch, seq, kv_heads or heads, head_dim)
+    q, do = (jax.random.normal(key, shape, dtype) for key in keys[::3])
+    k, v = (jax.random.normal(key, kv_shape, dtype) for key in keys[1:3])
     fn = functools.partial(IMPLS[impl], causal=causal, **kw)
     fwd = jax.jit(fn)
 
@@ -107,6 +111,8 @@ def measure(impl: str, *, seq: int, heads: int, head_dim: int, causal: bool, bat
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
     row = dict(impl=impl, seq=seq, heads=heads, head_dim=head_dim, causal=causal, batch=batch, **kw)
+    if kv_heads and kv_heads != heads:
+        row["kv_heads"] = kv_heads
     for name, f, mult in (("fwd", fwd, 1.0), ("fwd_bwd", fwd_bwd, 3.5)):
         try:
             seconds = time_fn(f, q, k, v)
@@ -165,6 +171,7 @@ def main() -> None:
     parser.add_argument("--seqs", default="4096,16384,65536")
     parser.add_argument("--head_dims", default="128")
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv_heads", type=int, default=0, help="key/value heads (GQA); 0: --heads")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--causal", choices=["yes", "no", "both"], default="yes")
     parser.add_argument("--dtype", default="bfloat16")
@@ -186,8 +193,11 @@ def main() -> None:
     dtype = jnp.dtype(args.dtype)
     print(
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype}, batch {args.batch}, {args.heads} heads"
+        + (f" ({args.kv_heads} key/value heads)" if args.kv_heads else "")
     )
-    common = dict(heads=args.heads, batch=args.batch, dtype=dtype)
+    if args.kv_heads and args.heads % args.kv_heads:
+        raise SystemExit(f"--kv_heads {args.kv_heads} must divide --heads {args.heads}")
+    common = dict(heads=args.heads, kv_heads=args.kv_heads or None, batch=args.batch, dtype=dtype)
     rows = []
     if args.tune == "triton":
         settings = [
