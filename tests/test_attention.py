@@ -230,3 +230,28 @@ def test_cudnn_matches_reference_in_bf16(key, kv_heads):
         assert rel_err(out, out_r) < 1e-2, impl
         for g, g_r in zip(grads, grads_r):
             assert rel_err(g, g_r) < 1e-2, impl
+
+
+def test_auto_takes_bpts_hopper_kernels_only_for_small_causal_problems(monkeypatch):
+    """On an H100-class GPU auto runs bpt's Hopper kernels where bench_attention measured them
+    faster than cuDNN: causal, up to 4K tokens, no more work than one 4K sequence of 16
+    heads (batch 8 of 2K went to cuDNN's kernels, 1.6x faster there)."""
+    from bpt.ops import select_impl
+    from bpt.ops.kernels import flash_hopper
+
+    monkeypatch.setattr(flash_hopper, "is_hopper", lambda: True)
+
+    def impl(batch, seq, heads=16, causal=True, dtype=jnp.bfloat16):
+        q = jax.ShapeDtypeStruct((batch, seq, heads, 128), dtype)
+        return select_impl(q, q, causal=causal, segment_ids=None, q_chunk_size=1024, kv_chunk_size=1024)
+
+    assert impl(1, 2048) == impl(1, 4096) == impl(2, 2048) == impl(4, 1024) == "pallas"
+    for other in (
+        impl(8, 2048),
+        impl(2, 4096),
+        impl(1, 4096, heads=32),
+        impl(1, 8192),
+        impl(1, 2048, causal=False),
+    ):
+        assert other != "pallas"  # cuDNN on a GPU; here, without one, blockwise
+    assert impl(1, 2048, dtype=jnp.float32) != "pallas"

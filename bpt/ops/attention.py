@@ -7,10 +7,12 @@
 | cudnn       | O(seq)      | NVIDIA GPU, bf16/fp16    | no                |
 | pallas      | O(seq)      | NVIDIA GPU (Mosaic GPU kernels on H100-class GPUs where they
 |             |             | take the inputs, else Triton); elsewhere interpret mode (tests) | yes |
-| auto        | on an H100-class GPU, pallas for causal bf16/fp16 up to 4K tokens that the
-|             | Mosaic GPU kernels take (measured faster than cuDNN there, slower at 16K);
-|             | on a GPU otherwise cudnn where it supports the inputs, else pallas for
-|             | bf16/fp16; off the GPU blockwise (reference when one chunk covers it) |
+| auto        | on an H100-class GPU, pallas for causal bf16/fp16 inputs that the Mosaic GPU
+|             | kernels take, up to 4K tokens and batch x heads x seq^2 no more than one
+|             | 4K sequence of 16 heads has (measured faster than cuDNN there; slower at
+|             | 8K and up, and at batch 8 of 2K); on a GPU otherwise cudnn where it supports
+|             | the inputs, else pallas for bf16/fp16; off the GPU blockwise (reference
+|             | when one chunk covers it) |
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ from bpt.ops.kernels.flash import flash_attention
 from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
 
 Array = jax.Array
-SHORT = 4096  # up to here, bpt's Hopper kernels measured faster than cuDNN (causal, H100)
+# bpt's Hopper kernels measured faster than cuDNN (causal, d=128, H100) on small problems
+# only: forward+backward 1.47x at 2K and 1.12x at 4K (batch 1, 16 heads), 0.99x at 8K, and
+# 0.63x at batch 8 of 2K, where cuDNN's fixed cost per call is spread over more work.
+SHORT = 4096  # tokens
+SMALL = 16 * 4096**2  # batch x heads x seq^2 (query-key pairs, counting both triangles)
 # pallas_fp8: bpt's Triton forward with its matmuls in float8_e4m3fn (flash_attention's
 # fp8=True), chosen by name only: auto never picks it.
 IMPLS = ("reference", "blockwise", "cudnn", "pallas", "pallas_fp8", "auto")
@@ -59,6 +65,7 @@ def select_impl(
     if (
         causal
         and k.shape[1] <= SHORT
+        and q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= SMALL
         and flash_hopper.is_hopper()
         and flash_hopper.supported(q, k, segment_ids=segment_ids) is None
     ):
