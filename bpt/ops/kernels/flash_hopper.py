@@ -31,7 +31,6 @@ there the fused backward writes each key tile's partial dQ and XLA sums them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -319,20 +318,7 @@ def _launch(
     # plgpu.kernel's batching wrapper takes no mutable arrays; pl.kernel aliases each one in
     # and out of the kernel.
     mesh = plgpu.Mesh(num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name=name, **grid)
-    launch = pl.kernel(entry, out_type=out_type, mesh=mesh, name=name, **common)
-
-    def call(*args):
-        with _no_vma_check():  # as plgpu.kernel runs its kernels (inside shard_map)
-            return launch(*args)
-
-    return call
-
-
-def _no_vma_check():
-    from jax._src import config as jax_config  # internal in jax 0.10/0.11, as plgpu.kernel uses it
-
-    check = getattr(jax_config, "_check_vma", None)
-    return check(False) if check is not None else contextlib.nullcontext()
+    return pl.kernel(entry, out_type=out_type, mesh=mesh, name=name, **common)
 
 
 def _check(q: Array, k: Array, causal: bool, **blocks) -> None:
