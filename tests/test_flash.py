@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_err, saved_and_grads
+from jax import lax
 
 from bpt.ops import attention, reference_attention
 from bpt.ops.kernels import flash_attention, flash_attention_with_lse
@@ -232,8 +233,9 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
 def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal):
     """On the GPU the fused backward adds each block's dQ into one float32 buffer with TMA's
     reduce-add (which the interpreter lacks): its Mosaic GPU lowering, checked here without a
-    GPU, aliases that buffer in and out of the kernel and issues the reduction; the two-pass
-    backward issues none."""
+    GPU, aliases that buffer in and out of the kernel and issues the reduction (one kernel
+    where the two-pass backward has two and no reduction), also inside shard_map and inside a
+    scan of checkpointed layers, where ring attention and the models call it."""
     from bpt.ops.kernels import flash_hopper
 
     q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
@@ -273,6 +275,20 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal):
         .as_text()
     )
     assert text.count("cp.reduce.async.bulk.tensor") == 1 and kernels(text) == 2  # forward, backward
+
+    # As a model's layer stack runs it: checkpointed layers under lax.scan (the float32
+    # buffer is created and consumed inside the scan's backward body).
+    def layers(q):
+        def attend(x, _):
+            return flash_attention(
+                x, x, x, causal=causal, forward="hopper", backward="hopper", interpret=False
+            ), None
+
+        step = jax.checkpoint(attend)
+        return jnp.sum(lax.scan(step, q, None, length=2)[0].astype(jnp.float32))
+
+    text = jax.jit(jax.grad(layers)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("cp.reduce.async.bulk.tensor") == 1
     with pytest.raises(ValueError, match="fused_dq=True needs head_dim 128; got 256"):
         big = jnp.zeros((1, 128, 1, 256), jnp.bfloat16)
         flash_hopper.backward(
