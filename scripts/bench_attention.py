@@ -98,10 +98,10 @@ def measure(
     impl: str, *, seq: int, heads: int, head_dim: int, causal: bool, batch: int, dtype, kv_heads=None, **kw
 ) -> dict:
     """kv_heads: the keys' and values' heads (GQA; default: heads)."""
-    keys = jax.random.split(jax.random.PRNGKey(seq + head_dim), 4)
+    kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seq + head_dim), 4)
     shape, kv_shape = (batch, seq, heads, head_dim), (batch, seq, kv_heads or heads, head_dim)
-    q, do = (jax.random.normal(key, shape, dtype) for key in keys[::3])
-    k, v = (jax.random.normal(key, kv_shape, dtype) for key in keys[1:3])
+    q, do = jax.random.normal(kq, shape, dtype), jax.random.normal(kd, shape, dtype)
+    k, v = jax.random.normal(kk, kv_shape, dtype), jax.random.normal(kv, kv_shape, dtype)
     fn = functools.partial(IMPLS[impl], causal=causal, **kw)
     fwd = jax.jit(fn)
 

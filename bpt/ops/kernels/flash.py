@@ -74,7 +74,7 @@ class FlashConfig:
     backward: str = "triton"
     hopper_block_k: int = 128
     hopper_stages: int = 2
-    hopper_fused_dq: bool | None = None  # flash_hopper.backward's fused_dq (None: where it fits)
+    hopper_fused_dq: bool | None = None  # flash_hopper.backward's fused_dq (None: where it can be)
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -475,8 +475,8 @@ def flash_attention_with_lse(
     bf16/fp16, no segment ids, lengths multiples of 128), or "auto" (hopper where it can run,
     else triton). hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
     the depth of the Hopper kernels' shared-memory ring; hopper_fused_dq: the Hopper backward
-    adds dQ inside its dK/dV pass (True; head_dim up to 128) or runs a second pass for it
-    (False); None: fused where it fits. interpret: run the kernels in an
+    adds dQ inside its dK/dV pass (True; head_dim 128) or runs a second pass for it
+    (False); None: fused where it can be (flash_hopper.fuses_dq). interpret: run the kernels in an
     interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn

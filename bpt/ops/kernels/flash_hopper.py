@@ -534,8 +534,7 @@ class _QueryStream:
         first = tile * TILE // self.bq if self.causal else 0  # the first query block that sees the tile
         per_head = self.num_q - first
 
-        def head_rows(j):
-            return self.head_rows(kv_head, first, per_head, j)
+        head_rows = functools.partial(self.head_rows, kv_head, first, per_head)
 
         def rows_of(ref):
             return lambda j: ref.at[bi, head_rows(j)[1], head_rows(j)[0]]
@@ -597,7 +596,11 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
             refs[: -len(scratch)],
             refs[-len(scratch) :],
         )
-        dq_ref = outs.pop(0) if dq_acc is not None else outs.pop() if dq_parts else None
+        dq_ref = None
+        if dq_acc is not None:  # mutable arrays come before the outputs
+            dq_ref, *outs = outs
+        elif dq_parts:
+            *outs, dq_ref = outs
         dk_ref, dv_ref = outs
         k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
         if with_dq:
