@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from bpt.ops import blockwise_attention, reference_attention
-from bpt.ops.kernels import flash_attention
+from bpt.ops.kernels import flash_attention, flash_hopper
 
 
 def jax_pallas(q, k, v, *, causal):
@@ -76,6 +76,14 @@ IMPLS = {
     "tokamax-mosaic": tokamax("mosaic"),
     "tokamax-triton": tokamax("triton"),
 }
+# The Hopper forward under each of its schedules (flash_hopper.forward), e.g. bpt-pallas-overlap.
+for _schedule in flash_hopper.SCHEDULES:
+    IMPLS[f"bpt-pallas-{_schedule}"] = functools.partial(
+        lambda q, k, v, *, causal, schedule, **kw: flash_attention(
+            q, k, v, causal=causal, hopper_schedule=schedule, **kw
+        ),
+        schedule=_schedule,
+    )
 
 
 def time_fn(fn, *args, min_seconds: float = 0.3) -> float:

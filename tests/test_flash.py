@@ -4,6 +4,7 @@ On CPU the kernels run in Pallas interpret mode on small shapes; the tests marke
 the Triton-lowered kernels at real sizes (scripts run them on a GPU machine, not CI).
 """
 
+import functools
 import math
 
 import jax
@@ -14,7 +15,7 @@ from conftest import rel_err, saved_and_grads
 from jax import lax
 
 from bpt.ops import attention, reference_attention
-from bpt.ops.kernels import flash_attention, flash_attention_with_lse
+from bpt.ops.kernels import flash_attention, flash_attention_with_lse, flash_hopper
 from bpt.ops.remat import remat
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -229,6 +230,36 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
 
 
+@pytest.mark.parametrize("schedule", ["overlap", "pingpong", "overlap_pingpong"])
+def test_hopper_forward_schedules_in_the_mosaic_gpu_interpreter(key, schedule):
+    """The forward's pipelined and ping-pong schedules keep their barriers in step: 64-key
+    blocks, so that under the causal mask the first warpgroup passes over a block the second
+    one sees (and, ping-pong, still meets it there), against float32 attention."""
+    q, k, v, _ = inputs(key, 1, 384, 1, 1, 64, jnp.bfloat16)
+    out, lse = flash_attention_with_lse(
+        q, k, v, causal=True, forward="hopper", hopper_block_k=64, hopper_schedule=schedule
+    )
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    scores = jnp.einsum("bqhd,bkhd->bhqk", up(q), up(k)) / 8.0
+    scores = jnp.where(jnp.tril(jnp.ones((384, 384), bool)), scores, -jnp.inf)
+    assert rel_err(out, reference_attention(up(q), up(k), up(v), causal=True)) < 1e-2
+    assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-4
+
+
+@pytest.mark.parametrize("schedule", flash_hopper.SCHEDULES)
+def test_hopper_forward_schedules_lower_for_cuda(schedule):
+    """Each schedule lowers to one Mosaic GPU kernel for CUDA (checked without a GPU: the
+    pipelined schedules' wgmma path, two accumulators in flight, is not interpreted)."""
+    x = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    for causal in (True, False):
+        fwd = functools.partial(flash_hopper.forward, causal=causal, scale=0.1, schedule=schedule)
+        text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
+    x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="unknown hopper_schedule 'fast'; allowed: serial, pingpong"):
+        flash_attention(x, x, x, hopper_schedule="fast")
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal):
     """On the GPU the fused backward adds each block's dQ into one float32 buffer with TMA's
@@ -353,20 +384,29 @@ def test_flash_on_gpu(key, dtype, head_dim, causal, segments, kv_heads):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
 @pytest.mark.parametrize(
-    "dtype, head_dim, causal, kv_heads, block_k, fused_dq",
+    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule",
     [
-        (jnp.bfloat16, 128, True, 2, 128, None),  # None: dQ fused where it can be (head_dim 128)
-        (jnp.float16, 128, False, 8, 128, None),
-        (jnp.float16, 64, False, 8, 128, None),
-        (jnp.bfloat16, 64, True, 1, 64, None),
-        (jnp.bfloat16, 128, True, 2, 128, False),
+        # fused_dq None: dQ fused where it can be (head_dim 128); pingpong: the default
+        (jnp.bfloat16, 128, True, 2, 128, None, "pingpong"),
+        (jnp.float16, 128, False, 8, 128, None, "pingpong"),
+        (jnp.float16, 64, False, 8, 128, None, "pingpong"),
+        (jnp.bfloat16, 64, True, 1, 64, None, "pingpong"),
+        (jnp.bfloat16, 128, True, 2, 128, False, "serial"),
+        (jnp.bfloat16, 128, True, 2, 128, None, "overlap"),
+        (jnp.bfloat16, 64, True, 1, 64, None, "overlap_pingpong"),
     ],
 )
-def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, fused_dq):
-    """The wgmma/TMA kernels at real sizes, forward and backward (dQ fused into the dK/dV
-    pass by default, or in its own pass)."""
+def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule):
+    """The wgmma/TMA kernels at real sizes, forward (under each schedule) and backward (dQ
+    fused into the dK/dV pass by default, or in its own pass)."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, dtype)
-    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k, hopper_fused_dq=fused_dq)
+    hopper = dict(
+        forward="hopper",
+        backward="hopper",
+        hopper_block_k=block_k,
+        hopper_fused_dq=fused_dq,
+        hopper_schedule=schedule,
+    )
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
 
 

@@ -75,6 +75,7 @@ class FlashConfig:
     hopper_block_k: int = 128
     hopper_stages: int = 2
     hopper_fused_dq: bool | None = None  # flash_hopper.backward's fused_dq (None: where it can be)
+    hopper_schedule: str = "pingpong"  # flash_hopper.forward's schedule
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -231,6 +232,7 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
             scale=cfg.scale,
             block_k=cfg.hopper_block_k,
             stages=cfg.hopper_stages,
+            schedule=cfg.hopper_schedule,
             interpret=cfg.interpret,
         )
     b, sq, h, d = q.shape
@@ -464,6 +466,7 @@ def flash_attention_with_lse(
     hopper_block_k: int = 128,
     hopper_stages: int = 2,
     hopper_fused_dq: bool | None = None,
+    hopper_schedule: str = "pingpong",
     interpret: bool | None = None,
     fp8: bool = False,
 ) -> tuple[Array, Array]:
@@ -476,7 +479,9 @@ def flash_attention_with_lse(
     else triton). hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
     the depth of the Hopper kernels' shared-memory ring; hopper_fused_dq: the Hopper backward
     adds dQ inside its dK/dV pass (True; head_dim 128) or runs a second pass for it
-    (False); None: fused where it can be (flash_hopper.fuses_dq). interpret: run the kernels in an
+    (False); None: fused where it can be (flash_hopper.fuses_dq). hopper_schedule: how the
+    Hopper forward orders each warpgroup's matmuls and softmax (flash_hopper.SCHEDULES; see
+    flash_hopper.forward). interpret: run the kernels in an
     interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
@@ -502,6 +507,7 @@ _SETTINGS = (
     "hopper_block_k",
     "hopper_stages",
     "hopper_fused_dq",
+    "hopper_schedule",
     "interpret",
     "fp8",
 )
@@ -516,6 +522,11 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     forward, backward = settings.get("forward", "auto"), settings.get("backward", "auto")
     hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages", 2)
     hopper_fused_dq = settings.get("hopper_fused_dq")
+    hopper_schedule = settings.get("hopper_schedule", "pingpong")
+    if hopper_schedule not in flash_hopper.SCHEDULES:
+        raise ValueError(
+            f"unknown hopper_schedule {hopper_schedule!r}; allowed: {', '.join(flash_hopper.SCHEDULES)}"
+        )
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
@@ -580,6 +591,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         hopper_block_k=hopper_block_k,
         hopper_stages=hopper_stages,
         hopper_fused_dq=hopper_fused_dq,
+        hopper_schedule=hopper_schedule,
         fp8=fp8,
     )
     if pad_q or pad_k or dp:

@@ -9,7 +9,9 @@ accumulators in registers; P and dS are fed from registers) and keep the softmax
 with the 1/sqrt(d) scale folded into one multiply.
 
 - forward: S = Q K^T, online softmax, O += P V; rescaled once at the end. Writes O and the
-  logsumexp (natural units, [batch, heads, seq] float32), the contract of flash.py.
+  logsumexp (natural units, [batch, heads, seq] float32), the contract of flash.py. By
+  default the two compute warpgroups take turns (ping-pong: one's matmuls run while the
+  other computes its softmax); see forward's schedules.
 - backward: P recomputed from the logsumexp. dK/dV: per key tile, over the query blocks of
   every query head of its GQA group: dV += P^T dO, dK += dS^T Q with dS = P * (dP - D).
   At head_dim 128 the same pass adds dQ: the two warpgroups share their dS through shared
@@ -83,15 +85,19 @@ def interpret_params():
 # --- pieces every kernel uses ---------------------------------------------------------------
 
 
-def _scores(a_ref, b_ref, interpret: bool) -> Array:
-    """a @ b^T in float32 on the tensor cores (both operands in shared memory)."""
+def _scores(a_ref, b_ref, interpret: bool, issued=lambda: None) -> Array:
+    """a @ b^T in float32 on the tensor cores (both operands in shared memory); issued() runs
+    while the matmul is in flight."""
     if interpret:  # the interpreter takes no transposed refs
-        return lax.dot_general(
+        s = lax.dot_general(
             a_ref[...], b_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
+        issued()
+        return s
 
     def mma(acc_ref):
         plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
+        issued()
         return acc_ref[...]
 
     return pl.run_scoped(mma, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
@@ -167,8 +173,8 @@ class _Ring:
     arrived on its free barrier; each buffer signals its own ready barrier.
     """
 
-    def __init__(self, groups, stages: int, steps):
-        self.groups, self.stages, self.steps = groups, stages, steps
+    def __init__(self, groups, stages: int, steps, eager: bool = False):
+        self.groups, self.stages, self.steps, self.eager = groups, stages, steps, eager
 
     def slot(self, j):
         return lax.rem(j, self.stages)
@@ -178,11 +184,15 @@ class _Ring:
 
         def load(j, slot, reuse: bool):
             # Waiting for every group's slot before the first copy measured faster (H100) than
-            # refilling each group as soon as it is free.
-            if reuse:
+            # refilling each group as soon as it is free; eager rings (whose consumers hold one
+            # group's slot while they wait for the next step's other group) refill each group
+            # as soon as it is free.
+            if reuse and not self.eager:
                 for free, _ in self.groups:
                     plgpu.barrier_wait(free.at[slot])
-            for _, buffers in self.groups:
+            for free, buffers in self.groups:
+                if reuse and self.eager:
+                    plgpu.barrier_wait(free.at[slot])
                 for smem, ready, src in buffers:
                     plgpu.copy_gmem_to_smem(src(j), smem.at[slot], ready.at[slot])
 
@@ -198,15 +208,16 @@ class _Ring:
             for free, _ in self.groups:
                 plgpu.barrier_wait(free.at[self.slot(j)])
 
-    def skip(self, start, stop):
-        """A compute warpgroup passes over steps [start, stop): it waits for and releases each."""
+    def release(self, j):
+        """A compute warpgroup passes over step j: it waits for its slot and releases it."""
+        for free, buffers in self.groups:
+            for _, ready, _ in buffers:
+                plgpu.barrier_wait(ready.at[self.slot(j)])
+            plgpu.barrier_arrive(free.at[self.slot(j)])
 
-        @pl.loop(start, stop)
-        def _skip(j):
-            for free, buffers in self.groups:
-                for _, ready, _ in buffers:
-                    plgpu.barrier_wait(ready.at[self.slot(j)])
-                plgpu.barrier_arrive(free.at[self.slot(j)])
+    def skip(self, start, stop):
+        """A compute warpgroup passes over steps [start, stop)."""
+        pl.loop(start, stop)(self.release)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +232,7 @@ class _KeyStream:
     bk: int
     stages: int
     causal: bool
+    eager: bool = False  # the ring refills keys and values each as soon as they are free
 
     def scratch(self, d: int, dtype) -> list:
         """The ring's shared memory and barriers: open() takes them in this order."""
@@ -245,7 +257,7 @@ class _KeyStream:
 
         steps = pl.cdiv((tile + 1) * TILE, bk) if self.causal else self.num_k
         groups = [(k_free, [(k_smem, k_ready, rows(k_ref))]), (v_free, [(v_smem, v_ready, rows(v_ref))])]
-        return tile, bi, head, wg, _Ring(groups, self.stages, steps)
+        return tile, bi, head, wg, _Ring(groups, self.stages, steps, self.eager)
 
 
 def _sweep_keys(step, carry, ring: _Ring, *, row0, bq: int, bk: int, causal: bool):
@@ -339,6 +351,9 @@ def _check(q: Array, k: Array, causal: bool, **blocks) -> None:
 # --- forward ---------------------------------------------------------------------------------
 
 
+SCHEDULES = ("serial", "pingpong", "overlap", "overlap_pingpong")
+
+
 def forward(
     q: Array,
     k: Array,
@@ -348,22 +363,48 @@ def forward(
     scale: float,
     block_k: int = 128,
     stages: int = 2,
+    schedule: str = "pingpong",
     interpret: bool = False,
 ) -> tuple[Array, Array]:
-    """(out [b, s, h, d], logsumexp [b, h, s] float32); see supported() for what it takes."""
+    """(out [b, s, h, d], logsumexp [b, h, s] float32); see supported() for what it takes.
+
+    schedule, how a compute warpgroup orders its matmuls and its softmax:
+    - "serial": per key block, S = Q K^T, then its softmax, then O += P V, each waited for.
+    - "overlap": software-pipelined within the warpgroup: block j's S and block j-1's P V are
+      issued together, and block j's softmax runs while P V is still on the tensor cores.
+    - "pingpong" / "overlap_pingpong": either, with the two compute warpgroups taking turns
+      (a two-arrival barrier they meet at twice a block, the second warpgroup one meeting
+      behind), so that one's matmuls run while the other computes its softmax.
+    On an H100 at d=128 (docs/benchmarks.md) pingpong, the default, was 5-10% faster than
+    serial; overlap 5% slower (4K) to 2% faster (64K) than serial; overlap_pingpong about 20%
+    slower.
+    """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     bq, bk, dtype = TILE // COMPUTE_WGS, block_k, q.dtype
     _check(q, k, causal, hopper_block_k=block_k)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown Hopper forward schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    overlap, pingpong = schedule.startswith("overlap"), schedule.endswith("pingpong")
     num_tiles, num_k = sq // TILE, sk // bk
-    stages = max(1, min(stages, num_k))
+    # overlap waits for block j's keys while it holds block j-1's values: two slots at least,
+    # and a ring that refills keys and values each as soon as they are free
+    stages = max(2 if overlap else 1, min(stages, num_k))
     regs = _Regs(interpret)
     c = scale * LOG2E
-    keys = _KeyStream(num_tiles, num_k, h // hk, bk, stages, causal)
+    keys = _KeyStream(num_tiles, num_k, h // hk, bk, stages, causal, eager=overlap)
 
-    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, lse_smem, q_ready, *ring_scratch):
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, lse_smem, q_ready, turn, *ring_scratch):
         k_smem, v_smem, k_ready, v_ready, k_free, v_free = ring_scratch
         tile, bi, head, wg, ring = keys.open(k_ref, v_ref, *ring_scratch)
+
+        turn = turn.at[0]
+
+        def meet():
+            """Both compute warpgroups reach this point (pingpong; else nothing)."""
+            if pingpong:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -373,27 +414,109 @@ def forward(
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, bq), head], my_q, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
 
-            def step(j, carry, masked: bool):
-                acc, m, denom = carry
-                slot = ring.slot(j)
-                plgpu.barrier_wait(k_ready.at[slot])
-                s = _scores(my_q, k_smem.at[slot], interpret) * c
-                plgpu.barrier_arrive(k_free.at[slot])
+            def softmax(j, s, m, denom, masked: bool):
+                """Block j's probabilities (in the inputs' dtype), the new running max and
+                denominator, and the factor that rescales what was summed before."""
+                s = s * c
                 if masked:
                     s = jnp.where(regs.visible(s.shape, row0, j * bk), s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - _rows(m_new, s.shape))
-                denom = denom * alpha + p.sum(axis=1)
+                return p.astype(dtype), m_new, denom * alpha + p.sum(axis=1), alpha
+
+            def serial(j, carry, masked: bool):
+                acc, m, denom = carry
+                slot = ring.slot(j)
+                plgpu.barrier_wait(k_ready.at[slot])
+                s = _scores(my_q, k_smem.at[slot], interpret, issued=meet)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p, m, denom, alpha = softmax(j, s, m, denom, masked)
                 acc = acc * _rows(alpha, acc.shape)
-                p = p.astype(dtype)
+                if pingpong:  # my softmax is done; the tensor cores are mine once the partner's is
+                    plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_ready.at[slot])
+                if pingpong:
+                    plgpu.barrier_wait(turn)
                 acc = _accumulate(acc, p, v_smem.at[slot], interpret)
                 plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, denom
+                return acc, m, denom
 
-            carry = (regs.zeros((bq, d)), regs.zeros((bq,), -jnp.inf), regs.zeros((bq,)))
-            acc, m, denom = _sweep_keys(step, carry, ring, row0=row0, bq=bq, bk=bk, causal=causal)
+            def pipelined(j, carry, masked: bool):
+                """Block j's S with block j-1's P V in flight; the softmax of j overlaps P V."""
+                acc, m, denom, p_prev = carry
+                slot, prev = ring.slot(j), ring.slot(j - 1)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[prev])
+                if interpret:  # the same order of barriers, with plain dots
+                    s = _scores(my_q, k_smem.at[slot], interpret, issued=meet)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p, m, denom, alpha = softmax(j, s, m, denom, masked)
+                    meet()
+                    acc = _accumulate(acc, p_prev, v_smem.at[prev], interpret)
+                else:
+
+                    def both(s_ref, o_ref):
+                        o_ref[...] = acc
+                        plgpu.wgmma(s_ref, my_q, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+                        meet()
+                        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S done, P V may run on
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        out = softmax(j, s, m, denom, masked)
+                        meet()
+                        return (o_ref[...], *out)
+
+                    acc, p, m, denom, alpha = pl.run_scoped(
+                        both, plgpu.ACC((bq, bk), jnp.float32), plgpu.ACC((bq, d), jnp.float32)
+                    )
+                plgpu.barrier_arrive(v_free.at[prev])
+                return acc * _rows(alpha, acc.shape), m, denom, p
+
+            m0, denom0 = regs.zeros((bq,), -jnp.inf), regs.zeros((bq,))
+            if causal:
+                steps, clear = pl.cdiv(row0 + bq, bk), row0 // bk
+            else:
+                steps = clear = ring.steps
+            pl.when(wg == 1)(meet)  # the second warpgroup runs one meeting behind
+            if not overlap:
+                carry = (regs.zeros((bq, d)), m0, denom0)
+                acc, m, denom = lax.fori_loop(0, clear, functools.partial(serial, masked=False), carry)
+                if causal:
+                    acc, m, denom = lax.fori_loop(
+                        clear, steps, functools.partial(serial, masked=True), (acc, m, denom)
+                    )
+            else:
+                # block 0's S and softmax (masked if the diagonal may cross it: masking a block
+                # it does not cross changes nothing), then the pipeline, then the last P V
+                plgpu.barrier_wait(k_ready.at[0])
+                s = _scores(my_q, k_smem.at[0], interpret, issued=meet)
+                plgpu.barrier_arrive(k_free.at[0])
+                p, m, denom, _ = softmax(0, s, m0, denom0, masked=causal)
+                meet()
+                carry = (regs.zeros((bq, d)), m, denom, p)
+                first_masked = jnp.maximum(clear, 1)
+                carry = lax.fori_loop(1, first_masked, functools.partial(pipelined, masked=False), carry)
+                if causal:
+                    carry = lax.fori_loop(
+                        first_masked, steps, functools.partial(pipelined, masked=True), carry
+                    )
+                acc, m, denom, p = carry
+                last = ring.slot(steps - 1)
+                plgpu.barrier_wait(v_ready.at[last])
+                acc = _accumulate(acc, p, v_smem.at[last], interpret)
+                plgpu.barrier_arrive(v_free.at[last])
+            if causal:
+
+                @pl.loop(steps, ring.steps)
+                def _skip(j):
+                    # blocks loaded for the partner warpgroup: meet twice as a block would, then
+                    # release them (the partner's meetings may come before they arrive)
+                    meet()
+                    meet()
+                    ring.release(j)
+
+            pl.when(wg == 0)(meet)
             my_q[...] = (acc * _rows(1.0 / denom, acc.shape)).astype(dtype)
             my_lse[...] = (m + jnp.log2(denom)) * LN2
             plgpu.commit_smem()
@@ -407,6 +530,7 @@ def forward(
         _smem((COMPUTE_WGS, bq, d), dtype),
         _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
         _barriers(COMPUTE_WGS),
+        _barriers(1, COMPUTE_WGS),  # the warpgroups' meeting point (pingpong)
         *keys.scratch(d, dtype),
     ]
     return _launch(
