@@ -5,6 +5,7 @@
     python scripts/bench_attention.py --tune triton --seqs 16384   # block sizes of bpt's kernels
     python scripts/bench_attention.py --tune hopper --seqs 16384
     python scripts/bench_attention.py --tune backward --seqs 65536
+    python scripts/bench_attention.py --shapes training --impls bpt-pallas,cudnn   # one table
 
 FLOPs: 4*B*H*S^2*D for the forward (halved when causal); forward+backward counts 3.5x the
 forward. Prints a markdown table last; --out writes every measurement as JSON and --png
@@ -131,6 +132,44 @@ def measure(
     return row
 
 
+# Named sets of shapes (--shapes): the long-context and training shapes bpt's kernels are
+# compared with cuDNN on, each {label: measure()'s shape arguments}.
+SHAPES = {
+    "training": {
+        "B1 S16K H16": dict(batch=1, seq=16384, heads=16, head_dim=128, causal=True),
+        "B1 S64K H16": dict(batch=1, seq=65536, heads=16, head_dim=128, causal=True),
+        "B8 S2K H16": dict(batch=8, seq=2048, heads=16, head_dim=128, causal=True),
+        "B1 S16K H32/KV8": dict(batch=1, seq=16384, heads=32, kv_heads=8, head_dim=128, causal=True),
+        "B1 S16K H16 d64": dict(batch=1, seq=16384, heads=16, head_dim=64, causal=True),
+        "B1 S16K H16 non-causal": dict(batch=1, seq=16384, heads=16, head_dim=128, causal=False),
+    },
+}
+
+
+def shapes_table(rows: list[dict], impls: list[str]) -> str:
+    """One line a shape (rows carry a "shape" label): each implementation's forward and
+    forward+backward TFLOP/s, then the first implementation's forward+backward against
+    cuDNN's where both ran."""
+    compare = "cudnn" in impls and impls[0] != "cudnn"
+    head = "| shape | " + " | ".join(f"{impl} fwd | {impl} f+b" for impl in impls)
+    head += f" | {impls[0]} / cudnn f+b |" if compare else " |"
+    lines = [head, "|---" * (1 + 2 * len(impls) + compare) + "|"]
+    by_key = {(r["shape"], r["impl"]): r for r in rows}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        cells = []
+        for impl in impls:
+            r = by_key.get((shape, impl), {})
+            cells += [f"{r[n + '_tflops']:.0f}" if n + "_tflops" in r else "–" for n in ("fwd", "fwd_bwd")]
+        if compare:
+            ours, theirs = by_key.get((shape, impls[0]), {}), by_key.get((shape, "cudnn"), {})
+            ratio = "–"
+            if "fwd_bwd_tflops" in ours and "fwd_bwd_tflops" in theirs:
+                ratio = f"{ours['fwd_bwd_tflops'] / theirs['fwd_bwd_tflops']:.2f}x"
+            cells.append(ratio)
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], seqs: list[int]) -> str:
     head = "| implementation | " + " | ".join(f"{s // 1024}K fwd | {s // 1024}K f+b" for s in seqs) + " |"
     lines = [head, "|---" * (1 + 2 * len(seqs)) + "|"]
@@ -192,6 +231,12 @@ def main() -> None:
         default="",
         help="sweep a kernel's block sizes instead",
     )
+    parser.add_argument(
+        "--shapes",
+        choices=["", *SHAPES],
+        default="",
+        help="measure a named set of shapes (SHAPES) instead of --seqs/--head_dims/--batch/...",
+    )
     parser.add_argument("--out", default="")
     parser.add_argument("--png", default="")
     args = parser.parse_args()
@@ -199,10 +244,13 @@ def main() -> None:
     dims = [int(d) for d in args.head_dims.split(",")]
     causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
     dtype = jnp.dtype(args.dtype)
-    print(
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype}, batch {args.batch}, {args.heads} heads"
+    what = (
+        f"shapes {args.shapes!r}"
+        if args.shapes
+        else f"batch {args.batch}, {args.heads} heads"
         + (f" ({args.kv_heads} key/value heads)" if args.kv_heads else "")
     )
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype}, {what}")
     if args.kv_heads and args.heads % args.kv_heads:
         raise SystemExit(f"--kv_heads {args.kv_heads} must divide --heads {args.heads}")
     common = dict(heads=args.heads, kv_heads=args.kv_heads or None, batch=args.batch, dtype=dtype)
@@ -225,7 +273,14 @@ def main() -> None:
                 ((32, 64), (64, 64), (64, 128), (128, 64), (128, 128)), (4, 8), (2, 3)
             )
         ]
-    if args.tune:
+    if args.shapes:
+        impls = args.impls.split(",")
+        for label, shape in SHAPES[args.shapes].items():
+            for impl in impls:
+                row = measure(impl, dtype=dtype, **shape) | {"shape": label}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    elif args.tune:
         for seq, d, causal in itertools.product(seqs, dims, causals):
             for kw in settings:
                 row = measure("bpt-pallas", seq=seq, head_dim=d, causal=causal, **common, **kw)
@@ -243,9 +298,11 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    if args.png and not args.tune:
+    if args.png and not (args.tune or args.shapes):
         plot(rows, args.png)
-    if not args.tune:
+    if args.shapes:
+        print(shapes_table(rows, args.impls.split(",")))
+    elif not args.tune:
         print(table(rows, seqs))
 
 

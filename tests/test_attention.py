@@ -255,3 +255,31 @@ def test_auto_takes_bpts_hopper_kernels_only_for_small_causal_problems(monkeypat
     ):
         assert other != "pallas"  # cuDNN on a GPU; here, without one, blockwise
     assert impl(1, 2048, dtype=jnp.float32) != "pallas"
+
+
+def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
+    """scripts/bench_attention.py --shapes: each named shape is a valid measurement (one, at a
+    shorter length, by XLA on the CPU), and the table puts every implementation of a shape on
+    one line with the first one's forward+backward against cuDNN's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "time_fn", lambda fn, *args: (jax.block_until_ready(fn(*args)), 1e-3)[1])
+    shapes = bench.SHAPES["training"]
+    assert len(shapes) == 6 and {s["head_dim"] for s in shapes.values()} == {64, 128}
+    gqa = dict(shapes["B1 S16K H32/KV8"], seq=256)
+    row = bench.measure("xla", dtype=jnp.float32, **gqa) | {"shape": "GQA"}
+    assert row["kv_heads"] == 8 and row["fwd_bwd_tflops"] == pytest.approx(3.5 * row["fwd_tflops"])
+    rows = [
+        row,
+        dict(row, impl="cudnn", fwd_bwd_tflops=row["fwd_bwd_tflops"] / 2),
+        {"shape": "failed", "impl": "xla", "fwd_error": "out of memory"},
+    ]
+    lines = bench.shapes_table(rows, ["xla", "cudnn"]).splitlines()
+    assert lines[0] == "| shape | xla fwd | xla f+b | cudnn fwd | cudnn f+b | xla / cudnn f+b |"
+    assert lines[2].startswith("| GQA |") and lines[2].endswith("| 2.00x |")
+    assert lines[3] == "| failed | – | – | – | – | – |"
