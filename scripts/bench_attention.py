@@ -79,12 +79,7 @@ IMPLS = {
 }
 # The Hopper forward under each of its schedules (flash_hopper.forward), e.g. bpt-pallas-overlap.
 for _schedule in flash_hopper.SCHEDULES:
-    IMPLS[f"bpt-pallas-{_schedule}"] = functools.partial(
-        lambda q, k, v, *, causal, schedule, **kw: flash_attention(
-            q, k, v, causal=causal, hopper_schedule=schedule, **kw
-        ),
-        schedule=_schedule,
-    )
+    IMPLS[f"bpt-pallas-{_schedule}"] = functools.partial(flash_attention, hopper_schedule=_schedule)
 
 
 def time_fn(fn, *args, min_seconds: float = 0.3) -> float:

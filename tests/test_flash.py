@@ -267,8 +267,6 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal):
     GPU, aliases that buffer in and out of the kernel and issues the reduction (one kernel
     where the two-pass backward has two and no reduction), also inside shard_map and inside a
     scan of checkpointed layers, where ring attention and the models call it."""
-    from bpt.ops.kernels import flash_hopper
-
     q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)

@@ -523,10 +523,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages", 2)
     hopper_fused_dq = settings.get("hopper_fused_dq")
     hopper_schedule = settings.get("hopper_schedule", "pingpong")
-    if hopper_schedule not in flash_hopper.SCHEDULES:
-        raise ValueError(
-            f"unknown hopper_schedule {hopper_schedule!r}; allowed: {', '.join(flash_hopper.SCHEDULES)}"
-        )
+    flash_hopper.check_schedule(hopper_schedule, "hopper_schedule")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps

@@ -215,9 +215,14 @@ class _Ring:
                 plgpu.barrier_wait(ready.at[self.slot(j)])
             plgpu.barrier_arrive(free.at[self.slot(j)])
 
-    def skip(self, start, stop):
-        """A compute warpgroup passes over steps [start, stop)."""
-        pl.loop(start, stop)(self.release)
+    def skip(self, start, stop, each=lambda: None):
+        """A compute warpgroup passes over steps [start, stop), running each() before it
+        releases a step."""
+
+        @pl.loop(start, stop)
+        def _skip(j):
+            each()
+            self.release(j)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,15 +265,23 @@ class _KeyStream:
         return tile, bi, head, wg, _Ring(groups, self.stages, steps, self.eager)
 
 
-def _sweep_keys(step, carry, ring: _Ring, *, row0, bq: int, bk: int, causal: bool):
-    """Runs step(j, carry, masked) over the key blocks that rows [row0, row0 + bq) see: blocks
-    below the diagonal unmasked, those it crosses masked; passes over the rest of the ring."""
+def _visible_keys(ring: _Ring, *, row0, bq: int, bk: int, causal: bool):
+    """(steps, clear): rows [row0, row0 + bq) see the ring's first `steps` key blocks, the
+    first `clear` of them wholly (unmasked)."""
     if not causal:
-        return lax.fori_loop(0, ring.steps, functools.partial(step, masked=False), carry)
-    steps, clear = pl.cdiv(row0 + bq, bk), row0 // bk
+        return ring.steps, ring.steps
+    return pl.cdiv(row0 + bq, bk), row0 // bk
+
+
+def _sweep_keys(step, carry, ring: _Ring, *, row0, bq: int, bk: int, causal: bool, skipped=lambda: None):
+    """Runs step(j, carry, masked) over the key blocks that rows [row0, row0 + bq) see: blocks
+    below the diagonal unmasked, those it crosses masked; passes over the rest of the ring
+    (blocks loaded for the other warpgroup), running skipped() at each."""
+    steps, clear = _visible_keys(ring, row0=row0, bq=bq, bk=bk, causal=causal)
     carry = lax.fori_loop(0, clear, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(clear, steps, functools.partial(step, masked=True), carry)
-    ring.skip(steps, ring.steps)  # blocks loaded for the other warpgroup
+    if causal:
+        carry = lax.fori_loop(clear, steps, functools.partial(step, masked=True), carry)
+        ring.skip(steps, ring.steps, each=skipped)
     return carry
 
 
@@ -354,6 +367,11 @@ def _check(q: Array, k: Array, causal: bool, **blocks) -> None:
 SCHEDULES = ("serial", "pingpong", "overlap", "overlap_pingpong")
 
 
+def check_schedule(schedule: str, setting: str = "schedule") -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown {setting} {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+
+
 def forward(
     q: Array,
     k: Array,
@@ -383,8 +401,7 @@ def forward(
     sk, hk = k.shape[1], k.shape[2]
     bq, bk, dtype = TILE // COMPUTE_WGS, block_k, q.dtype
     _check(q, k, causal, hopper_block_k=block_k)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown Hopper forward schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    check_schedule(schedule)
     overlap, pingpong = schedule.startswith("overlap"), schedule.endswith("pingpong")
     num_tiles, num_k = sq // TILE, sk // bk
     # overlap waits for block j's keys while it holds block j-1's values: two slots at least,
@@ -473,20 +490,18 @@ def forward(
                 plgpu.barrier_arrive(v_free.at[prev])
                 return acc * _rows(alpha, acc.shape), m, denom, p
 
+            def meet_twice():  # where a skipped block would have met the partner
+                meet()
+                meet()
+
             m0, denom0 = regs.zeros((bq,), -jnp.inf), regs.zeros((bq,))
-            if causal:
-                steps, clear = pl.cdiv(row0 + bq, bk), row0 // bk
-            else:
-                steps = clear = ring.steps
+            sweep = dict(row0=row0, bq=bq, bk=bk, causal=causal)
             pl.when(wg == 1)(meet)  # the second warpgroup runs one meeting behind
             if not overlap:
                 carry = (regs.zeros((bq, d)), m0, denom0)
-                acc, m, denom = lax.fori_loop(0, clear, functools.partial(serial, masked=False), carry)
-                if causal:
-                    acc, m, denom = lax.fori_loop(
-                        clear, steps, functools.partial(serial, masked=True), (acc, m, denom)
-                    )
+                acc, m, denom = _sweep_keys(serial, carry, ring, skipped=meet_twice, **sweep)
             else:
+                steps, clear = _visible_keys(ring, **sweep)
                 # block 0's S and softmax (masked if the diagonal may cross it: masking a block
                 # it does not cross changes nothing), then the pipeline, then the last P V
                 plgpu.barrier_wait(k_ready.at[0])
@@ -506,16 +521,8 @@ def forward(
                 plgpu.barrier_wait(v_ready.at[last])
                 acc = _accumulate(acc, p, v_smem.at[last], interpret)
                 plgpu.barrier_arrive(v_free.at[last])
-            if causal:
-
-                @pl.loop(steps, ring.steps)
-                def _skip(j):
-                    # blocks loaded for the partner warpgroup: meet twice as a block would, then
-                    # release them (the partner's meetings may come before they arrive)
-                    meet()
-                    meet()
-                    ring.release(j)
-
+                if causal:  # meetings first: the partner's may come before these blocks arrive
+                    ring.skip(steps, ring.steps, each=meet_twice)
             pl.when(wg == 0)(meet)
             my_q[...] = (acc * _rows(1.0 / denom, acc.shape)).astype(dtype)
             my_lse[...] = (m + jnp.log2(denom)) * LN2
