@@ -5,6 +5,7 @@ the Triton-lowered kernels at real sizes (scripts run them on a GPU machine, not
 """
 
 import functools
+import json
 import math
 
 import jax
@@ -420,3 +421,57 @@ def test_attention_saveable_keeps_cudnns_output_and_statistics(key, capsys):
     more = len(kept.splitlines()) - len(plain.splitlines())
     assert more >= 2 and "dot_product_attention" in kept, kept
     assert rel_err(kept_grad, plain_grad) < 1e-6
+
+
+def _profile_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_kernel.py"
+    spec = importlib.util.spec_from_file_location("profile_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_kernel_sums_each_phase_over_warpgroups(tmp_path):
+    """scripts/profile_kernel.py reads Mosaic GPU's traces (begin/end events a warpgroup,
+    timestamps in cycles / 1000): per phase the total cycles and the count, and what lies
+    between phases."""
+    events = []
+    for tid, t0 in ((1, 0.0), (2, 5.0)):  # two warpgroups, two steps each of S (2k cycles) and dV (1k)
+        for step in range(2):
+            base = t0 + 4.0 * step
+            events += [
+                dict(name="S", ph="B", ts=base, pid=1, tid=tid),
+                dict(name="S", ph="E", ts=base + 2.0, pid=1, tid=tid),
+                dict(name="dV", ph="B", ts=base + 2.5, pid=1, tid=tid),
+                dict(name="dV", ph="E", ts=base + 3.5, pid=1, tid=tid),
+            ]
+    events.append(dict(name="Init", ph="B", ts=0.0, pid=1, tid=3))  # Pallas's, in every warpgroup
+    events.append(dict(name="Init", ph="E", ts=0.1, pid=1, tid=3))
+    path = tmp_path / "1-trace.json"
+    path.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
+    prof = _profile_script()
+    totals, whole = prof.phases([str(path)])
+    assert totals == {"S": [8000.0, 4], "dV": [4000.0, 4]}
+    assert whole == {"span": 2 * 7500.0, "warpgroups": 2}
+    lines = prof.table(totals, whole).splitlines()
+    assert lines[2] == "| S | 2000 | 53.3% |" and lines[3] == "| dV | 1000 | 26.7% |"
+    assert lines[4] == "| (between phases) | 750 | 20.0% |"  # 3000 cycles over 4 steps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
+def test_profiled_backward_records_every_phase_of_every_step(tmp_path, monkeypatch):
+    """flash_hopper.profiled() on the GPU: the fused backward writes a trace in which each
+    compute warpgroup records each named phase once per step it takes."""
+    monkeypatch.setattr("sys.argv", ["profile_kernel.py", "--seq", "512", "--heads", "2", "--out", str(tmp_path)])
+    _profile_script().main()
+    files = sorted(str(p) for p in tmp_path.glob("*-trace.json"))
+    totals, whole = _profile_script().phases(files)
+    # causal, 512 keys in 4 tiles of 128: the tiles take 8, 6, 4 and 2 query blocks of 64
+    steps = 2 * 2 * (8 + 6 + 4 + 2)  # heads x compute warpgroups x steps
+    assert whole["warpgroups"] == 2 * 4 * 2
+    for phase in ("S_P", "dV", "dP", "dS", "share_dS", "dK", "dQ", "dQ_store"):
+        assert totals[phase][1] == steps, (phase, totals[phase])

@@ -33,6 +33,7 @@ there the fused backward writes each key tile's partial dQ and XLA sums them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -52,6 +53,7 @@ BLOCKS = (64, 128)  # the block sizes the kernels take
 # Registers per thread: each compute warpgroup's, the memory warpgroup's (2 x 240 + 24 a
 # thread's worth fill the register file: 65,536 a CTA).
 REGISTERS = (240, 24)
+_profile: dict = {}  # profiled()'s settings while it is active
 
 
 def supported(q: Array, k: Array, *, segment_ids=None) -> str | None:
@@ -124,6 +126,22 @@ def _accumulate(acc: Array, a: Array, b_ref, interpret: bool) -> Array:
     return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b_ref))(plgpu.ACC.init(acc))
 
 
+@contextlib.contextmanager
+def profiled(directory: str, ranges: int = 512):
+    """Kernels traced inside this context record, per warpgroup, the clock at the start and
+    end of each of their named phases (jax.named_scope), and write one Perfetto trace JSON a
+    call into `directory` (Mosaic GPU's on-device profiler: `ranges` phases a warpgroup at
+    most, kept in shared memory, so fewer for long sweeps). scripts/profile_kernel.py reads
+    them."""
+    global _profile
+    before = _profile
+    _profile = dict(profile_space=ranges, profile_dir=directory)
+    try:
+        yield
+    finally:
+        _profile = before
+
+
 @dataclasses.dataclass(frozen=True)
 class _Regs:
     """Register arrays in the wgmma accumulator's layout (plain arrays in the interpreter)."""
@@ -179,7 +197,10 @@ class _Ring:
     def slot(self, j):
         return lax.rem(j, self.stages)
 
-    def produce(self):
+    def produce(self, released=None):
+        """The memory warpgroup's loop. released(j), if given, runs once both compute
+        warpgroups have released step j's slot (for work the compute warpgroups hand over
+        once a step: the fused backward's dQ)."""
         plgpu.set_max_registers(REGISTERS[1], action="decrease")
 
         def load(j, slot, reuse: bool):
@@ -201,12 +222,16 @@ class _Ring:
 
         @pl.loop(self.stages, self.steps)
         def _stream(j):
-            load(j, self.slot(j), True)
+            load(j, self.slot(j), True)  # step j - stages has been released
+            if released is not None:
+                released(j - self.stages)
 
         @pl.loop(jnp.maximum(self.steps - self.stages, 0), self.steps)
         def _drain(j):  # see the last slots released, so every barrier phase is observed
             for free, _ in self.groups:
                 plgpu.barrier_wait(free.at[self.slot(j)])
+            if released is not None:
+                released(j)
 
     def release(self, j):
         """A compute warpgroup passes over step j: it waits for its slot and releases it."""
@@ -327,7 +352,7 @@ def _launch(
 
     grid = dict(grid=(tiles, heads, batch), grid_names=("tiles", "heads", "batch"))
     common = dict(
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, **_profile),
         interpret=interpret_params() if interpret else None,
     )
     if not mutable:
@@ -694,8 +719,9 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
     With dq_acc (a float32 mutable array shaped like q, zeros) the pass also adds dS^T K of
     each query block to its rows of dQ (unscaled), so that no second pass recomputes P: the
     two compute warpgroups put their dS in shared memory (two buffers, so one may run a step
-    ahead), and each computes half of dQ's columns over the tile's 128 keys, which TMA's
-    reduce-add sends to dq_acc. dq_parts: the same in the interpreter, which has no
+    ahead), and each computes half of dQ's columns over the tile's 128 keys and leaves them
+    in shared memory, from where the memory warpgroup sends both halves to dq_acc with TMA's
+    reduce-add (issuing a TMA copy costs a compute warpgroup hundreds of cycles a step). dq_parts: the same in the interpreter, which has no
     reduce-add: each key tile writes its own partial dQ, a third output [key tiles, *q.shape]
     whose rows above the diagonal (causal) stay unwritten."""
     b, sq, h, d = q.shape
@@ -720,6 +746,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
             _smem((COMPUTE_WGS, bq, half), jnp.float32),  # each warpgroup's dQ columns, for TMA
             _barriers(2, COMPUTE_WGS),  # both warpgroups' dS are in
             _barriers(1, COMPUTE_WGS),  # both warpgroups are done reading the keys
+            _barriers(1, COMPUTE_WGS),  # both warpgroups' dQ columns are in
+            _barriers(1),  # the memory warpgroup has read them
         ]
 
     def body(*refs):
@@ -735,7 +763,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
         dk_ref, dv_ref = outs
         k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
         if with_dq:
-            *ring_scratch, ds_smem, dq_smem, ds_ready, keys_read = ring_scratch
+            *ring_scratch, ds_smem, dq_smem, ds_ready, keys_read, dq_full, dq_empty = ring_scratch
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_scratch
         tile, bi, kv_head, wg, ring, first, per_head = queries.open(
             (q_ref, do_ref, lse2_ref, delta_ref), *ring_scratch
@@ -759,38 +787,45 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
                 plgpu.barrier_arrive(ds_ready.at[parity])
 
             def add_dq(j):
-                """dQ[rows of step j, my columns] += dS^T K over the tile's keys."""
+                """dQ[rows of step j, my columns] += dS^T K over the tile's keys, handed to
+                the memory warpgroup (send_dq)."""
                 parity = lax.rem(j, 2)
-                plgpu.barrier_wait(ds_ready.at[parity])
-                part = _scores_t(ds_smem.at[parity], k_smem.at[:, cols], interpret)  # [queries, half]
-                my_dq = dq_smem.at[wg]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's copy has read my_dq
-                my_dq[...] = part
-                plgpu.commit_smem()
-                head, rows = queries.head_rows(kv_head, first, per_head, j)
-                if dq_parts:
-                    plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[tile, bi, rows, head, cols])
-                else:
-                    plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[bi, rows, head, cols], reduction_op="add")
+                with jax.named_scope("dQ_wait_dS"):
+                    plgpu.barrier_wait(ds_ready.at[parity])
+                with jax.named_scope("dQ"):
+                    part = _scores_t(ds_smem.at[parity], k_smem.at[:, cols], interpret)  # [queries, half]
+                with jax.named_scope("dQ_store"):
+                    pl.when(j > 0)(lambda: plgpu.barrier_wait(dq_empty.at[0]))  # step j - 1's is sent
+                    dq_smem.at[wg][...] = part
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(dq_full.at[0])
 
             def step(j, carry, masked: bool):
                 dk, dv = carry
                 slot = ring.slot(j)
-                plgpu.barrier_wait(q_ready.at[slot])
-                s_t = _scores(my_k, q_smem.at[slot], interpret)  # [keys, queries]
-                plgpu.barrier_wait(lse_ready.at[slot])
-                p_t = jnp.exp2(s_t * c - _cols(regs.vector(lse_smem.at[slot], 0), s_t.shape))
-                if masked:
-                    q0 = (first + lax.rem(j, per_head)) * bq
-                    p_t = jnp.where(regs.visible(s_t.shape, q0, key0, queries_dim=1), p_t, 0.0)
-                plgpu.barrier_wait(do_ready.at[slot])
-                dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
-                dp_t = _scores(my_v, do_smem.at[slot], interpret)
+                with jax.named_scope("wait_Q"):
+                    plgpu.barrier_wait(q_ready.at[slot])
+                with jax.named_scope("S_P"):
+                    s_t = _scores(my_k, q_smem.at[slot], interpret)  # [keys, queries]
+                    plgpu.barrier_wait(lse_ready.at[slot])
+                    p_t = jnp.exp2(s_t * c - _cols(regs.vector(lse_smem.at[slot], 0), s_t.shape))
+                    if masked:
+                        q0 = (first + lax.rem(j, per_head)) * bq
+                        p_t = jnp.where(regs.visible(s_t.shape, q0, key0, queries_dim=1), p_t, 0.0)
+                with jax.named_scope("wait_dO"):
+                    plgpu.barrier_wait(do_ready.at[slot])
+                with jax.named_scope("dV"):
+                    dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
+                with jax.named_scope("dP"):
+                    dp_t = _scores(my_v, do_smem.at[slot], interpret)
                 plgpu.barrier_wait(delta_ready.at[slot])
-                ds_t = (p_t * (dp_t - _cols(regs.vector(delta_smem.at[slot], 0), dp_t.shape))).astype(dtype)
+                with jax.named_scope("dS"):
+                    ds_t = (p_t * (dp_t - _cols(regs.vector(delta_smem.at[slot], 0), dp_t.shape))).astype(dtype)
                 if with_dq:
-                    share_ds(j, ds_t)
-                dk = _accumulate(dk, ds_t, q_smem.at[slot], interpret)
+                    with jax.named_scope("share_dS"):
+                        share_ds(j, ds_t)
+                with jax.named_scope("dK"):
+                    dk = _accumulate(dk, ds_t, q_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])
                 if with_dq:
                     add_dq(j)
@@ -813,9 +848,10 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
                 return lax.fori_loop(base, base + num_q, functools.partial(step, masked=False), carry)
 
             dk, dv = lax.fori_loop(0, group, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
-            if with_dq:  # the partner's last dQ still reads my keys
+            if with_dq:  # the partner's last dQ still reads my keys; the last step's is sent
                 plgpu.barrier_arrive(keys_read.at[0])
                 plgpu.barrier_wait(keys_read.at[0])
+                plgpu.barrier_wait(dq_empty.at[0])
             my_k[...] = (dk * scale).astype(dtype)
             my_v[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -823,7 +859,23 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
             plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, keys, kv_head])
             plgpu.wait_smem_to_gmem(0)
 
-        pl.when(wg == COMPUTE_WGS)(ring.produce)
+        def send_dq(j):
+            """(memory warpgroup) Both compute warpgroups' dQ columns of step j into dQ."""
+            plgpu.barrier_wait(dq_full.at[0])
+            head, rows = queries.head_rows(kv_head, first, per_head, j)
+            for w in range(COMPUTE_WGS):
+                cols = pl.ds(w * half, half)
+                if dq_parts:
+                    plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[tile, bi, rows, head, cols])
+                else:
+                    plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[bi, rows, head, cols], reduction_op="add")
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(dq_empty.at[0])
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            ring.produce(released=send_dq if with_dq else None)
+            plgpu.wait_smem_to_gmem(0)
 
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     if dq_parts:

@@ -1,0 +1,140 @@
+"""Where a Hopper attention kernel's time goes, phase by phase, from inside the kernel.
+
+    python scripts/profile_kernel.py                          # the fused backward, B1 S2K H16 d128
+    python scripts/profile_kernel.py --seq 2048 --causal no --out /tmp/prof
+
+The kernels of bpt/ops/kernels/flash_hopper.py name their phases (jax.named_scope: the
+backward's wait_Q, S_P, wait_dO, dV, dP, dS, share_dS, dK, dQ_wait_dS, dQ, dQ_store). Under
+flash_hopper.profiled() Mosaic GPU records each compute warpgroup's clock at the start and
+end of every phase, in shared memory, and writes a Perfetto trace (open it in
+ui.perfetto.dev). This script runs the kernel once that way, then sums each phase over the
+warpgroups and prints a table: cycles per step, the share of the warpgroups' time, and
+what lies between phases (barrier waits outside any phase, loop overhead). The profiler's
+buffer lives in shared memory, so keep sweeps short (--seq 2048: at most 32 steps a CTA).
+It also times the kernel unprofiled, so the profile's cost can be seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bpt.ops.kernels import flash_hopper
+
+
+def phases(trace_files: list[str]) -> tuple[dict, dict]:
+    """({phase: [total cycles, count]}, {"span": cycles, "warpgroups": n}) over every
+    warpgroup that recorded a phase of the kernel's (the memory warpgroup records none). Durations are in SM clock cycles (the profiler's
+    timestamps are cycles, shown as nanoseconds / 1000)."""
+    totals: dict = collections.defaultdict(lambda: [0.0, 0])
+    span, groups = 0.0, 0
+    for path in trace_files:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        by_group = collections.defaultdict(list)
+        for e in events:
+            if e["name"] != "Init":  # Pallas's own scope around every warpgroup's prologue
+                by_group[(e["pid"], e["tid"])].append(e)
+        for evs in by_group.values():
+            open_at: dict = {}
+            for e in evs:
+                if e["ph"] == "B":
+                    open_at[e["name"]] = e["ts"]
+                elif e["name"] in open_at:
+                    cell = totals[e["name"]]
+                    cell[0] += (e["ts"] - open_at.pop(e["name"])) * 1e3
+                    cell[1] += 1
+            span += (evs[-1]["ts"] - evs[0]["ts"]) * 1e3
+            groups += 1
+    return dict(totals), {"span": span, "warpgroups": groups}
+
+
+def table(totals: dict, whole: dict) -> str:
+    steps = max(n for _, n in totals.values())
+    inside = sum(t for t, _ in totals.values())
+    lines = ["| phase | cycles a step | share of the warpgroups' time |", "|---|---|---|"]
+    for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"| {name} | {t / n:.0f} | {100 * t / whole['span']:.1f}% |")
+    outside = whole["span"] - inside
+    lines.append(f"| (between phases) | {outside / steps:.0f} | {100 * outside / whole['span']:.1f}% |")
+    lines.append(f"| all | {whole['span'] / steps:.0f} | 100% |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", default="backward", choices=["backward"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv_heads", type=int, default=None)
+    ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--causal", choices=["yes", "no"], default="yes")
+    ap.add_argument("--fused_dq", choices=["auto", "yes", "no"], default="auto")
+    ap.add_argument("--ranges", type=int, default=400, help="phases a warpgroup may record")
+    ap.add_argument("--out", default=None, help="where the traces go (default: a temporary directory)")
+    args = ap.parse_args()
+    if not flash_hopper.is_hopper():
+        sys.exit("profile_kernel.py needs a Hopper GPU (the profiler records SM clocks)")
+
+    causal = args.causal == "yes"
+    b, s, h, d = args.batch, args.seq, args.heads, args.head_dim
+    hk = args.kv_heads or h
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (b, s, h, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, hk, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, hk, d), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (b, s, h, d), jnp.bfloat16)
+    scale = 1.0 / math.sqrt(d)
+    out, lse = jax.jit(lambda q, k, v: flash_hopper.forward(q, k, v, causal=causal, scale=scale))(q, k, v)
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+    fused = {"auto": None, "yes": True, "no": False}[args.fused_dq]
+
+    def bwd(q, k, v, do, lse, delta):
+        return flash_hopper.backward(q, k, v, do, lse, delta, causal=causal, scale=scale, fused_dq=fused)
+
+    inputs = (q, k, v, do, lse, delta)
+    plain = jax.jit(bwd)
+    jax.block_until_ready(plain(*inputs))
+    start, calls = time.perf_counter(), 20
+    for _ in range(calls):
+        res = plain(*inputs)
+    jax.block_until_ready(res)
+    ms = (time.perf_counter() - start) / calls * 1e3
+
+    directory = args.out or tempfile.mkdtemp(prefix="bpt-kernel-profile-")
+    os.makedirs(directory, exist_ok=True)
+    before = set(glob.glob(os.path.join(directory, "*-trace.json")))
+    with flash_hopper.profiled(directory, args.ranges):
+        profiled = jax.jit(lambda *a: bwd(*a))  # traced anew, so the kernels see profiled()
+        jax.block_until_ready(profiled(*inputs))
+    jax.effects_barrier()  # the traces are written by a host callback
+    files = sorted(set(glob.glob(os.path.join(directory, "*-trace.json"))) - before)
+    if not files:
+        sys.exit(f"no trace was written to {directory}")
+    start = time.perf_counter()
+    jax.block_until_ready(profiled(*inputs))
+    jax.effects_barrier()
+    ms_profiled = (time.perf_counter() - start) * 1e3
+
+    totals, whole = phases(files)
+    name = f"B{b} S{s} H{h}" + (f"/KV{hk}" if hk != h else "") + f" d{d} {'causal' if causal else 'non-causal'}"
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: Hopper {args.kernel}, {name}")
+    print(f"unprofiled {ms:.3f} ms a call; traces in {directory} ({len(files)} kernel(s))")
+    print(f"profiled call, with writing the trace: {ms_profiled:.0f} ms")
+    print(json.dumps(dict(shape=name, ms=ms, phases=totals, **whole)))
+    print(table(totals, whole))
+
+
+if __name__ == "__main__":
+    main()
