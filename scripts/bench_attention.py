@@ -6,10 +6,13 @@
     python scripts/bench_attention.py --tune hopper --seqs 16384
     python scripts/bench_attention.py --tune backward --seqs 65536
     python scripts/bench_attention.py --shapes training --impls bpt-pallas,cudnn   # one table
+    python scripts/bench_attention.py --seqs 16384,65536 --impls bpt-pallas,cudnn --repeats 5
 
 FLOPs: 4*B*H*S^2*D for the forward (halved when causal); forward+backward counts 3.5x the
-forward. Prints a markdown table last; --out writes every measurement as JSON and --png
-draws TFLOP/s against the sequence length.
+forward. The implementations of a shape are compiled together and timed in turn, --repeats
+times (medians reported): a GPU's clock drifts with its power draw, by several percent from
+one second to the next on an H100 under these kernels. Prints a markdown table last; --out
+writes every measurement as JSON and --png draws TFLOP/s against the sequence length.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import functools
 import itertools
 import json
 import math
+import statistics
 import time
 
 import jax
@@ -98,33 +102,66 @@ def time_fn(fn, *args, min_seconds: float = 0.3) -> float:
                 return elapsed / calls
 
 
-def measure(
+def prepare(
     impl: str, *, seq: int, heads: int, head_dim: int, causal: bool, batch: int, dtype, kv_heads=None, **kw
-) -> dict:
-    """kv_heads: the keys' and values' heads (GQA; default: heads)."""
+) -> tuple[dict, list, tuple]:
+    """(the row's description, [(name, jitted function, FLOP multiplier)], inputs) of one
+    implementation at one shape. kv_heads: the keys' and values' heads (GQA; default: heads)."""
     kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seq + head_dim), 4)
     shape, kv_shape = (batch, seq, heads, head_dim), (batch, seq, kv_heads or heads, head_dim)
     q, do = jax.random.normal(kq, shape, dtype), jax.random.normal(kd, shape, dtype)
     k, v = jax.random.normal(kk, kv_shape, dtype), jax.random.normal(kv, kv_shape, dtype)
     fn = functools.partial(IMPLS[impl], causal=causal, **kw)
-    fwd = jax.jit(fn)
 
     def loss(q, k, v):
         return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 
-    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
     row = dict(impl=impl, seq=seq, heads=heads, head_dim=head_dim, causal=causal, batch=batch, **kw)
     if kv_heads and kv_heads != heads:
         row["kv_heads"] = kv_heads
-    for name, f, mult in (("fwd", fwd, 1.0), ("fwd_bwd", fwd_bwd, 3.5)):
-        try:
-            seconds = time_fn(f, q, k, v)
+    row["flops"] = flops
+    timed = [("fwd", jax.jit(fn), 1.0), ("fwd_bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 3.5)]
+    return row, timed, (q, k, v)
+
+
+def measure(impl: str, *, repeats: int = 1, **shape) -> dict:
+    """One implementation at one shape (see prepare): milliseconds and TFLOP/s."""
+    return measure_together([impl], repeats=repeats, **shape)[0]
+
+
+def measure_together(impls: list[str], *, repeats: int = 1, **shape) -> list[dict]:
+    """Several implementations at one shape, timed in turn `repeats` times (so that a GPU
+    whose clock drifts under load treats them alike); each row reports the median time, and
+    with repeats > 1 every round's milliseconds (fwd_ms_rounds, fwd_bwd_ms_rounds)."""
+    prepared = [prepare(impl, **shape) for impl in impls]
+    rounds: list[dict] = [{} for _ in impls]
+    for _ in range(repeats):
+        for (row, timed, args), times in zip(prepared, rounds):
+            for name, f, _ in timed:
+                if f"{name}_error" in row:
+                    continue
+                try:
+                    seconds = time_fn(f, *args)
+                except Exception as e:  # out of memory, or inputs an implementation does not take
+                    first_line = (str(e).splitlines() or [""])[0]
+                    row[f"{name}_error"] = f"{type(e).__name__}: {first_line[:160]}"
+                    times.pop(name, None)
+                    continue
+                times.setdefault(name, []).append(seconds)
+    rows = []
+    for (row, timed, _), times in zip(prepared, rounds):
+        flops = row.pop("flops")
+        for name, _, mult in timed:
+            if name not in times:
+                continue
+            seconds = statistics.median(times[name])
             row[f"{name}_ms"] = seconds * 1e3
             row[f"{name}_tflops"] = mult * flops / seconds / 1e12
-        except Exception as e:  # out of memory, or inputs an implementation does not take
-            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    return row
+            if repeats > 1:
+                row[f"{name}_ms_rounds"] = [t * 1e3 for t in times[name]]
+        rows.append(row)
+    return rows
 
 
 # Named sets of shapes (--shapes): the long-context and training shapes bpt's kernels are
@@ -165,12 +202,18 @@ def shapes_table(rows: list[dict], impls: list[str]) -> str:
     return "\n".join(lines)
 
 
+def by_line(rows: list[dict]) -> dict:
+    """The rows of each (implementation, head_dim, causal), in the order first seen."""
+    lines: dict = {}
+    for r in rows:
+        lines.setdefault((r["impl"], r["head_dim"], r["causal"]), []).append(r)
+    return lines
+
+
 def table(rows: list[dict], seqs: list[int]) -> str:
     head = "| implementation | " + " | ".join(f"{s // 1024}K fwd | {s // 1024}K f+b" for s in seqs) + " |"
     lines = [head, "|---" * (1 + 2 * len(seqs)) + "|"]
-    for (impl, d, causal), group in itertools.groupby(
-        rows, key=lambda r: (r["impl"], r["head_dim"], r["causal"])
-    ):
+    for (impl, d, causal), group in by_line(rows).items():
         by_seq = {r["seq"]: r for r in group}
         cells = []
         for s in seqs:
@@ -189,10 +232,8 @@ def plot(rows: list[dict], path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, name in zip(axes, ("fwd", "fwd_bwd")):
-        for (impl, d, causal), group in itertools.groupby(
-            rows, key=lambda r: (r["impl"], r["head_dim"], r["causal"])
-        ):
-            pts = [(r["seq"], r[name + "_tflops"]) for r in group if name + "_tflops" in r]
+        for (impl, d, causal), group in by_line(rows).items():
+            pts = sorted((r["seq"], r[name + "_tflops"]) for r in group if name + "_tflops" in r)
             if pts:
                 ax.plot(*zip(*pts), "o-", label=f"{impl} d={d}{' causal' if causal else ''}")
         ax.set_xscale("log", base=2)
@@ -231,6 +272,12 @@ def main() -> None:
         choices=["", *SHAPES],
         default="",
         help="measure a named set of shapes (SHAPES) instead of --seqs/--head_dims/--batch/...",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time the implementations of a shape in turn this many times; report medians",
     )
     parser.add_argument("--out", default="")
     parser.add_argument("--png", default="")
@@ -271,10 +318,9 @@ def main() -> None:
     if args.shapes:
         impls = args.impls.split(",")
         for label, shape in SHAPES[args.shapes].items():
-            for impl in impls:
-                row = measure(impl, dtype=dtype, **shape) | {"shape": label}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            for row in measure_together(impls, repeats=args.repeats, dtype=dtype, **shape):
+                rows.append(row | {"shape": label})
+                print(json.dumps(rows[-1]), flush=True)
     elif args.tune:
         for seq, d, causal in itertools.product(seqs, dims, causals):
             for kw in settings:
@@ -282,14 +328,17 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     else:
-        for impl, d, causal, seq in itertools.product(args.impls.split(","), dims, causals, seqs):
-            if (impl == "xla" and seq > args.max_xla_seq) or (
-                impl == "blockwise" and seq > args.max_blockwise_seq
-            ):
-                continue
-            row = measure(impl, seq=seq, head_dim=d, causal=causal, **common)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for d, causal, seq in itertools.product(dims, causals, seqs):
+            impls = [
+                impl
+                for impl in args.impls.split(",")
+                if not (impl == "xla" and seq > args.max_xla_seq)
+                and not (impl == "blockwise" and seq > args.max_blockwise_seq)
+            ]
+            shape = dict(seq=seq, head_dim=d, causal=causal, **common)
+            for row in measure_together(impls, repeats=args.repeats, **shape):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -4,7 +4,7 @@
     python scripts/profile_kernel.py --seq 2048 --causal no --out /tmp/prof
 
 The kernels of bpt/ops/kernels/flash_hopper.py name their phases (jax.named_scope: the
-backward's wait_Q, S_P, wait_dO, dV, dP, dS, share_dS, dK, dQ_wait_dS, dQ, dQ_store). Under
+backward's wait_Q, S, P, wait_dO, dV, dP, dS, share_dS, dK, dQ_wait_dS, dQ, dQ_store). Under
 flash_hopper.profiled() Mosaic GPU records each compute warpgroup's clock at the start and
 end of every phase, in shared memory, and writes a Perfetto trace (open it in
 ui.perfetto.dev). This script runs the kernel once that way, then sums each phase over the

@@ -257,10 +257,7 @@ def test_auto_takes_bpts_hopper_kernels_only_for_small_causal_problems(monkeypat
     assert impl(1, 2048, dtype=jnp.float32) != "pallas"
 
 
-def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
-    """scripts/bench_attention.py --shapes: each named shape is a valid measurement (one, at a
-    shorter length, by XLA on the CPU), and the table puts every implementation of a shape on
-    one line with the first one's forward+backward against cuDNN's."""
+def _bench_attention():
     import importlib.util
     from pathlib import Path
 
@@ -268,6 +265,40 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_attention_times_implementations_in_turn(monkeypatch):
+    """--repeats: the implementations of a shape are timed one after the other, round after
+    round, and each reports its median and every round."""
+    bench = _bench_attention()
+    clock = iter([1.0, 4.0, 2.0, 8.0, 3.0, 6.0, 9.0, 5.0, 5.0, 7.0, 4.0, 6.0])  # ms, in call order
+    calls = []
+
+    def fake_time(fn, *args):
+        calls.append(fn)
+        return next(clock) * 1e-3
+
+    monkeypatch.setattr(bench, "time_fn", fake_time)
+    shape = dict(seq=128, heads=2, head_dim=16, causal=True, batch=1, dtype=jnp.float32)
+    xla, blockwise = bench.measure_together(["xla", "blockwise"], repeats=3, **shape)
+    assert len(calls) == 12 and calls[0] is not calls[2]  # xla fwd, xla f+b, blockwise fwd, ...
+    assert xla["fwd_ms_rounds"] == pytest.approx([1.0, 3.0, 5.0]) and xla["fwd_ms"] == pytest.approx(3.0)
+    assert xla["fwd_bwd_ms_rounds"] == pytest.approx([4.0, 6.0, 7.0])
+    assert xla["fwd_bwd_ms"] == pytest.approx(6.0)
+    assert blockwise["fwd_ms_rounds"] == pytest.approx([2.0, 9.0, 4.0])
+    assert blockwise["fwd_ms"] == pytest.approx(4.0)
+    flops = 4 * 2 * 128 * 128 * 16 / 2
+    assert blockwise["fwd_bwd_tflops"] == pytest.approx(3.5 * flops / 6e-3 / 1e12)
+    single = bench.measure("xla", **shape)  # the clock is spent: one more call would fail
+    assert "fwd_ms_rounds" not in single and "fwd_error" in single
+
+
+def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
+    """scripts/bench_attention.py --shapes: each named shape is a valid measurement (one, at a
+    shorter length, by XLA on the CPU), and the table puts every implementation of a shape on
+    one line with the first one's forward+backward against cuDNN's."""
+    bench = _bench_attention()
     monkeypatch.setattr(bench, "time_fn", lambda fn, *args: (jax.block_until_ready(fn(*args)), 1e-3)[1])
     shapes = bench.SHAPES["training"]
     assert len(shapes) == 6 and {s["head_dim"] for s in shapes.values()} == {64, 128}

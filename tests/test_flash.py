@@ -473,5 +473,5 @@ def test_profiled_backward_records_every_phase_of_every_step(tmp_path, monkeypat
     # causal, 512 keys in 4 tiles of 128: the tiles take 8, 6, 4 and 2 query blocks of 64
     steps = 2 * 2 * (8 + 6 + 4 + 2)  # heads x compute warpgroups x steps
     assert whole["warpgroups"] == 2 * 4 * 2
-    for phase in ("S_P", "dV", "dP", "dS", "share_dS", "dK", "dQ", "dQ_store"):
+    for phase in ("S", "P", "dV", "dP", "dS", "share_dS", "dK", "dQ", "dQ_store"):
         assert totals[phase][1] == steps, (phase, totals[phase])

@@ -90,17 +90,22 @@ def interpret_params():
 def _scores(a_ref, b_ref, interpret: bool, issued=lambda: None) -> Array:
     """a @ b^T in float32 on the tensor cores (both operands in shared memory); issued() runs
     while the matmul is in flight."""
+    return _scores_while(a_ref, b_ref, interpret, issued)[0]
+
+
+def _scores_while(a_ref, b_ref, interpret: bool, during):
+    """(a @ b^T as _scores computes it, during()): during() runs while the matmul is in
+    flight (for a barrier to wait on, or registers to load from shared memory)."""
     if interpret:  # the interpreter takes no transposed refs
         s = lax.dot_general(
             a_ref[...], b_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        issued()
-        return s
+        return s, during()
 
     def mma(acc_ref):
         plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
-        issued()
-        return acc_ref[...]
+        meanwhile = during()
+        return acc_ref[...], meanwhile
 
     return pl.run_scoped(mma, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
 
@@ -800,15 +805,24 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(dq_full.at[0])
 
+            def stats(ready, smem, slot):
+                """Loads a per-query statistic of the slot's rows, once it has arrived."""
+
+                def load():
+                    plgpu.barrier_wait(ready.at[slot])
+                    return regs.vector(smem.at[slot], 0)
+
+                return load
+
             def step(j, carry, masked: bool):
                 dk, dv = carry
                 slot = ring.slot(j)
                 with jax.named_scope("wait_Q"):
                     plgpu.barrier_wait(q_ready.at[slot])
-                with jax.named_scope("S_P"):
-                    s_t = _scores(my_k, q_smem.at[slot], interpret)  # [keys, queries]
-                    plgpu.barrier_wait(lse_ready.at[slot])
-                    p_t = jnp.exp2(s_t * c - _cols(regs.vector(lse_smem.at[slot], 0), s_t.shape))
+                with jax.named_scope("S"):  # [keys, queries]; the rows' statistics load meanwhile
+                    s_t, lse2 = _scores_while(my_k, q_smem.at[slot], interpret, stats(lse_ready, lse_smem, slot))
+                with jax.named_scope("P"):
+                    p_t = jnp.exp2(s_t * c - _cols(lse2, s_t.shape))
                     if masked:
                         q0 = (first + lax.rem(j, per_head)) * bq
                         p_t = jnp.where(regs.visible(s_t.shape, q0, key0, queries_dim=1), p_t, 0.0)
@@ -817,10 +831,9 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
                 with jax.named_scope("dV"):
                     dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
                 with jax.named_scope("dP"):
-                    dp_t = _scores(my_v, do_smem.at[slot], interpret)
-                plgpu.barrier_wait(delta_ready.at[slot])
+                    dp_t, delta = _scores_while(my_v, do_smem.at[slot], interpret, stats(delta_ready, delta_smem, slot))
                 with jax.named_scope("dS"):
-                    ds_t = (p_t * (dp_t - _cols(regs.vector(delta_smem.at[slot], 0), dp_t.shape))).astype(dtype)
+                    ds_t = (p_t * (dp_t - _cols(delta, dp_t.shape))).astype(dtype)
                 if with_dq:
                     with jax.named_scope("share_dS"):
                         share_ds(j, ds_t)
