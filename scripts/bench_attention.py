@@ -282,6 +282,8 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--png", default="")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1; got {args.repeats}")
     seqs = [int(s) for s in args.seqs.split(",")]
     dims = [int(d) for d in args.head_dims.split(",")]
     causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]

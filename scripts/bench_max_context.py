@@ -99,7 +99,7 @@ def search(args, budget: int, setting: dict) -> tuple[dict, list[dict]]:
         return record["fits"]
 
     start = max(args.start, setting["chunk"])
-    result = longest_fitting(fits, start=start, stop=args.stop, granule=setting["chunk"])
+    result = longest_fitting(fits, start=start, stop=args.stop, granule=args.granule or setting["chunk"])
     summary = dict(
         setting,
         errors=sum("error" in r for r in records),  # compiles that failed: counted as not fitting
@@ -221,6 +221,13 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="", help="compute dtype (default: the config's)")
     parser.add_argument("--start", type=int, default=4096)
+    parser.add_argument(
+        "--granule",
+        type=int,
+        default=0,
+        help="the bisection tries multiples of this (0: the chunk; on a sequence mesh of N devices "
+        "2 N chunk, the zigzag layout's unit)",
+    )
     parser.add_argument("--stop", type=int, default=1 << 22)
     parser.add_argument("--memory_gib", type=float, default=0.0, help="budget (default: the device's limit)")
     parser.add_argument("--verify", action="store_true", help="confirm each mode's best by real steps")

@@ -1,4 +1,4 @@
-"""Where a Hopper attention kernel's time goes, phase by phase, from inside the kernel.
+"""Where the Hopper attention backward's time goes, phase by phase, from inside the kernel.
 
     python scripts/profile_kernel.py                          # the fused backward, B1 S2K H16 d128
     python scripts/profile_kernel.py --seq 2048 --causal no --out /tmp/prof
@@ -34,8 +34,9 @@ from bpt.ops.kernels import flash_hopper
 
 def phases(trace_files: list[str]) -> tuple[dict, dict]:
     """({phase: [total cycles, count]}, {"span": cycles, "warpgroups": n}) over every
-    warpgroup that recorded a phase of the kernel's (the memory warpgroup records none). Durations are in SM clock cycles (the profiler's
-    timestamps are cycles, shown as nanoseconds / 1000)."""
+    warpgroup that recorded a phase of the kernel's (the memory warpgroup records none).
+    Durations are in SM clock cycles (the profiler's timestamps are cycles, shown as
+    nanoseconds / 1000)."""
     totals: dict = collections.defaultdict(lambda: [0.0, 0])
     span, groups = 0.0, 0
     for path in trace_files:
@@ -71,9 +72,9 @@ def table(totals: dict, whole: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main() -> tuple[dict, dict]:
+    """Runs the profile; returns phases() of the profiled call's traces."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", default="backward", choices=["backward"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
@@ -128,12 +129,14 @@ def main() -> None:
     ms_profiled = (time.perf_counter() - start) * 1e3
 
     totals, whole = phases(files)
-    name = f"B{b} S{s} H{h}" + (f"/KV{hk}" if hk != h else "") + f" d{d} {'causal' if causal else 'non-causal'}"
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: Hopper {args.kernel}, {name}")
+    heads = f"H{h}" + (f"/KV{hk}" if hk != h else "")
+    name = f"B{b} S{s} {heads} d{d} {'causal' if causal else 'non-causal'}"
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: the Hopper backward, {name}")
     print(f"unprofiled {ms:.3f} ms a call; traces in {directory} ({len(files)} kernel(s))")
     print(f"profiled call, with writing the trace: {ms_profiled:.0f} ms")
     print(json.dumps(dict(shape=name, ms=ms, phases=totals, **whole)))
     print(table(totals, whole))
+    return totals, whole
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import load_script, rel_err
 
 from bpt.ops import attend_query_chunk, attention, blockwise_attention, reference_attention
 
@@ -257,21 +257,10 @@ def test_auto_takes_bpts_hopper_kernels_only_for_small_causal_problems(monkeypat
     assert impl(1, 2048, dtype=jnp.float32) != "pallas"
 
 
-def _bench_attention():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_bench_attention_times_implementations_in_turn(monkeypatch):
     """--repeats: the implementations of a shape are timed one after the other, round after
     round, and each reports its median and every round."""
-    bench = _bench_attention()
+    bench = load_script("bench_attention")
     clock = iter([1.0, 4.0, 2.0, 8.0, 3.0, 6.0, 9.0, 5.0, 5.0, 7.0, 4.0, 6.0])  # ms, in call order
     calls = []
 
@@ -298,7 +287,7 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
     """scripts/bench_attention.py --shapes: each named shape is a valid measurement (one, at a
     shorter length, by XLA on the CPU), and the table puts every implementation of a shape on
     one line with the first one's forward+backward against cuDNN's."""
-    bench = _bench_attention()
+    bench = load_script("bench_attention")
     monkeypatch.setattr(bench, "time_fn", lambda fn, *args: (jax.block_until_ready(fn(*args)), 1e-3)[1])
     shapes = bench.SHAPES["training"]
     assert len(shapes) == 6 and {s["head_dim"] for s in shapes.values()} == {64, 128}

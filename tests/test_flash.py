@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err, saved_and_grads
+from conftest import load_script, rel_err, saved_and_grads
 from jax import lax
 
 from bpt.ops import attention, reference_attention
@@ -423,17 +423,6 @@ def test_attention_saveable_keeps_cudnns_output_and_statistics(key, capsys):
     assert rel_err(kept_grad, plain_grad) < 1e-6
 
 
-def _profile_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_kernel.py"
-    spec = importlib.util.spec_from_file_location("profile_kernel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_profile_kernel_sums_each_phase_over_warpgroups(tmp_path):
     """scripts/profile_kernel.py reads Mosaic GPU's traces (begin/end events a warpgroup,
     timestamps in cycles / 1000): per phase the total cycles and the count, and what lies
@@ -452,7 +441,7 @@ def test_profile_kernel_sums_each_phase_over_warpgroups(tmp_path):
     events.append(dict(name="Init", ph="E", ts=0.1, pid=1, tid=3))
     path = tmp_path / "1-trace.json"
     path.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
-    prof = _profile_script()
+    prof = load_script("profile_kernel")
     totals, whole = prof.phases([str(path)])
     assert totals == {"S": [8000.0, 4], "dV": [4000.0, 4]}
     assert whole == {"span": 2 * 7500.0, "warpgroups": 2}
@@ -466,10 +455,10 @@ def test_profile_kernel_sums_each_phase_over_warpgroups(tmp_path):
 def test_profiled_backward_records_every_phase_of_every_step(tmp_path, monkeypatch):
     """flash_hopper.profiled() on the GPU: the fused backward writes a trace in which each
     compute warpgroup records each named phase once per step it takes."""
-    monkeypatch.setattr("sys.argv", ["profile_kernel.py", "--seq", "512", "--heads", "2", "--out", str(tmp_path)])
-    _profile_script().main()
-    files = sorted(str(p) for p in tmp_path.glob("*-trace.json"))
-    totals, whole = _profile_script().phases(files)
+    argv = ["profile_kernel.py", "--seq", "512", "--heads", "2", "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", argv)
+    totals, whole = load_script("profile_kernel").main()
+    assert list(tmp_path.glob("*-trace.json"))
     # causal, 512 keys in 4 tiles of 128: the tiles take 8, 6, 4 and 2 query blocks of 64
     steps = 2 * 2 * (8 + 6 + 4 + 2)  # heads x compute warpgroups x steps
     assert whole["warpgroups"] == 2 * 4 * 2

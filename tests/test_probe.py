@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from bpt.config import base_config
 from bpt.train import probe
@@ -279,12 +280,8 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(capsys, monkeypatch):
 
 def test_profile_parts_of_a_step(monkeypatch):
     """scripts/profile_step.py sums a trace's kernels by operation, then by part of the step."""
-    import importlib.util
-
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "profile_step.py")
-    profile_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_step)
+    profile_step = load_script("profile_step")
     hlo = """
   %dot_product_attention_fwd.4 = (bf16[1,16,32768,128]{3,1,2,0}, f32[1,16,32768]{2,1,0}) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmax"
   %dot_product_attention_bwd.8 = (bf16[1,16,32768,128]{3,1,2,0}) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmaxBackward"

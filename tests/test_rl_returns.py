@@ -2,21 +2,16 @@
 fakes: retries of a failed training run, the time budget, and resuming past done cells."""
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 @pytest.fixture
 def rl_returns():
-    spec = importlib.util.spec_from_file_location("rl_returns", ROOT / "scripts" / "rl_returns.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("rl_returns")
 
 
 def make_args(runs: Path, **overrides) -> argparse.Namespace:

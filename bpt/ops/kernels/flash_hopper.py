@@ -15,8 +15,9 @@ with the 1/sqrt(d) scale folded into one multiply.
 - backward: P recomputed from the logsumexp. dK/dV: per key tile, over the query blocks of
   every query head of its GQA group: dV += P^T dO, dK += dS^T Q with dS = P * (dP - D).
   At head_dim 128 the same pass adds dQ: the two warpgroups share their dS through shared
-  memory, each computes dS^T K for half of dQ's columns over the tile's 128 keys, and TMA's
-  reduce-add sends it into a float32 buffer (5 matmuls a block). Otherwise a second pass,
+  memory, each computes dS^T K for half of dQ's columns over the tile's 128 keys and leaves
+  it in shared memory, and the memory warpgroup sends both halves into a float32 buffer
+  with TMA's reduce-add (5 matmuls a block). Otherwise a second pass,
   per query block over key blocks, recomputes P for dQ += dS K (7). D = rowsum(dO * O)
   (minus the logsumexp's cotangent) comes from XLA.
 - causal: a warpgroup visits only the blocks that its rows can see and masks only those the
@@ -726,9 +727,10 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
     two compute warpgroups put their dS in shared memory (two buffers, so one may run a step
     ahead), and each computes half of dQ's columns over the tile's 128 keys and leaves them
     in shared memory, from where the memory warpgroup sends both halves to dq_acc with TMA's
-    reduce-add (issuing a TMA copy costs a compute warpgroup hundreds of cycles a step). dq_parts: the same in the interpreter, which has no
-    reduce-add: each key tile writes its own partial dQ, a third output [key tiles, *q.shape]
-    whose rows above the diagonal (causal) stay unwritten."""
+    reduce-add (issuing the copy cost a compute warpgroup hundreds of cycles a step).
+    dq_parts: the same in the interpreter, which has no reduce-add: each key tile writes its
+    own partial dQ, a third output [key tiles, *q.shape] whose rows above the diagonal
+    (causal) stay unwritten."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group = h // hk
@@ -820,7 +822,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
                 with jax.named_scope("wait_Q"):
                     plgpu.barrier_wait(q_ready.at[slot])
                 with jax.named_scope("S"):  # [keys, queries]; the rows' statistics load meanwhile
-                    s_t, lse2 = _scores_while(my_k, q_smem.at[slot], interpret, stats(lse_ready, lse_smem, slot))
+                    lse = stats(lse_ready, lse_smem, slot)
+                    s_t, lse2 = _scores_while(my_k, q_smem.at[slot], interpret, lse)
                 with jax.named_scope("P"):
                     p_t = jnp.exp2(s_t * c - _cols(lse2, s_t.shape))
                     if masked:
@@ -831,7 +834,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
                 with jax.named_scope("dV"):
                     dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
                 with jax.named_scope("dP"):
-                    dp_t, delta = _scores_while(my_v, do_smem.at[slot], interpret, stats(delta_ready, delta_smem, slot))
+                    delta = stats(delta_ready, delta_smem, slot)
+                    dp_t, delta = _scores_while(my_v, do_smem.at[slot], interpret, delta)
                 with jax.named_scope("dS"):
                     ds_t = (p_t * (dp_t - _cols(delta, dp_t.shape))).astype(dtype)
                 if with_dq:
@@ -881,7 +885,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
                 if dq_parts:
                     plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[tile, bi, rows, head, cols])
                 else:
-                    plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[bi, rows, head, cols], reduction_op="add")
+                    dst = dq_ref.at[bi, rows, head, cols]
+                    plgpu.copy_smem_to_gmem(dq_smem.at[w], dst, reduction_op="add")
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(dq_empty.at[0])
 

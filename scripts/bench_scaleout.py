@@ -1,0 +1,413 @@
+"""The scale-out campaign: how context, throughput and decoding scale from 1 to 8 GPUs.
+
+    python scripts/bench_scaleout.py --out results/scaleout                       # every part
+    python scripts/bench_scaleout.py --out results/scaleout --parts decode --gpus 2,4,8
+    python scripts/bench_scaleout.py --out results/scaleout --report              # tables only
+
+Each cell (a part on the first N GPUs of this host) runs the part's own script in a fresh
+process that sees only those N devices, and leaves its results under --out:
+
+- context: scripts/bench_max_context.py, the longest context whose training step compiles
+  within each GPU's memory, for each --configs and --modes, with the sequence sharded over
+  the N GPUs (mesh.sequence=N, the ring by default; --context_set adds settings such as
+  mesh.context_parallel=all_gather). The search starts from half of N times the one-GPU
+  result and bisects in units of 2 N chunks (the zigzag layout's). --verify confirms the
+  longest by a real step.
+- throughput: scripts/bench_scaling.py --parts train, tokens/s per GPU of data, FSDP and
+  sequence parallelism at each --tokens per GPU, against one GPU at the same tokens per
+  GPU (the scaling efficiency).
+- decode: scripts/bench_decode.py --parts tree, Tree against ring decoding with the cache
+  sharded over the N GPUs, at each --decode_contexts.
+
+A cell whose results exist is not run again, so an interrupted campaign resumes where it
+stopped (--rerun_failed retries the cells that failed). The report (report.md, and
+context.png, throughput.png and decode.png) is written after every cell and can be
+rebuilt alone with --report. It ends with the scale-out targets: context >= 0.9 x N x one
+GPU's, data-parallel efficiency >= 0.9 at 4 GPUs, Tree faster than ring at N >= 4.
+Without GPUs the cells run on N simulated CPU devices (for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchlib import human_tokens
+
+SCRIPTS = Path(__file__).resolve().parent
+PARTS = ("context", "throughput", "decode")
+SETUPS = ("data", "fsdp", "sequence (ring)", "sequence (all-gather)")
+
+
+def gpu_count() -> int:
+    """GPUs on this host, counted without starting jax (which would claim their memory)."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    listed = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True)
+    return (
+        sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+    )
+
+
+def device_env(n: int, on_gpu: bool) -> dict:
+    """The environment of a process that sees the first n devices."""
+    env = dict(os.environ)
+    if on_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
+    else:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["JAX_NUM_CPU_DEVICES"] = str(n)
+    return env
+
+
+def cell_path(out: Path, part: str, n: int) -> Path:
+    return out / part / f"{n}gpu"
+
+
+def done(path: Path) -> bool:
+    return (path / "results.json").exists()
+
+
+def failed(path: Path) -> bool:
+    return (path / "failed.json").exists()
+
+
+def cell_command(args, part: str, n: int, path: Path, one_gpu_context: dict) -> list[str]:
+    """The script and arguments of one cell."""
+    py = [sys.executable]
+    if part == "context":
+        command = py + [
+            str(SCRIPTS / "bench_max_context.py"),
+            f"--configs={args.configs}",
+            f"--modes={args.modes}",
+        ]
+        command += [f"--chunks={args.chunk}", f"--stop={args.context_stop}", f"--out={path / 'results.json'}"]
+        command += ["--set=mesh.data=1"] + ([f"--memory_gib={args.memory_gib}"] if args.memory_gib else [])
+        granule = args.chunk
+        if n > 1:
+            granule = 2 * n * args.chunk
+            command += [f"--set=mesh.sequence={n}", *(f"--set={s}" for s in args.context_set)]
+        known = [v for v in one_gpu_context.values() if v]
+        start = max(args.context_start, n * min(known) // 2) if n > 1 and known else args.context_start
+        start = -(-start // granule) * granule
+        command += [f"--start={start}", f"--granule={granule}"]
+        if args.verify:
+            command += ["--verify", f"--verify_max={args.verify_max}"] if args.verify_max else ["--verify"]
+        return command
+    if part == "throughput":
+        setups = "1 GPU" if n == 1 else ",".join(SETUPS)
+        return py + [
+            str(SCRIPTS / "bench_scaling.py"),
+            "--parts=train",
+            f"--config={args.throughput_config}",
+            f"--tokens={args.tokens}",
+            f"--steps={args.steps}",
+            f"--setups={setups}",
+            f"--out={path}",
+        ]
+    return py + [
+        str(SCRIPTS / "bench_decode.py"),
+        "--parts=tree",
+        f"--contexts={args.decode_contexts}",
+        f"--heads={args.decode_heads}",
+        f"--repeats={args.decode_repeats}",
+        f"--out={path}",
+    ]
+
+
+def context_longest(out: Path, n: int) -> dict:
+    """{(config, mode): longest} of a context cell, or {}."""
+    path = cell_path(out, "context", n) / "results.json"
+    if not path.exists():
+        return {}
+    records = json.loads(path.read_text())["records"]
+    return {(r["config"], r["mode"]): r["longest"] for r in records if r.get("summary")}
+
+
+def run_cell(args, part: str, n: int, on_gpu: bool) -> str:
+    """Runs one cell unless its results exist; returns what happened."""
+    path = cell_path(args.out, part, n)
+    if done(path):
+        return "done before"
+    if failed(path) and not args.rerun_failed:
+        return "failed before (--rerun_failed retries it)"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "failed.json").unlink(missing_ok=True)
+    command = cell_command(args, part, n, path, context_longest(args.out, 1))
+    start = time.time()
+    with open(path / "log.txt", "w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        try:
+            proc = subprocess.run(
+                command,
+                env=device_env(n, on_gpu),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=args.cell_timeout or None,
+                cwd=SCRIPTS.parent,
+            )
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    seconds = time.time() - start
+    if part == "context" and code == 0 and not (path / "results.json").exists():
+        code = "no results"
+    if code != 0 or not done(path):
+        (path / "failed.json").write_text(json.dumps({"exit": code, "seconds": seconds, "command": command}))
+        (path / "results.json").unlink(missing_ok=True)
+        return f"failed ({code}) after {seconds:.0f} s; see {path / 'log.txt'}"
+    return f"ran in {seconds:.0f} s"
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def load_rows(out: Path, part: str, key: str) -> dict:
+    """{n: rows} of the part's cells that have results."""
+    rows = {}
+    for path in sorted((out / part).glob("*gpu")) if (out / part).exists() else []:
+        if done(path):
+            rows[int(path.name[: -len("gpu")])] = json.loads((path / "results.json").read_text()).get(key, [])
+    return rows
+
+
+def context_table(out: Path) -> tuple[str, list[str], dict]:
+    cells = {}
+    for path in sorted((out / "context").glob("*gpu")) if (out / "context").exists() else []:
+        if done(path):
+            cells[int(path.name[: -len("gpu")])] = context_longest(out, int(path.name[: -len("gpu")]))
+    if not cells:
+        return "", [], {}
+    ns = sorted(cells)
+    settings = sorted({s for c in cells.values() for s in c})
+    lines = ["| config | mode | " + " | ".join(f"{n} GPU{'s' if n > 1 else ''}" for n in ns) + " |"]
+    lines.append("|---|---|" + "---|" * len(ns))
+    verdicts = []
+    for config, mode in settings:
+        one = cells.get(1, {}).get((config, mode))
+        row = []
+        for n in ns:
+            longest = cells[n].get((config, mode))
+            if not longest:
+                row.append("–")
+                continue
+            text = human_tokens(longest)
+            if one and n > 1:
+                text += f" ({longest / one:.2f}x, {longest / one / n:.2f} N)"
+                verdict = "met" if longest >= 0.9 * n * one else "short of"
+                verdicts.append(
+                    f"- Context {Path(config).stem} {mode} on {n} GPUs: {longest / one / n:.2f} x N x "
+                    f"one GPU's ({verdict} >= 0.9)"
+                )
+            row.append(text)
+        lines.append(f"| {Path(config).stem} | {mode} | " + " | ".join(row) + " |")
+    return "\n".join(lines), verdicts, cells
+
+
+def throughput_table(out: Path) -> tuple[str, list[str], list[dict]]:
+    by_n = load_rows(out, "throughput", "train")
+    rows = [dict(r, gpus=n) for n, rs in by_n.items() for r in rs if r.get("ok")]
+    if not rows:
+        return "", [], []
+    one = {r["tokens_per_device"]: r["tokens_per_second_per_gpu"] for r in rows if r["setup"] == "1 GPU"}
+    lines = [
+        "| tokens / GPU | setup | GPUs | context | tokens/s/GPU | MFU | efficiency |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for r in sorted(
+        rows, key=lambda r: (r["tokens_per_device"], r["setup"] != "1 GPU", r["setup"], r["gpus"])
+    ):
+        base = one.get(r["tokens_per_device"])
+        r["efficiency"] = r["tokens_per_second_per_gpu"] / base if base else None
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "–"
+        eff = f"{r['efficiency']:.3f}" if r["efficiency"] is not None else "–"
+        tokens = human_tokens(r["tokens_per_device"])
+        lines.append(
+            f"| {tokens} | {r['setup']} | {r['gpus']} | {human_tokens(r['seq_len'])} | "
+            f"{r['tokens_per_second_per_gpu']:,.0f} | {mfu} | {eff} |"
+        )
+        if r["setup"] == "data" and r["gpus"] >= 4 and r["efficiency"] is not None:
+            verdict = "met" if r["efficiency"] >= 0.9 else "short of"
+            verdicts.append(
+                f"- Data-parallel efficiency on {r['gpus']} GPUs at {tokens} tokens per GPU: "
+                f"{r['efficiency']:.3f} ({verdict} >= 0.9)"
+            )
+    return "\n".join(lines), verdicts, rows
+
+
+def decode_table(out: Path) -> tuple[str, list[str], list[dict]]:
+    by_n = load_rows(out, "decode", "tree")
+    rows = [dict(r, gpus=n) for n, rs in by_n.items() for r in rs]
+    if not rows:
+        return "", [], []
+    lines = ["| context | heads / KV heads | GPUs | local shard µs | tree µs | ring µs | ring / tree |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    verdicts = []
+    for r in sorted(rows, key=lambda r: (r["context"], r["heads"], r["gpus"])):
+        t = r["times"]
+        lines.append(
+            f"| {human_tokens(r['context'])} | {r['heads']} | {r['gpus']} | {t['local shard'] * 1e6:,.0f} | "
+            f"{t['tree'] * 1e6:,.0f} | {t['ring'] * 1e6:,.0f} | {r['ring_over_tree']:.2f} |"
+        )
+    for n in sorted({r["gpus"] for r in rows if r["gpus"] >= 4}):
+        worst = min(r["ring_over_tree"] for r in rows if r["gpus"] == n)
+        verdicts.append(
+            f"- Tree against ring decoding on {n} GPUs: ring / tree >= {worst:.2f} at every context "
+            f"({'met' if worst > 1 else 'short of'} > 1)"
+        )
+    return "\n".join(lines), verdicts, rows
+
+
+def plots(out: Path, cells: dict, throughput: list[dict], decode: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if cells:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for setting in sorted({s for c in cells.values() for s in c}):
+            pts = sorted((n, c[setting]) for n, c in cells.items() if c.get(setting))
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=f"{Path(setting[0]).stem} {setting[1]}")
+                one = cells.get(1, {}).get(setting)
+                if one:
+                    ns = sorted(cells)
+                    ax.plot(ns, [n * one for n in ns], ":", color="gray")
+        ax.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="longest context (tokens)")
+        ax.set_title("longest training context (dotted: N x one GPU's)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "context.png", dpi=120)
+        plt.close(fig)
+    if throughput:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in sorted(
+            {(r["setup"], r["tokens_per_device"]) for r in throughput if r["setup"] != "1 GPU"}
+        ):
+            pts = sorted(
+                (r["gpus"], r["efficiency"])
+                for r in throughput
+                if (r["setup"], r["tokens_per_device"]) == key and r.get("efficiency") is not None
+            )
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=f"{key[0]}, {human_tokens(key[1])}/GPU")
+        ax.axhline(0.9, color="gray", linestyle=":")
+        ax.set(xlabel="GPUs", ylabel="tokens/s per GPU / one GPU's", title="scaling efficiency")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "throughput.png", dpi=120)
+        plt.close(fig)
+    if decode:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in sorted({(r["context"], r["heads"]) for r in decode}):
+            pts = sorted(
+                (r["gpus"], r["ring_over_tree"]) for r in decode if (r["context"], r["heads"]) == key
+            )
+            ax.plot(*zip(*pts), "o-", label=f"{human_tokens(key[0])}, {key[1]}")
+        ax.axhline(1.0, color="gray", linestyle=":")
+        ax.set(xlabel="GPUs", ylabel="ring time / tree time", title="Tree against ring decoding")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "decode.png", dpi=120)
+        plt.close(fig)
+
+
+def report(out: Path) -> str:
+    """report.md (and the plots) from every cell with results; returns the markdown."""
+    context, context_verdicts, cells = context_table(out)
+    throughput, throughput_verdicts, throughput_rows = throughput_table(out)
+    decode, decode_verdicts, decode_rows = decode_table(out)
+    parts = []
+    if context:
+        parts += ["Longest training context by compiled memory (ratio to one GPU; per N)", "", context, ""]
+    if throughput:
+        parts += ["Training tokens/s per GPU (efficiency: against one GPU at the same tokens per GPU)", ""]
+        parts += [throughput, ""]
+    if decode:
+        parts += ["Decoding with the cache sharded over the GPUs, batch 1", "", decode, ""]
+    verdicts = context_verdicts + throughput_verdicts + decode_verdicts
+    if verdicts:
+        parts += ["Targets:", "", *verdicts, ""]
+    failures = sorted(str(p.parent.relative_to(out)) for p in out.glob("*/*gpu/failed.json"))
+    if failures:
+        parts += ["Failed cells: " + ", ".join(failures), ""]
+    text = "\n".join(parts)
+    (out / "report.md").write_text(text)
+    plots(out, cells, throughput_rows, decode_rows)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", required=True, type=Path, help="the campaign's folder (resumed if it exists)"
+    )
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
+    parser.add_argument("--gpus", default="1,2,4,8", help="GPU counts; those above the host's are skipped")
+    parser.add_argument("--cpu_devices", type=int, default=8, help="simulated devices without GPUs")
+    parser.add_argument("--configs", default="configs/gpt_1b.py", help="context: model configs")
+    parser.add_argument(
+        "--modes", default="blockwise_parallel,memory_efficient", help="context: attention modes"
+    )
+    parser.add_argument("--chunk", type=int, default=1024, help="context: query, key/value and loss chunk")
+    parser.add_argument("--context_start", type=int, default=65536)
+    parser.add_argument("--context_stop", type=int, default=1 << 24)
+    parser.add_argument(
+        "--context_set", action="append", default=[], help="context: extra section.name=value"
+    )
+    parser.add_argument(
+        "--memory_gib", type=float, default=0.0, help="context: budget a device (0: its limit)"
+    )
+    parser.add_argument("--verify", action="store_true", help="context: confirm the longest by a real step")
+    parser.add_argument("--verify_max", type=int, default=0)
+    parser.add_argument("--throughput_config", default="configs/gpt_1b.py")
+    parser.add_argument("--tokens", default="16384,65536", help="throughput: tokens per GPU")
+    parser.add_argument("--steps", type=int, default=2, help="throughput: timed steps")
+    parser.add_argument("--decode_contexts", default="262144,1048576,4194304")
+    parser.add_argument("--decode_heads", default="16/16,32/8")
+    parser.add_argument("--decode_repeats", type=int, default=10)
+    parser.add_argument("--cell_timeout", type=float, default=0, help="seconds a cell may run (0: no limit)")
+    parser.add_argument("--rerun_failed", action="store_true")
+    parser.add_argument(
+        "--report", action="store_true", help="only rebuild the report from the cells' results"
+    )
+    args = parser.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown --parts {', '.join(unknown)}; allowed: {', '.join(PARTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        on_gpu = gpu_count() > 0
+        available = gpu_count() if on_gpu else args.cpu_devices
+        counts = sorted({int(n) for n in args.gpus.split(",")})
+        skipped = [n for n in counts if n > available]
+        counts = [n for n in counts if n <= available]
+        print(
+            f"{'GPUs' if on_gpu else 'CPU devices'}: {available}; cells on {counts}"
+            + (f" (skipped {skipped})" if skipped else "")
+        )
+        cells = [(part, n) for part in parts for n in counts if not (part == "decode" and n == 1)]
+        for i, (part, n) in enumerate(cells, 1):
+            print(f"[{i}/{len(cells)}] {part} on {n} device{'s' if n > 1 else ''} ...", flush=True)
+            print(f"[{i}/{len(cells)}] {part} on {n}: {run_cell(args, part, n, on_gpu)}", flush=True)
+            report(args.out)
+    print(report(args.out))
+
+
+if __name__ == "__main__":
+    main()

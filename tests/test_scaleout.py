@@ -1,0 +1,98 @@
+"""scripts/bench_scaleout.py: the campaign's cells, their resumption, and the report."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO, load_script
+
+
+@pytest.fixture
+def scaleout(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # for benchlib
+    return load_script("bench_scaleout")
+
+
+def write_cell(out, part, n, results):
+    path = out / part / f"{n}gpu"
+    path.mkdir(parents=True)
+    (path / "results.json").write_text(json.dumps(results))
+
+
+def test_context_cells_start_near_n_times_one_gpu_in_zigzag_units(scaleout, tmp_path):
+    args = SimpleNamespace(
+        configs="configs/gpt_1b.py", modes="blockwise_parallel", chunk=1024, context_stop=1 << 24,
+        context_start=65536, context_set=["mesh.context_parallel=all_gather"], memory_gib=0.0,
+        verify=False, verify_max=0,
+    )  # fmt: skip
+    one = scaleout.cell_command(args, "context", 1, tmp_path, {})
+    assert "--set=mesh.data=1" in one and not any("mesh.sequence" in a for a in one)
+    assert "--start=65536" in one and "--granule=1024" in one
+    four = scaleout.cell_command(
+        args, "context", 4, tmp_path, {("configs/gpt_1b.py", "blockwise_parallel"): 786432}
+    )
+    assert "--set=mesh.sequence=4" in four and "--set=mesh.context_parallel=all_gather" in four
+    # half of 4 x 768K, a multiple of 2 x 4 x 1024
+    assert "--start=1572864" in four and "--granule=8192" in four
+    env = scaleout.device_env(4, on_gpu=True)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert scaleout.device_env(2, on_gpu=False)["JAX_NUM_CPU_DEVICES"] == "2"
+
+
+def test_report_tables_and_targets_from_the_cells(scaleout, tmp_path):
+    summary = dict(config="configs/gpt_1b.py", mode="blockwise_parallel", summary=True)
+    write_cell(tmp_path, "context", 1, {"records": [dict(summary, longest=786432)]})
+    write_cell(tmp_path, "context", 4, {"records": [dict(summary, longest=2768896)]})
+    train = dict(tokens_per_device=16384, ok=True, mfu=0.4)
+    write_cell(
+        tmp_path,
+        "throughput",
+        1,
+        {"train": [dict(train, setup="1 GPU", seq_len=16384, tokens_per_second_per_gpu=1000.0)]},
+    )
+    write_cell(tmp_path, "throughput", 4, {"train": [
+        dict(train, setup="data", seq_len=16384, tokens_per_second_per_gpu=933.0),
+        dict(train, setup="sequence (ring)", seq_len=65536, tokens_per_second_per_gpu=300.0),
+    ]})  # fmt: skip
+    times = {"local shard": 1e-4, "tree": 2e-4, "ring": 2e-3}
+    write_cell(
+        tmp_path,
+        "decode",
+        4,
+        {"tree": [dict(context=262144, heads="16/16", times=times, ring_over_tree=10.0)]},
+    )
+    (tmp_path / "decode" / "8gpu").mkdir()
+    (tmp_path / "decode" / "8gpu" / "failed.json").write_text("{}")
+    text = scaleout.report(tmp_path)
+    assert "| gpt_1b | blockwise_parallel | 768K | 2704K (3.52x, 0.88 N) |" in text
+    assert "| 16K | data | 4 | 16K | 933 | 40.0% | 0.933 |" in text
+    assert "| 256K | 16/16 | 4 | 100 | 200 | 2,000 | 10.00 |" in text
+    assert "- Context gpt_1b blockwise_parallel on 4 GPUs: 0.88 x N x one GPU's (short of >= 0.9)" in text
+    assert "- Data-parallel efficiency on 4 GPUs at 16K tokens per GPU: 0.933 (met >= 0.9)" in text
+    assert "- Tree against ring decoding on 4 GPUs: ring / tree >= 10.00 at every context (met > 1)" in text
+    assert "Failed cells: decode/8gpu" in text
+    assert (tmp_path / "report.md").read_text() == text
+    assert all((tmp_path / f"{p}.png").exists() for p in ("context", "throughput", "decode"))
+
+
+def test_a_campaign_runs_its_cells_once_and_resumes(tmp_path):
+    """One real cell (Tree against ring decoding on 2 simulated CPU devices); run again, the
+    campaign finds it done."""
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "bench_scaleout.py"),
+        f"--out={tmp_path}",
+        "--parts=decode",
+    ]
+    command += ["--gpus=1,2,16", "--cpu_devices=2", "--decode_contexts=2048", "--decode_heads=16/16"]
+    command += ["--decode_repeats=1"]
+    first = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "cells on [1, 2] (skipped [16])" in first.stdout and "decode on 2: ran in" in first.stdout
+    assert "| 2K | 16/16 | 2 |" in first.stdout
+    rows = json.loads((tmp_path / "decode" / "2gpu" / "results.json").read_text())["tree"]
+    assert rows[0]["devices"] == 2 and rows[0]["ring_over_tree"] > 0
+    second = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert "decode on 2: done before" in second.stdout, second.stdout + second.stderr
