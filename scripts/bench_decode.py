@@ -101,7 +101,9 @@ def kernels_part(args) -> list[dict]:
                 for round_ in range(args.rounds):  # interleaved, so drift on the machine hits all alike
                     for impl, fn in list(fns.items()):
                         try:
-                            t = seconds_per_call(fn, q, k, v, pos, lengths, repeats=args.repeats, warmup=2 - min(round_, 1))
+                            t = seconds_per_call(
+                                fn, q, k, v, pos, lengths, repeats=args.repeats, warmup=2 - min(round_, 1)
+                            )
                             row["times"][impl] = min(t, row["times"].get(impl, t))
                         except Exception as e:  # a peer that does not take this shape: noted, not fatal
                             row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -194,22 +196,39 @@ def sample_part(args) -> list[dict]:
     from bpt.sample import decode, prefill, prefill_chunks
 
     c = load_config_file(args.sample_config)
+    parallel, replicated = None, None
+    if args.sample_sequence > 1:  # the cache sharded along its slots, Tree attention over it
+        from bpt.parallel.mesh import Parallelism, make_mesh
+
+        if args.sample_sequence > jax.device_count():
+            raise SystemExit(f"--sample_sequence {args.sample_sequence} > {jax.device_count()} devices")
+        mesh = make_mesh(data=1, fsdp=1, tensor=1, sequence=args.sample_sequence)
+        parallel = Parallelism(mesh)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     rows = []
     for context in args.sample_contexts:
         cfg = model_config(c.model, vocab_size=50257, seq_len=context)
         model = GPT(
-            dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16", cache_dtype=args.cache_dtype)
+            dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16", cache_dtype=args.cache_dtype),
+            parallel=parallel,
         )
         tokens = jnp.zeros((1, cfg.q_chunk_size), jnp.int32)
-        params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"]))()
+        init = jax.jit(
+            lambda: nn.meta.unbox(model.clone(parallel=None).init(jax.random.PRNGKey(0), tokens)["params"]),
+            out_shardings=replicated,
+        )
+        params = init()
         prompt_len = context - args.new_tokens
         count, chunk = prefill_chunks(prompt_len, args.prefill_chunk, cfg.q_chunk_size, cfg.kv_chunk_size)
         padded = jnp.asarray(
             np.random.default_rng(0).integers(0, cfg.vocab_size, (1, count * chunk)), jnp.int32
         )
         lengths = jnp.array([prompt_len], jnp.int32)
+        if replicated is not None:
+            padded, lengths = jax.device_put((padded, lengths), replicated)
         row = {"config": args.sample_config, "context": context, "prompt": prompt_len, "new_tokens": args.new_tokens,
-               "prefill_chunk": chunk, "decode_impl": cfg.decode_impl, "cache_dtype": args.cache_dtype}  # fmt: skip
+               "prefill_chunk": chunk, "decode_impl": cfg.decode_impl, "cache_dtype": args.cache_dtype,
+               "devices": args.sample_sequence}  # fmt: skip
         try:
             start = time.perf_counter()
             compiled = prefill.lower(model, params, padded, lengths, max_len=context, chunk=chunk).compile()
@@ -227,6 +246,9 @@ def sample_part(args) -> list[dict]:
             row["tokens_per_s"] = args.new_tokens / row["decode_s"]
             row["ms_per_token"] = 1e3 * row["decode_s"] / args.new_tokens
             row["distinct_tokens"] = len(set(np.asarray(new)[0].tolist()))
+            keys = max(jax.tree.leaves(cache), key=lambda x: x.size)  # a layer stack of keys or values
+            row["cache_devices"] = len(keys.sharding.device_set)
+            row["cache_shard_shape"] = list(keys.sharding.shard_shape(keys.shape))
             del cache
         except Exception as e:  # too long for this device: noted, the next context still runs
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -291,7 +313,13 @@ def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
     if sample_rows:
         out += [
             f"Sampling through bpt.sample ({sample_rows[0]['config']}, random bf16 weights, batch 1, "
-            f"cache_dtype {sample_rows[0]['cache_dtype']})",
+            f"cache_dtype {sample_rows[0]['cache_dtype']}"
+            + (
+                f", the cache over {sample_rows[0]['devices']} devices"
+                if sample_rows[0].get("devices", 1) > 1
+                else ""
+            )
+            + ")",
             "",
             "| context | prompt | prefill s | decode tokens/s | ms / token | peak GiB | compile s |",
             "|---|---|---|---|---|---|---|",
@@ -349,8 +377,19 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=64, help="sample: tokens decoded")
     parser.add_argument("--prefill_chunk", type=int, default=4096, help="sample: prompt chunk")
     parser.add_argument("--cache_dtype", default="auto", help="sample: model.cache_dtype (auto | int8)")
+    parser.add_argument(
+        "--sample_sequence",
+        type=int,
+        default=1,
+        help="sample: shard the cache over this many devices (Tree attention)",
+    )
     parser.add_argument("--repeats", type=int, default=20, help="calls timed; their median counts")
-    parser.add_argument("--rounds", type=int, default=3, help="kernels: interleaved rounds of every impl; the best median counts")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="kernels: interleaved rounds of every impl; the best median counts",
+    )
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     parts = parse_choices(parser, args.parts, PARTS, "part")

@@ -18,6 +18,8 @@ process that sees only those N devices, and leaves its results under --out:
   GPU (the scaling efficiency).
 - decode: scripts/bench_decode.py --parts tree, Tree against ring decoding with the cache
   sharded over the N GPUs, at each --decode_contexts.
+- sample: scripts/bench_decode.py --parts sample --sample_sequence N, bpt.sample's prefill and
+  decoding of --sample_config (random weights) with its cache sharded over the N GPUs.
 
 A cell whose results exist is not run again, so an interrupted campaign resumes where it
 stopped (--rerun_failed retries the cells that failed). The report (report.md, and
@@ -41,7 +43,7 @@ from pathlib import Path
 from benchlib import human_tokens
 
 SCRIPTS = Path(__file__).resolve().parent
-PARTS = ("context", "throughput", "decode")
+PARTS = ("context", "throughput", "decode", "sample")
 SETUPS = ("data", "fsdp", "sequence (ring)", "sequence (all-gather)")
 
 
@@ -109,6 +111,17 @@ def cell_command(args, part: str, n: int, path: Path, one_gpu_context: dict) -> 
             f"--tokens={args.tokens}",
             f"--steps={args.steps}",
             f"--setups={setups}",
+            f"--out={path}",
+        ]
+    if part == "sample":
+        return py + [
+            str(SCRIPTS / "bench_decode.py"),
+            "--parts=sample",
+            f"--sample_config={args.sample_config}",
+            f"--sample_contexts={args.sample_contexts}",
+            f"--new_tokens={args.new_tokens}",
+            f"--prefill_chunk={args.prefill_chunk}",
+            f"--sample_sequence={n}",
             f"--out={path}",
         ]
     return py + [
@@ -266,6 +279,24 @@ def decode_table(out: Path) -> tuple[str, list[str], list[dict]]:
     return "\n".join(lines), verdicts, rows
 
 
+def sample_table(out: Path) -> str:
+    by_n = load_rows(out, "sample", "sample")
+    rows = [dict(r, gpus=n) for n, rs in by_n.items() for r in rs]
+    if not rows:
+        return ""
+    lines = ["| context | GPUs | prefill s | decode tokens/s | ms / token | peak GiB (GPU 0) |"]
+    lines.append("|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["context"], r["gpus"])):
+        if "error" in r:
+            lines.append(f"| {human_tokens(r['context'])} | {r['gpus']} | {r['error'][:80]} | | | |")
+            continue
+        lines.append(
+            f"| {human_tokens(r['context'])} | {r['gpus']} | {r['prefill_s']:.1f} | {r['tokens_per_s']:.1f} | "
+            f"{r['ms_per_token']:.1f} | {r['peak_gib']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def plots(out: Path, cells: dict, throughput: list[dict], decode: list[dict]) -> None:
     import matplotlib
 
@@ -337,6 +368,10 @@ def report(out: Path) -> str:
         parts += [throughput, ""]
     if decode:
         parts += ["Decoding with the cache sharded over the GPUs, batch 1", "", decode, ""]
+    sample = sample_table(out)
+    if sample:
+        parts += ["Sampling through bpt.sample with the cache sharded over the GPUs (random weights)", ""]
+        parts += [sample, ""]
     verdicts = context_verdicts + throughput_verdicts + decode_verdicts
     if verdicts:
         parts += ["Targets:", "", *verdicts, ""]
@@ -380,6 +415,10 @@ def main() -> None:
     parser.add_argument("--decode_contexts", default="262144,1048576,4194304")
     parser.add_argument("--decode_heads", default="16/16,32/8")
     parser.add_argument("--decode_repeats", type=int, default=10)
+    parser.add_argument("--sample_config", default="configs/gpt_1b.py")
+    parser.add_argument("--sample_contexts", default="1048576", help="sample: cache lengths")
+    parser.add_argument("--new_tokens", type=int, default=64, help="sample: tokens decoded")
+    parser.add_argument("--prefill_chunk", type=int, default=4096, help="sample: prompt chunk")
     parser.add_argument("--cell_timeout", type=float, default=0, help="seconds a cell may run (0: no limit)")
     parser.add_argument("--rerun_failed", action="store_true")
     parser.add_argument(

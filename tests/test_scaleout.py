@@ -78,21 +78,28 @@ def test_report_tables_and_targets_from_the_cells(scaleout, tmp_path):
 
 
 def test_a_campaign_runs_its_cells_once_and_resumes(tmp_path):
-    """One real cell (Tree against ring decoding on 2 simulated CPU devices); run again, the
-    campaign finds it done."""
-    command = [
-        sys.executable,
-        str(REPO / "scripts" / "bench_scaleout.py"),
-        f"--out={tmp_path}",
-        "--parts=decode",
+    """Real cells on simulated CPU devices: Tree against ring decoding on 2, and sampling
+    through bpt.sample on 1 and 2 (the cache split along its slots); run again, the campaign
+    finds them done."""
+    command = [sys.executable, str(REPO / "scripts" / "bench_scaleout.py"), f"--out={tmp_path}"]
+    command += ["--parts=decode,sample", "--gpus=1,2,16", "--cpu_devices=2"]
+    command += ["--decode_contexts=2048", "--decode_heads=16/16", "--decode_repeats=1"]
+    command += [
+        "--sample_config=configs/tiny.py",
+        "--sample_contexts=1024",
+        "--new_tokens=8",
+        "--prefill_chunk=256",
     ]
-    command += ["--gpus=1,2,16", "--cpu_devices=2", "--decode_contexts=2048", "--decode_heads=16/16"]
-    command += ["--decode_repeats=1"]
     first = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "cells on [1, 2] (skipped [16])" in first.stdout and "decode on 2: ran in" in first.stdout
-    assert "| 2K | 16/16 | 2 |" in first.stdout
+    assert "| 2K | 16/16 | 2 |" in first.stdout and "| 1K | 2 |" in first.stdout
     rows = json.loads((tmp_path / "decode" / "2gpu" / "results.json").read_text())["tree"]
     assert rows[0]["devices"] == 2 and rows[0]["ring_over_tree"] > 0
+    for n in (1, 2):
+        (sample,) = json.loads((tmp_path / "sample" / f"{n}gpu" / "results.json").read_text())["sample"]
+        assert "error" not in sample and sample["cache_devices"] == n
+        assert sample["cache_shard_shape"][2] == 1024 // n  # [layers, batch, slots, heads, head_dim]
     second = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert "decode on 2: done before" in second.stdout, second.stdout + second.stderr
+    assert "sample on 1: done before" in second.stdout
