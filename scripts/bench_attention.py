@@ -105,7 +105,7 @@ def time_fn(fn, *args, min_seconds: float = 0.3) -> float:
 def prepare(
     impl: str, *, seq: int, heads: int, head_dim: int, causal: bool, batch: int, dtype, kv_heads=None, **kw
 ) -> tuple[dict, list, tuple]:
-    """(the row's description, [(name, jitted function, FLOP multiplier)], inputs) of one
+    """(the row's description, [(name, jitted function, its FLOPs)], inputs) of one
     implementation at one shape. kv_heads: the keys' and values' heads (GQA; default: heads)."""
     kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seq + head_dim), 4)
     shape, kv_shape = (batch, seq, heads, head_dim), (batch, seq, kv_heads or heads, head_dim)
@@ -120,8 +120,10 @@ def prepare(
     row = dict(impl=impl, seq=seq, heads=heads, head_dim=head_dim, causal=causal, batch=batch, **kw)
     if kv_heads and kv_heads != heads:
         row["kv_heads"] = kv_heads
-    row["flops"] = flops
-    timed = [("fwd", jax.jit(fn), 1.0), ("fwd_bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 3.5)]
+    timed = [
+        ("fwd", jax.jit(fn), flops),
+        ("fwd_bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 3.5 * flops),
+    ]
     return row, timed, (q, k, v)
 
 
@@ -151,13 +153,12 @@ def measure_together(impls: list[str], *, repeats: int = 1, **shape) -> list[dic
                 times.setdefault(name, []).append(seconds)
     rows = []
     for (row, timed, _), times in zip(prepared, rounds):
-        flops = row.pop("flops")
-        for name, _, mult in timed:
+        for name, _, flops in timed:
             if name not in times:
                 continue
             seconds = statistics.median(times[name])
             row[f"{name}_ms"] = seconds * 1e3
-            row[f"{name}_tflops"] = mult * flops / seconds / 1e12
+            row[f"{name}_tflops"] = flops / seconds / 1e12
             if repeats > 1:
                 row[f"{name}_ms_rounds"] = [t * 1e3 for t in times[name]]
         rows.append(row)

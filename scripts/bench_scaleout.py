@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import human_tokens
+from benchlib import human_tokens, parse_choices
 
 SCRIPTS = Path(__file__).resolve().parent
 PARTS = ("context", "throughput", "decode", "sample")
@@ -134,15 +134,6 @@ def cell_command(args, part: str, n: int, path: Path, one_gpu_context: dict) -> 
     ]
 
 
-def context_longest(out: Path, n: int) -> dict:
-    """{(config, mode): longest} of a context cell, or {}."""
-    path = cell_path(out, "context", n) / "results.json"
-    if not path.exists():
-        return {}
-    records = json.loads(path.read_text())["records"]
-    return {(r["config"], r["mode"]): r["longest"] for r in records if r.get("summary")}
-
-
 def run_cell(args, part: str, n: int, on_gpu: bool) -> str:
     """Runs one cell unless its results exist; returns what happened."""
     path = cell_path(args.out, part, n)
@@ -152,7 +143,8 @@ def run_cell(args, part: str, n: int, on_gpu: bool) -> str:
         return "failed before (--rerun_failed retries it)"
     path.mkdir(parents=True, exist_ok=True)
     (path / "failed.json").unlink(missing_ok=True)
-    command = cell_command(args, part, n, path, context_longest(args.out, 1))
+    one_gpu = {setting: r["longest"] for setting, r in context_summaries(args.out).items() if r["gpus"] == 1}
+    command = cell_command(args, part, n, path, one_gpu)
     start = time.time()
     with open(path / "log.txt", "w") as log:
         log.write(" ".join(command) + "\n")
@@ -170,8 +162,6 @@ def run_cell(args, part: str, n: int, on_gpu: bool) -> str:
         except subprocess.TimeoutExpired:
             code = "timeout"
     seconds = time.time() - start
-    if part == "context" and code == 0 and not (path / "results.json").exists():
-        code = "no results"
     if code != 0 or not done(path):
         (path / "failed.json").write_text(json.dumps({"exit": code, "seconds": seconds, "command": command}))
         (path / "results.json").unlink(missing_ok=True)
@@ -182,37 +172,37 @@ def run_cell(args, part: str, n: int, on_gpu: bool) -> str:
 # --- the report ---------------------------------------------------------------------------------
 
 
-def load_rows(out: Path, part: str, key: str) -> dict:
-    """{n: rows} of the part's cells that have results."""
-    rows = {}
-    for path in sorted((out / part).glob("*gpu")) if (out / part).exists() else []:
+def cell_rows(out: Path, part: str, key: str) -> list[dict]:
+    """The rows under `key` of the part's cells that have results, each with its "gpus"."""
+    rows = []
+    for path in sorted((out / part).glob("*gpu")):
         if done(path):
-            rows[int(path.name[: -len("gpu")])] = json.loads((path / "results.json").read_text()).get(key, [])
+            n = int(path.name.removesuffix("gpu"))
+            rows += [dict(r, gpus=n) for r in json.loads((path / "results.json").read_text()).get(key, [])]
     return rows
 
 
-def context_table(out: Path) -> tuple[str, list[str], dict]:
-    cells = {}
-    for path in sorted((out / "context").glob("*gpu")) if (out / "context").exists() else []:
-        if done(path):
-            cells[int(path.name[: -len("gpu")])] = context_longest(out, int(path.name[: -len("gpu")]))
-    if not cells:
-        return "", [], {}
-    ns = sorted(cells)
-    settings = sorted({s for c in cells.values() for s in c})
+def context_summaries(out: Path) -> dict:
+    """{((config, mode), gpus): the search's summary} of the context cells."""
+    rows = cell_rows(out, "context", "records")
+    return {((r["config"], r["mode"]), r["gpus"]): r for r in rows if r.get("summary")}
+
+
+def context_table(out: Path) -> tuple[str, list[str], list[dict]]:
+    summaries = context_summaries(out)
+    if not summaries:
+        return "", [], []
+    ns = sorted({n for _, n in summaries})
     lines = ["| config | mode | " + " | ".join(f"{n} GPU{'s' if n > 1 else ''}" for n in ns) + " |"]
     lines.append("|---|---|" + "---|" * len(ns))
     verdicts = []
-    for config, mode in settings:
-        one = cells.get(1, {}).get((config, mode))
+    for config, mode in sorted({setting for setting, _ in summaries}):
+        one = summaries.get(((config, mode), 1), {}).get("longest")
         row = []
         for n in ns:
-            longest = cells[n].get((config, mode))
-            if not longest:
-                row.append("–")
-                continue
+            longest = summaries.get(((config, mode), n), {}).get("longest")
             text = human_tokens(longest)
-            if one and n > 1:
+            if longest and one and n > 1:
                 text += f" ({longest / one:.2f}x, {longest / one / n:.2f} N)"
                 verdict = "met" if longest >= 0.9 * n * one else "short of"
                 verdicts.append(
@@ -221,12 +211,11 @@ def context_table(out: Path) -> tuple[str, list[str], dict]:
                 )
             row.append(text)
         lines.append(f"| {Path(config).stem} | {mode} | " + " | ".join(row) + " |")
-    return "\n".join(lines), verdicts, cells
+    return "\n".join(lines), verdicts, list(summaries.values())
 
 
 def throughput_table(out: Path) -> tuple[str, list[str], list[dict]]:
-    by_n = load_rows(out, "throughput", "train")
-    rows = [dict(r, gpus=n) for n, rs in by_n.items() for r in rs if r.get("ok")]
+    rows = [r for r in cell_rows(out, "throughput", "train") if r.get("ok")]
     if not rows:
         return "", [], []
     one = {r["tokens_per_device"]: r["tokens_per_second_per_gpu"] for r in rows if r["setup"] == "1 GPU"}
@@ -257,8 +246,7 @@ def throughput_table(out: Path) -> tuple[str, list[str], list[dict]]:
 
 
 def decode_table(out: Path) -> tuple[str, list[str], list[dict]]:
-    by_n = load_rows(out, "decode", "tree")
-    rows = [dict(r, gpus=n) for n, rs in by_n.items() for r in rs]
+    rows = cell_rows(out, "decode", "tree")
     if not rows:
         return "", [], []
     lines = ["| context | heads / KV heads | GPUs | local shard µs | tree µs | ring µs | ring / tree |"]
@@ -280,8 +268,7 @@ def decode_table(out: Path) -> tuple[str, list[str], list[dict]]:
 
 
 def sample_table(out: Path) -> str:
-    by_n = load_rows(out, "sample", "sample")
-    rows = [dict(r, gpus=n) for n, rs in by_n.items() for r in rs]
+    rows = cell_rows(out, "sample", "sample")
     if not rows:
         return ""
     lines = ["| context | GPUs | prefill s | decode tokens/s | ms / token | peak GiB (GPU 0) |"]
@@ -291,73 +278,66 @@ def sample_table(out: Path) -> str:
             lines.append(f"| {human_tokens(r['context'])} | {r['gpus']} | {r['error'][:80]} | | | |")
             continue
         lines.append(
-            f"| {human_tokens(r['context'])} | {r['gpus']} | {r['prefill_s']:.1f} | {r['tokens_per_s']:.1f} | "
-            f"{r['ms_per_token']:.1f} | {r['peak_gib']:.1f} |"
+            f"| {human_tokens(r['context'])} | {r['gpus']} | {r['prefill_s']:.1f} | "
+            f"{r['tokens_per_s']:.1f} | {r['ms_per_token']:.1f} | {r['peak_gib']:.1f} |"
         )
     return "\n".join(lines)
 
 
-def plots(out: Path, cells: dict, throughput: list[dict], decode: list[dict]) -> None:
+def series(rows: list[dict], key, y: str, label) -> list[tuple]:
+    """[(label, [(gpus, y)...], style)] a line per value of key(row)."""
+    lines = {}
+    for r in rows:
+        if r.get(y):  # a search that found nothing (0), or no one-GPU baseline (None): no point
+            lines.setdefault(key(r), []).append((r["gpus"], r[y]))
+    return [(label(k), pts, "o-") for k, pts in sorted(lines.items())]
+
+
+def plot(path: Path, lines: list[tuple], *, hline: float | None = None, **axes) -> None:
+    """One figure of lines against the GPU count: lines [(label, [(gpus, y)...], style)]."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if cells:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for setting in sorted({s for c in cells.values() for s in c}):
-            pts = sorted((n, c[setting]) for n, c in cells.items() if c.get(setting))
-            if pts:
-                ax.plot(*zip(*pts), "o-", label=f"{Path(setting[0]).stem} {setting[1]}")
-                one = cells.get(1, {}).get(setting)
-                if one:
-                    ns = sorted(cells)
-                    ax.plot(ns, [n * one for n in ns], ":", color="gray")
-        ax.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="longest context (tokens)")
-        ax.set_title("longest training context (dotted: N x one GPU's)")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "context.png", dpi=120)
-        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts, style in lines:
+        ax.plot(*zip(*sorted(pts)), style, label=label, **({"color": "gray"} if style == ":" else {}))
+    if hline is not None:
+        ax.axhline(hline, color="gray", linestyle=":")
+    ax.set(xlabel="GPUs", **axes)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plots(out: Path, context: list[dict], throughput: list[dict], decode: list[dict]) -> None:
+    if context:
+        lines = series(context, lambda r: (Path(r["config"]).stem, r["mode"]), "longest", " ".join)
+        ns = sorted({r["gpus"] for r in context})
+        ideal = [r["longest"] for r in context if r["gpus"] == 1 and r["longest"]]
+        lines += [(None, [(n, n * one) for n in ns], ":") for one in ideal]
+        title = "longest training context (dotted: N x one GPU's)"
+        axes = dict(xscale="log", yscale="log", ylabel="longest context (tokens)", title=title)
+        plot(out / "context.png", lines, **axes)
     if throughput:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for key in sorted(
-            {(r["setup"], r["tokens_per_device"]) for r in throughput if r["setup"] != "1 GPU"}
-        ):
-            pts = sorted(
-                (r["gpus"], r["efficiency"])
-                for r in throughput
-                if (r["setup"], r["tokens_per_device"]) == key and r.get("efficiency") is not None
-            )
-            if pts:
-                ax.plot(*zip(*pts), "o-", label=f"{key[0]}, {human_tokens(key[1])}/GPU")
-        ax.axhline(0.9, color="gray", linestyle=":")
-        ax.set(xlabel="GPUs", ylabel="tokens/s per GPU / one GPU's", title="scaling efficiency")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "throughput.png", dpi=120)
-        plt.close(fig)
+        scaled = [r for r in throughput if r["setup"] != "1 GPU"]
+        key = lambda r: (r["setup"], r["tokens_per_device"])  # noqa: E731
+        lines = series(scaled, key, "efficiency", lambda k: f"{k[0]}, {human_tokens(k[1])}/GPU")
+        axes = dict(ylabel="tokens/s per GPU / one GPU's", title="scaling efficiency")
+        plot(out / "throughput.png", lines, hline=0.9, **axes)
     if decode:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for key in sorted({(r["context"], r["heads"]) for r in decode}):
-            pts = sorted(
-                (r["gpus"], r["ring_over_tree"]) for r in decode if (r["context"], r["heads"]) == key
-            )
-            ax.plot(*zip(*pts), "o-", label=f"{human_tokens(key[0])}, {key[1]}")
-        ax.axhline(1.0, color="gray", linestyle=":")
-        ax.set(xlabel="GPUs", ylabel="ring time / tree time", title="Tree against ring decoding")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "decode.png", dpi=120)
-        plt.close(fig)
+        key = lambda r: (r["context"], r["heads"])  # noqa: E731
+        lines = series(decode, key, "ring_over_tree", lambda k: f"{human_tokens(k[0])}, {k[1]}")
+        axes = dict(ylabel="ring time / tree time", title="Tree against ring decoding")
+        plot(out / "decode.png", lines, hline=1.0, **axes)
 
 
 def report(out: Path) -> str:
     """report.md (and the plots) from every cell with results; returns the markdown."""
-    context, context_verdicts, cells = context_table(out)
+    context, context_verdicts, context_rows = context_table(out)
     throughput, throughput_verdicts, throughput_rows = throughput_table(out)
     decode, decode_verdicts, decode_rows = decode_table(out)
     parts = []
@@ -380,7 +360,7 @@ def report(out: Path) -> str:
         parts += ["Failed cells: " + ", ".join(failures), ""]
     text = "\n".join(parts)
     (out / "report.md").write_text(text)
-    plots(out, cells, throughput_rows, decode_rows)
+    plots(out, context_rows, throughput_rows, decode_rows)
     return text
 
 
@@ -425,14 +405,12 @@ def main() -> None:
         "--report", action="store_true", help="only rebuild the report from the cells' results"
     )
     args = parser.parse_args()
-    parts = [p for p in args.parts.split(",") if p]
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        parser.error(f"unknown --parts {', '.join(unknown)}; allowed: {', '.join(PARTS)}")
+    parts = parse_choices(parser, args.parts, PARTS, "part")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report:
-        on_gpu = gpu_count() > 0
-        available = gpu_count() if on_gpu else args.cpu_devices
+        gpus = gpu_count()
+        on_gpu = gpus > 0
+        available = gpus or args.cpu_devices
         counts = sorted({int(n) for n in args.gpus.split(",")})
         skipped = [n for n in counts if n > available]
         counts = [n for n in counts if n <= available]

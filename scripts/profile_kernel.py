@@ -11,7 +11,7 @@ ui.perfetto.dev). This script runs the kernel once that way, then sums each phas
 warpgroups and prints a table: cycles per step, the share of the warpgroups' time, and
 what lies between phases (barrier waits outside any phase, loop overhead). The profiler's
 buffer lives in shared memory, so keep sweeps short (--seq 2048: at most 32 steps a CTA).
-It also times the kernel unprofiled, so the profile's cost can be seen.
+It also times the kernel unprofiled (the median of 20 calls).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import math
 import os
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
+from benchlib import seconds_per_call
 
 from bpt.ops.kernels import flash_hopper
 
@@ -105,13 +105,7 @@ def main() -> tuple[dict, dict]:
         return flash_hopper.backward(q, k, v, do, lse, delta, causal=causal, scale=scale, fused_dq=fused)
 
     inputs = (q, k, v, do, lse, delta)
-    plain = jax.jit(bwd)
-    jax.block_until_ready(plain(*inputs))
-    start, calls = time.perf_counter(), 20
-    for _ in range(calls):
-        res = plain(*inputs)
-    jax.block_until_ready(res)
-    ms = (time.perf_counter() - start) / calls * 1e3
+    ms = seconds_per_call(jax.jit(bwd), *inputs, repeats=20) * 1e3
 
     directory = args.out or tempfile.mkdtemp(prefix="bpt-kernel-profile-")
     os.makedirs(directory, exist_ok=True)
@@ -123,17 +117,12 @@ def main() -> tuple[dict, dict]:
     files = sorted(set(glob.glob(os.path.join(directory, "*-trace.json"))) - before)
     if not files:
         sys.exit(f"no trace was written to {directory}")
-    start = time.perf_counter()
-    jax.block_until_ready(profiled(*inputs))
-    jax.effects_barrier()
-    ms_profiled = (time.perf_counter() - start) * 1e3
 
     totals, whole = phases(files)
     heads = f"H{h}" + (f"/KV{hk}" if hk != h else "")
     name = f"B{b} S{s} {heads} d{d} {'causal' if causal else 'non-causal'}"
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: the Hopper backward, {name}")
     print(f"unprofiled {ms:.3f} ms a call; traces in {directory} ({len(files)} kernel(s))")
-    print(f"profiled call, with writing the trace: {ms_profiled:.0f} ms")
     print(json.dumps(dict(shape=name, ms=ms, phases=totals, **whole)))
     print(table(totals, whole))
     return totals, whole

@@ -17,9 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str):
-    """scripts/<name>.py imported as a module (the scripts are not a package)."""
+    """scripts/<name>.py imported as a module (the scripts are not a package; their shared
+    helpers, scripts/benchlib.py, become importable too)."""
     import importlib.util
+    import sys
 
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

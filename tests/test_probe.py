@@ -278,9 +278,8 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(capsys, monkeypatch):
         resolve_remat(agentic, budget=1 << 30)
 
 
-def test_profile_parts_of_a_step(monkeypatch):
+def test_profile_parts_of_a_step():
     """scripts/profile_step.py sums a trace's kernels by operation, then by part of the step."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     profile_step = load_script("profile_step")
     hlo = """
   %dot_product_attention_fwd.4 = (bf16[1,16,32768,128]{3,1,2,0}, f32[1,16,32768]{2,1,0}) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmax"

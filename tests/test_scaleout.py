@@ -10,8 +10,7 @@ from conftest import REPO, load_script
 
 
 @pytest.fixture
-def scaleout(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # for benchlib
+def scaleout():
     return load_script("bench_scaleout")
 
 

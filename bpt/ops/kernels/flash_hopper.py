@@ -807,23 +807,19 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(dq_full.at[0])
 
-            def stats(ready, smem, slot):
-                """Loads a per-query statistic of the slot's rows, once it has arrived."""
-
-                def load():
-                    plgpu.barrier_wait(ready.at[slot])
-                    return regs.vector(smem.at[slot], 0)
-
-                return load
-
             def step(j, carry, masked: bool):
                 dk, dv = carry
                 slot = ring.slot(j)
+
+                def stat(ready, smem):  # a per-query statistic of the slot's rows, once it arrives
+                    plgpu.barrier_wait(ready.at[slot])
+                    return regs.vector(smem.at[slot], 0)
+
                 with jax.named_scope("wait_Q"):
                     plgpu.barrier_wait(q_ready.at[slot])
                 with jax.named_scope("S"):  # [keys, queries]; the rows' statistics load meanwhile
-                    lse = stats(lse_ready, lse_smem, slot)
-                    s_t, lse2 = _scores_while(my_k, q_smem.at[slot], interpret, lse)
+                    load_lse = functools.partial(stat, lse_ready, lse_smem)
+                    s_t, lse2 = _scores_while(my_k, q_smem.at[slot], interpret, load_lse)
                 with jax.named_scope("P"):
                     p_t = jnp.exp2(s_t * c - _cols(lse2, s_t.shape))
                     if masked:
@@ -834,8 +830,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
                 with jax.named_scope("dV"):
                     dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
                 with jax.named_scope("dP"):
-                    delta = stats(delta_ready, delta_smem, slot)
-                    dp_t, delta = _scores_while(my_v, do_smem.at[slot], interpret, delta)
+                    load_delta = functools.partial(stat, delta_ready, delta_smem)
+                    dp_t, delta = _scores_while(my_v, do_smem.at[slot], interpret, load_delta)
                 with jax.named_scope("dS"):
                     ds_t = (p_t * (dp_t - _cols(delta, dp_t.shape))).astype(dtype)
                 if with_dq:
