@@ -175,6 +175,10 @@ def base_config(size: str = "small") -> ConfigDict:
     c.mesh.tensor = 1  # heads and FFN hidden units split (Megatron)
     c.mesh.context_parallel = "ring"  # ring | all_gather: how attention spans the sequence shards
     c.mesh.load_balance = "zigzag"  # zigzag | striped | none: the causal token layout of the shards
+    # N: attend N groups of heads one after another across the sequence shards, so that the
+    # key/value shards and dK/dV sums in flight are 1/N the size; 0: automatic (long shards
+    # are split until those sums are at most 1 GiB; bpt.parallel.ring.head_groups_for)
+    c.mesh.context_head_groups = 0
     return c
 
 
@@ -367,6 +371,11 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
         )
     if m.load_balance not in LOAD_BALANCE:
         raise ValueError(f"unknown mesh.load_balance {m.load_balance!r}; allowed: {', '.join(LOAD_BALANCE)}")
+    groups = m.get("context_head_groups", 0)
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
+        raise ValueError(
+            f"mesh.context_head_groups must be 0 (automatic) or a positive integer; got {groups!r}"
+        )
     batch_shards, seq, tensor = sizes["data"] * sizes["fsdp"], sizes["sequence"], sizes["tensor"]
     micro = c.train.batch_size // c.train.grad_accum_steps
     if micro % batch_shards:
@@ -376,32 +385,48 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
         )
     flash = c.model.family == "flash"
     if flash and seq > 1:
-        raise ValueError(
-            "model.family='flash' does not run with mesh.sequence > 1 yet; use mesh.data, fsdp or tensor"
-        )
+        if c.model.attention != "mixed_chunk":
+            raise ValueError(
+                f"model.attention={c.model.attention!r} (FLASH-Quad) attends over the whole sequence and "
+                "does not run with mesh.sequence > 1; use model.attention='mixed_chunk'"
+            )
+        if c.data.seq_len % (seq * c.model.chunk_size):
+            raise ValueError(
+                f"FLASH over mesh.sequence={seq} needs data.seq_len={c.data.seq_len} to be a multiple of "
+                f"mesh.sequence x model.chunk_size = {seq * c.model.chunk_size}, so that no chunk straddles "
+                "two devices"
+            )
     if flash and tensor > 1:
         hidden = int(c.model.expansion * c.model.d_model)
         if hidden % tensor:
             raise ValueError(f"mesh.tensor={tensor} must divide FLASH's expansion x d_model = {hidden}")
     if seq > 1:
-        if c.model.attention_mode == "vanilla":
+        # FLASH's shards are contiguous (bpt.models.flash.FLASH.sequence_layout)
+        layout = "none" if flash else m.load_balance
+        if c.model.attention_mode == "vanilla" and not flash:
             raise ValueError(
                 "model.attention_mode='vanilla' materializes the [seq, seq] scores and cannot run with "
                 "mesh.sequence > 1; use memory_efficient or blockwise_parallel"
             )
-        pieces = 2 * seq if m.load_balance == "zigzag" else seq
+        pieces = 2 * seq if layout == "zigzag" else seq
         if c.data.seq_len % pieces:
             raise ValueError(
                 f"data.seq_len={c.data.seq_len} does not split into the {pieces} pieces of "
-                f"mesh.load_balance={m.load_balance!r} over mesh.sequence={seq}"
+                f"mesh.load_balance={layout!r} over mesh.sequence={seq}"
+            )
+        kv_heads = (c.model.num_kv_heads or c.model.num_heads) // tensor
+        if groups and kv_heads % groups and not flash:
+            raise ValueError(
+                f"mesh.context_head_groups={groups} must divide the {kv_heads} key/value heads each device "
+                "holds (model.num_kv_heads / mesh.tensor)"
             )
         piece = c.data.seq_len // pieces
-        for name in ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
+        for name in ("loss_chunk_size",) if flash else ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
             chunk = min(c.model[name], piece)
             if piece % chunk:
                 raise ValueError(
                     f"model.{name}={c.model[name]} does not divide the {piece} tokens a device holds per "
-                    f"{m.load_balance} piece (data.seq_len / mesh.sequence{' / 2' if pieces > seq else ''})"
+                    f"{layout} piece (data.seq_len / mesh.sequence{' / 2' if pieces > seq else ''})"
                 )
     if tensor > 1 and not flash:
         heads, kv = c.model.num_heads, c.model.num_kv_heads or c.model.num_heads

@@ -10,7 +10,8 @@ jit-ed function (the decode loop a lax.scan), and decode takes the cache over in
 A batch of prompts of different lengths decodes together (generate_batch): each sequence
 writes its tokens at its own positions and attends up to them. A model whose sequence is
 sharded over a mesh (model.parallel with mesh.sequence > 1) shards the cache along its slots
-over those devices, and each new token attends to it by Tree Attention
+over those devices (striped: position p on device p mod N, so that a long prompt's chunks
+load every device alike), and each new token attends to it by Tree Attention
 (bpt.parallel.tree_decode_attention): one all-reduce of partial softmaxes a layer.
 """
 
@@ -50,7 +51,8 @@ def sample_logits(
 
 def init_cache(model, batch_size: int, max_len: int):
     """An empty key/value cache for batch_size sequences of up to max_len tokens. With the
-    model's sequence sharded over a mesh (model.parallel), so is the cache, along its slots."""
+    model's sequence sharded over a mesh (model.parallel), so is the cache, along its slots
+    (striped: device i's slot j holds position j N + i)."""
     tokens = jnp.zeros((batch_size, max_len), jnp.int32)
     shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, decode=True)["cache"])
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

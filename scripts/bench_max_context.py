@@ -2,8 +2,9 @@
 
 For each model config, attention mode, chunk size and remat preset, the search compiles the
 step at batch 1 for growing lengths (doubling from --start, then bisecting the last gap in
-eighths) and keeps the longest whose compiled memory (XLA's memory analysis: state, batch,
-activations, gradients) fits the device; nothing is allocated while it searches. With
+steps of 1/--refine, an eighth by default, of the longest that fit) and keeps the longest
+whose compiled memory (XLA's memory analysis: state, batch, activations, gradients) fits
+the device; nothing is allocated while it searches. With
 --verify, the best setting of each mode then runs real steps at that length in a fresh
 process, stepping down an eighth at a time until one runs: the verdict (--verify_max caps
 the length it starts from: at half a million tokens one step of a 1B model takes minutes).
@@ -99,7 +100,9 @@ def search(args, budget: int, setting: dict) -> tuple[dict, list[dict]]:
         return record["fits"]
 
     start = max(args.start, setting["chunk"])
-    result = longest_fitting(fits, start=start, stop=args.stop, granule=args.granule or setting["chunk"])
+    result = longest_fitting(
+        fits, start=start, stop=args.stop, refine=args.refine, granule=args.granule or setting["chunk"]
+    )
     summary = dict(
         setting,
         errors=sum("error" in r for r in records),  # compiles that failed: counted as not fitting
@@ -229,6 +232,12 @@ def main() -> None:
         "2 N chunk, the zigzag layout's unit)",
     )
     parser.add_argument("--stop", type=int, default=1 << 22)
+    parser.add_argument(
+        "--refine",
+        type=int,
+        default=8,
+        help="after doubling, bisect the last gap in steps of 1/refine of the longest that fit",
+    )
     parser.add_argument("--memory_gib", type=float, default=0.0, help="budget (default: the device's limit)")
     parser.add_argument("--verify", action="store_true", help="confirm each mode's best by real steps")
     parser.add_argument("--verify_tries", type=int, default=4)

@@ -90,6 +90,7 @@ def cell_command(args, part: str, n: int, path: Path, one_gpu_context: dict) -> 
             f"--modes={args.modes}",
         ]
         command += [f"--chunks={args.chunk}", f"--stop={args.context_stop}", f"--out={path / 'results.json'}"]
+        command += [f"--refine={args.context_refine}", f"--jobs={args.context_jobs}"]
         command += ["--set=mesh.data=1"] + ([f"--memory_gib={args.memory_gib}"] if args.memory_gib else [])
         granule = args.chunk
         if n > 1:
@@ -299,6 +300,7 @@ def plot(path: Path, lines: list[tuple], *, hline: float | None = None, **axes) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, pts, style in lines:
@@ -306,6 +308,9 @@ def plot(path: Path, lines: list[tuple], *, hline: float | None = None, **axes) 
     if hline is not None:
         ax.axhline(hline, color="gray", linestyle=":")
     ax.set(xlabel="GPUs", **axes)
+    counts = sorted({n for _, pts, _ in lines for n, _ in pts})
+    ax.set_xticks(counts, [str(n) for n in counts])  # the GPU counts, also on a log axis
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -381,6 +386,15 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="context: query, key/value and loss chunk")
     parser.add_argument("--context_start", type=int, default=65536)
     parser.add_argument("--context_stop", type=int, default=1 << 24)
+    parser.add_argument(
+        "--context_refine",
+        type=int,
+        default=8,
+        help="context: bisect in steps of 1/refine (bench_max_context)",
+    )
+    parser.add_argument(
+        "--context_jobs", type=int, default=1, help="context: searches at once (one per config and mode)"
+    )
     parser.add_argument(
         "--context_set", action="append", default=[], help="context: extra section.name=value"
     )

@@ -202,47 +202,52 @@ def tables(ring_rows: list[dict], train_rows: list[dict]) -> str:
 
 
 def plot(ring_rows: list[dict], train_rows: list[dict], path: Path) -> None:
+    """A panel for each part that has rows: the ring's time against one device's, and the
+    training step's tokens/s per GPU by setup."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    if ring_rows:
-        x = [r["tokens_per_device"] for r in ring_rows]
-        for name in ("ring", "all_gather"):
-            axes[0].plot(x, [r[f"{name}_over_local"] for r in ring_rows], marker="o", label=name)
-        axes[0].axhline(1.0, color="gray", lw=0.8)
-        axes[0].set(
-            xscale="log",
-            xlabel="tokens per GPU",
-            ylabel="time / local time",
-            title="context-parallel attention",
-        )
-        axes[0].legend()
     ok = [r for r in train_rows if r.get("ok")]
-    setups = list(dict.fromkeys(r["setup"] for r in ok))
-    if len({r["tokens_per_device"] for r in ok}) == 1:  # one length: a bar per setup
-        axes[1].bar(setups, [r["tokens_per_second_per_gpu"] for r in ok])
-        axes[1].tick_params(axis="x", labelrotation=20)
-        axes[1].set(
-            ylabel="tokens/s per GPU",
-            title=f"training step, {human_tokens(ok[0]['tokens_per_device'])} tokens per GPU",
-        )
-    else:
-        for setup in setups:
-            rows = [r for r in ok if r["setup"] == setup]
-            axes[1].plot(
-                [r["tokens_per_device"] for r in rows],
-                [r["tokens_per_second_per_gpu"] for r in rows],
-                marker="o",
-                label=setup,
-            )
-        axes[1].set(xscale="log", xlabel="tokens per GPU", ylabel="tokens/s per GPU", title="training step")
-        if ok:
-            axes[1].legend()
+    panels = [draw for draw, rows in ((_ring_panel, ring_rows), (_train_panel, ok)) if rows]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for draw, ax in zip(panels, axes[0]):
+        draw(ax, ring_rows if draw is _ring_panel else ok)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ring_panel(ax, rows: list[dict]) -> None:
+    x = [r["tokens_per_device"] for r in rows]
+    for name in ("ring", "all_gather"):
+        ax.plot(x, [r[f"{name}_over_local"] for r in rows], marker="o", label=name)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(
+        xscale="log", xlabel="tokens per GPU", ylabel="time / local time", title="context-parallel attention"
+    )
+    ax.legend()
+
+
+def _train_panel(ax, ok: list[dict]) -> None:
+    setups = list(dict.fromkeys(r["setup"] for r in ok))
+    if len({r["tokens_per_device"] for r in ok}) == 1:  # one length: a bar per setup
+        ax.bar(setups, [r["tokens_per_second_per_gpu"] for r in ok])
+        ax.tick_params(axis="x", labelrotation=20)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+        title = f"training step, {human_tokens(ok[0]['tokens_per_device'])} tokens per GPU"
+        ax.set(ylabel="tokens/s per GPU", title=title)
+        return
+    for setup in setups:
+        rows = [r for r in ok if r["setup"] == setup]
+        ax.plot([r["tokens_per_device"] for r in rows], [r["tokens_per_second_per_gpu"] for r in rows], marker="o",
+                label=setup)  # fmt: skip
+    ax.set(xscale="log", xlabel="tokens per GPU", ylabel="tokens/s per GPU", title="training step")
+    ax.legend()
 
 
 def main() -> None:

@@ -47,11 +47,14 @@ def _gpus() -> int:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs or more")
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
-def test_context_parallel_attention_on_gpus_with_bpts_kernels(strategy):
+@pytest.mark.parametrize(
+    "strategy,head_groups", [("ring", 1), ("ring", 2), ("all_gather", 1), ("all_gather", 2)]
+)
+def test_context_parallel_attention_on_gpus_with_bpts_kernels(strategy, head_groups):
     """Causal attention over a sequence sharded across the GPUs (zigzag), each hop by bpt's
     Pallas kernels (on H100-class GPUs the Mosaic GPU ones, the fused backward included),
-    against float32 attention on one device: the output and the three gradients, bf16 GQA."""
+    against float32 attention on one device: the output and the three gradients, bf16 GQA,
+    all heads at once and in two groups."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -80,7 +83,7 @@ def test_context_parallel_attention_on_gpus_with_bpts_kernels(strategy):
 
     def loss(q, k, v):
         out = context_parallel_attention(
-            q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", impl="pallas"
+            q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", impl="pallas", head_groups=head_groups
         )
         return jnp.sum(up(out) * cot), out
 
@@ -92,3 +95,18 @@ def test_context_parallel_attention_on_gpus_with_bpts_kernels(strategy):
     for got, want in zip((out, *grads), (ref_out, *ref_grads)):
         err = float(jnp.linalg.norm(up(got) - want) / jnp.linalg.norm(want))
         assert err < 1e-2, err
+
+
+def test_head_groups_split_long_shards_only():
+    from bpt.parallel.ring import GROUP_BYTES, head_groups_for
+
+    ring = dict(shards=4, strategy="ring")
+    assert head_groups_for(1, 16384, 16, 128, **ring) == 1  # 256 MiB of dK/dV sums
+    assert head_groups_for(1, 262144, 16, 128, **ring) == 4  # 4 GiB: four groups of 1 GiB
+    assert head_groups_for(1, 692224, 16, 128, **ring) == 16  # 676 MiB a head: one at a time
+    assert head_groups_for(1, 65536, 8, 128, shards=4, strategy="all_gather") == 2  # 2 GiB: all 4 shards
+    for tokens in (4096, 100_000, 10**6):
+        groups = head_groups_for(2, tokens, 12, 64, **ring)
+        assert 12 % groups == 0
+        fits = 2 * 4 * 2 * tokens * 64 * 12 // groups <= GROUP_BYTES
+        assert fits or groups == 12

@@ -24,11 +24,11 @@ def test_context_cells_start_near_n_times_one_gpu_in_zigzag_units(scaleout, tmp_
     args = SimpleNamespace(
         configs="configs/gpt_1b.py", modes="blockwise_parallel", chunk=1024, context_stop=1 << 24,
         context_start=65536, context_set=["mesh.context_parallel=all_gather"], memory_gib=0.0,
-        verify=False, verify_max=0,
+        verify=False, verify_max=0, context_refine=32, context_jobs=2,
     )  # fmt: skip
     one = scaleout.cell_command(args, "context", 1, tmp_path, {})
     assert "--set=mesh.data=1" in one and not any("mesh.sequence" in a for a in one)
-    assert "--start=65536" in one and "--granule=1024" in one
+    assert "--start=65536" in one and "--granule=1024" in one and "--refine=32" in one and "--jobs=2" in one
     four = scaleout.cell_command(
         args, "context", 4, tmp_path, {("configs/gpt_1b.py", "blockwise_parallel"): 786432}
     )

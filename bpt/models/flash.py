@@ -55,6 +55,7 @@ from bpt.ops.gau import (
     resolve_impl,
 )
 from bpt.ops.remat import check_policy
+from bpt.parallel.gau import sharded_mixed_chunk_attention
 from bpt.parallel.mesh import BATCH_AXES, Parallelism
 
 Array = jax.Array
@@ -274,9 +275,10 @@ class GAULayer(Layer):
         if layer is not None:  # decoding a scanned stack: the carry holds every layer's cache
             x, *stacks = x
         par = None if self.decode else self.parallel
-        if par is not None and par.sequence > 1:
+        if par is not None and par.sequence > 1 and cfg.attention != "mixed_chunk":
             raise ValueError(
-                "FLASH does not run with mesh.sequence > 1 yet; use mesh.data, mesh.fsdp or mesh.tensor"
+                f"FLASH with attention={cfg.attention!r} attends over the whole sequence and does not run "
+                "with mesh.sequence > 1; use attention='mixed_chunk'"
             )
         if par is not None:
             x = jax.lax.with_sharding_constraint(x, par.activations())
@@ -345,6 +347,18 @@ class GAULayer(Layer):
             impl=impl,
         )
         par = self.parallel
+        if par is not None and par.sequence > 1:  # chunks on their devices, one running sum across
+            return sharded_mixed_chunk_attention(
+                *qk,
+                v,
+                mesh=par.mesh,
+                chunk_size=g,
+                quad_scale=cfg.quad_scale,
+                lin_scale=cfg.lin_scale,
+                bias=bias,
+                segment_ids=segment_ids,
+                impl=impl,
+            )[:, :t]
         if impl == "pallas" and par is not None and par.mesh.size > 1:  # a kernel XLA cannot split
             rows = PartitionSpec(BATCH_AXES)
             seg_spec = None if segment_ids is None else rows
@@ -544,6 +558,9 @@ class FLASH(CausalLM):
 
     config: FLASHConfig
     parallel: Parallelism | None = None
+    # Contiguous sequence shards: each token's work is the same (a chunk and a running sum),
+    # and the chunks stay in order on their devices (bpt.parallel.gau).
+    sequence_layout = "none"
 
     def layer_class(self):
         return GAULayer

@@ -385,6 +385,7 @@ class Block(Layer):
                 mesh=par.mesh,
                 strategy=par.context_parallel,
                 layout=par.load_balance,
+                head_groups=par.head_groups,
             )
         else:
             attend = attention
@@ -432,8 +433,9 @@ class Block(Layer):
         attend to the cache up to their own positions (bpt.ops.decode_attention, by
         model.decode_impl). stacks: (k, v) of all layers [layers, batch, slots, ...], and
         their scales with cache_dtype int8 (the scanned stack's carry), written and read at
-        `layer` in place; None: this layer's own cache variables. With the sequence sharded over a mesh, so is the cache, along
-        its slots, and attention over it is Tree Attention (bpt.parallel.tree_decode_attention).
+        `layer` in place; None: this layer's own cache variables. With the sequence sharded over
+        a mesh, so is the cache, along its slots (striped: position p on device p mod N), and
+        attention over it is Tree Attention (bpt.parallel.tree_decode_attention).
         """
         cfg = self.config
         batch, length = q.shape[:2]
@@ -441,8 +443,10 @@ class Block(Layer):
         positions = start[:, None] + jnp.arange(length)  # [batch, length]
         par = self.parallel
         if par is not None and par.sequence > 1:
-            write = functools.partial(sharded_write_cache, mesh=par.mesh, layer=layer)
-            attend = functools.partial(tree_decode_attention, mesh=par.mesh, batch_axes=(), layer=layer)
+            # striped: a long prompt's chunks fill every device's shard evenly (bpt.parallel.tree)
+            sharded = dict(mesh=par.mesh, layer=layer, layout="striped")
+            write = functools.partial(sharded_write_cache, **sharded)
+            attend = functools.partial(tree_decode_attention, batch_axes=(), **sharded)
         else:
             write = functools.partial(write_cache, layer=layer)
             attend = functools.partial(decode_attention, layer=layer)

@@ -219,6 +219,10 @@ class CausalLM(nn.Module):
         )
 
     language_model = True  # its loss is a log-likelihood of tokens (perplexity means something)
+    # The token layout of sequence shards: None takes mesh.load_balance (causal softmax
+    # attention's work grows along the sequence); a family whose work per token is even
+    # names its own.
+    sequence_layout = None
 
     def example_inputs(self):
         """The smallest inputs the model's call takes (to create its parameters)."""
@@ -245,7 +249,7 @@ class CausalLM(nn.Module):
         shards = 1 if par is None else par.sequence
         if shards == 1:
             return None, 1, (tokens, targets, loss_mask, segment_ids, positions)
-        perm = layout_permutation(seq_len, shards, par.load_balance)
+        perm = layout_permutation(seq_len, shards, self.sequence_layout or par.load_balance)
         tokens, targets, loss_mask, segment_ids = (
             None if x is None else to_layout(x, perm) for x in (tokens, targets, loss_mask, segment_ids)
         )

@@ -1,5 +1,8 @@
-"""Running on a mesh of devices: the mesh and its sharding rules, and context parallelism."""
+"""Running on a mesh of devices: the mesh and its sharding rules, context parallelism (softmax
+attention's ring and all-gather, FLASH's mixed chunk attention), decoding over a sharded
+cache."""
 
+from bpt.parallel.gau import sharded_mixed_chunk_attention
 from bpt.parallel.mesh import (
     AXES,
     BATCH_AXES,
@@ -37,6 +40,7 @@ __all__ = [
     "param_shardings",
     "ring_attention",
     "ring_decode_attention",
+    "sharded_mixed_chunk_attention",
     "sharded_write_cache",
     "to_layout",
     "tree_decode_attention",

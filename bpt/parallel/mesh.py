@@ -82,12 +82,14 @@ class Parallelism:
     """How a model runs on a mesh: the mesh, and how attention spans the sequence axis.
 
     context_parallel: 'ring' | 'all_gather'. load_balance: the token layout of the sequence
-    shards, 'zigzag' | 'striped' | 'none' (bpt.parallel.ring).
+    shards, 'zigzag' | 'striped' | 'none'. head_groups: 'auto' | N, how many groups of heads
+    attend across the shards one after another (bpt.parallel.ring).
     """
 
     mesh: Mesh
     context_parallel: str = "ring"
     load_balance: str = "zigzag"
+    head_groups: int | str = "auto"
 
     def __post_init__(self):
         if self.context_parallel not in CONTEXT_PARALLEL:

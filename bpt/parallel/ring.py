@@ -12,6 +12,10 @@ Two strategies compute the same function:
   whose keys and values are small), attends to them shard by shard, and the backward returns
   each shard's dK/dV to its owner with one reduce-scatter.
 
+Both can attend the heads in groups, one group after another (head_groups; by default long
+shards only): what a device holds beyond its local attention, the visiting shards and the
+float32 dK/dV sums, is then one group's.
+
 Both merge the shards' partial results with their logsumexp in float32 (the merge is exact,
 so the error does not grow with the ring size), and both are one custom_vjp whose backward is
 FlashAttention-2's, given the merged output and logsumexp: each shard's gradient is its share
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +59,9 @@ Array = jax.Array
 LAYOUTS = ("zigzag", "striped", "none")
 STRATEGIES = ("ring", "all_gather")
 LOCAL_IMPLS = ("blockwise", "pallas", "auto")
+# head_groups="auto" splits the heads until one group's float32 dK/dV sums (the ring's
+# travelling accumulators; all of the gathered shards' for all_gather) are at most this.
+GROUP_BYTES = 1 << 30
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -107,6 +115,7 @@ class _Settings:
     impl: str  # local: blockwise | pallas
     q_chunk_size: int
     kv_chunk_size: int
+    head_groups: int = 1  # heads are attended in this many groups, one group after another
 
 
 def _local_forward(s: _Settings, kind: str, q, k, v, q_seg, kv_seg):
@@ -318,6 +327,56 @@ def _attend(s: _Settings, q, k, v, q_seg, kv_seg):
 
 
 def _attend_fwd(s: _Settings, q, k, v, q_seg, kv_seg):
+    b, sq, h, _ = q.shape
+    out, lse = _in_head_groups(
+        s.head_groups,
+        functools.partial(_forward, s, q_seg=q_seg, kv_seg=kv_seg),
+        (q, k, v),
+        (2, 2, 2),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
+        (2, 1),
+    )
+    return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _attend_bwd(s: _Settings, residuals, d_out):
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see nothing: zero probabilities
+    dq, dk, dv = _in_head_groups(
+        s.head_groups,
+        functools.partial(_backward, s, q_seg=q_seg, kv_seg=kv_seg),
+        (q, k, v, out, lse, d_out),
+        (2, 2, 2, 2, 1, 2),
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
+        (2, 2, 2),
+    )
+    return dq, dk, dv, None, None
+
+
+def _in_head_groups(groups: int, fn, args, arg_axes, results, result_axes):
+    """fn(*args) computed for `groups` slices of the heads at a time, one after another: each
+    arg is sliced along its heads axis (arg_axes) and each result (ShapeDtypeStructs) filled
+    in along its own (result_axes). A loop, so that one group's temporaries (the visiting
+    shard, its dK/dV sums in flight) are all that is live: memory a group is 1/groups."""
+    if groups == 1:
+        return fn(*args)
+
+    def piece(x, axis, g):
+        size = x.shape[axis] // groups
+        return lax.dynamic_slice_in_dim(x, g * size, size, axis)
+
+    def body(g, filled):
+        parts = fn(*(piece(x, axis, g) for x, axis in zip(args, arg_axes)))
+        return tuple(
+            lax.dynamic_update_slice_in_dim(r, p.astype(r.dtype), g * p.shape[axis], axis)
+            for r, p, axis in zip(filled, parts, result_axes)
+        )
+
+    return lax.fori_loop(0, groups, body, tuple(jnp.zeros(r.shape, r.dtype) for r in results))
+
+
+def _forward(s: _Settings, q, k, v, *, q_seg, kv_seg):
+    """(out, lse) of the whole sequence's attention for these heads."""
     index = lax.axis_index(s.axis)
     out, lse = _hop_forward(s, True, None, q, k, v, q_seg, kv_seg)
     own = (out.astype(jnp.float32), lse)
@@ -331,14 +390,13 @@ def _attend_fwd(s: _Settings, q, k, v, q_seg, kv_seg):
     shard = (k, v, kv_seg)
     gathered = tuple(_gather(s, x) for x in shard) if s.strategy == "all_gather" else None
     out, lse = _hops(s, visit, own, shard, gathered)
-    out = out.astype(q.dtype)
-    return out, (q, k, v, q_seg, kv_seg, out, lse)
+    return out.astype(q.dtype), lse
 
 
-def _attend_bwd(s: _Settings, residuals, d_out):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
+def _backward(s: _Settings, q, k, v, out, lse, d_out, *, q_seg, kv_seg):
+    """(dq, dk, dv) of the whole sequence's attention for these heads (lse is +inf where a
+    query sees no key)."""
     index = lax.axis_index(s.axis)
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see nothing: zero probabilities
     d_lse = jnp.zeros(lse.shape, jnp.float32)
     grads = functools.partial(_hop_backward, s, q=q, q_seg=q_seg, out=out, lse=lse, d_out=d_out, d_lse=d_lse)
     dq, dk, dv = grads(True, None, k=k, v=v, kv_seg=kv_seg)
@@ -368,7 +426,7 @@ def _attend_bwd(s: _Settings, residuals, d_out):
             return dq + dq_t, _send(s, (dkv[0] + dk_t, dkv[1] + dv_t))
 
         dq, (dk, dv) = _hops(s, visit, (dq, _send(s, (dk, dv))), shard, None)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -389,6 +447,21 @@ def local_impl(impl: str, dtype) -> str:
     return "pallas" if impl in ("auto", "cudnn") and on_gpu else "blockwise"
 
 
+def head_groups_for(
+    batch: int, local_tokens: int, kv_heads: int, head_dim: int, *, shards: int, strategy: str
+) -> int:
+    """The fewest groups of heads (a divisor of kv_heads) whose float32 dK/dV sums stay within
+    GROUP_BYTES per device: the ring's travel with their shard (and are received into a
+    second buffer), all_gather's cover every gathered shard. Long shards are thus attended a
+    few heads at a time, which bounds what context parallelism holds beyond the local
+    attention's own memory; short ones keep all heads in one group (fewer, larger hops)."""
+    sums = 2 * 4 * batch * local_tokens * head_dim * (shards if strategy == "all_gather" else 1)
+    for groups in range(1, kv_heads + 1):
+        if kv_heads % groups == 0 and sums * (kv_heads // groups) <= GROUP_BYTES:
+            return groups
+    return kv_heads
+
+
 def context_parallel_attention(
     q: Array,
     k: Array,
@@ -405,6 +478,7 @@ def context_parallel_attention(
     axis: str = "sequence",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     head_axis: str = "tensor",
+    head_groups: int | str = "auto",
 ) -> Array:
     """Exact attention of inputs already in `layout` order, sequence sharded over mesh[axis].
 
@@ -412,6 +486,9 @@ def context_parallel_attention(
     segment_ids [batch, seq] or None, all permuted by layout_permutation(seq, shards, layout).
     The batch is sharded over batch_axes and the heads over head_axis where the mesh has them.
     Returns the output in the same (layout) order. Differentiable (a custom_vjp).
+    head_groups: attend this many groups of heads one after another (a divisor of each
+    device's key/value heads), so that what travels between devices is that much smaller;
+    'auto' (head_groups_for) splits long shards only.
     """
     check_qkv(q, k, v)
     for name, value, allowed in (("strategy", strategy, STRATEGIES), ("layout", layout, LAYOUTS)):
@@ -455,14 +532,37 @@ def context_parallel_attention(
             )
     else:
         impl = local_impl(impl, q.dtype)  # what each hop runs
+        local_kv_heads = k.shape[2] // math.prod(mesh.shape[a] for a in heads or ())
+        batch_size = q.shape[0] // math.prod(mesh.shape[a] for a in batch or ())
+        groups = _check_head_groups(head_groups, local_kv_heads)
+        if groups == "auto":
+            groups = head_groups_for(
+                batch_size, local, local_kv_heads, q.shape[3], shards=shards, strategy=strategy
+            )
         settings = _Settings(
-            axis, shards, strategy, layout, causal, impl, chunk(q_chunk_size), chunk(kv_chunk_size)
+            axis, shards, strategy, layout, causal, impl, chunk(q_chunk_size), chunk(kv_chunk_size), groups
         )
         body = functools.partial(_attend, settings)
     seg_specs = (None, None) if q_seg is None else (segs, segs)
     return jax.shard_map(
         body, mesh=mesh, in_specs=(rows, rows, rows, *seg_specs), out_specs=rows, check_vma=False
     )(q, k, v, q_seg, kv_seg)
+
+
+def _check_head_groups(head_groups, kv_heads: int):
+    if head_groups == "auto":
+        return head_groups
+    if (
+        isinstance(head_groups, bool)
+        or not isinstance(head_groups, int)
+        or head_groups < 1
+        or kv_heads % head_groups
+    ):
+        raise ValueError(
+            f"context-parallel head_groups must be 'auto' or a positive divisor of the {kv_heads} "
+            f"key/value heads each device holds; got {head_groups!r}"
+        )
+    return head_groups
 
 
 def _natural_order(fn, q, k, v, *, mesh, causal, segment_ids, layout, axis, **kwargs):
@@ -500,6 +600,7 @@ def ring_attention(
     q_chunk_size: int = 512,
     kv_chunk_size: int = 512,
     axis: str = "sequence",
+    head_groups: int | str = "auto",
 ) -> Array:
     """Exact attention by ring attention over mesh[axis]; equal to reference_attention.
 
@@ -524,6 +625,7 @@ def ring_attention(
         impl=impl,
         q_chunk_size=q_chunk_size,
         kv_chunk_size=kv_chunk_size,
+        head_groups=head_groups,
     )
 
 
@@ -540,6 +642,7 @@ def all_gather_attention(
     q_chunk_size: int = 512,
     kv_chunk_size: int = 512,
     axis: str = "sequence",
+    head_groups: int | str = "auto",
 ) -> Array:
     """As ring_attention, with the key/value shards gathered once instead of passed around."""
     return _natural_order(
@@ -556,4 +659,5 @@ def all_gather_attention(
         impl=impl,
         q_chunk_size=q_chunk_size,
         kv_chunk_size=kv_chunk_size,
+        head_groups=head_groups,
     )

@@ -28,7 +28,12 @@ def make_parallelism(config: ConfigDict, devices=None) -> Parallelism | None:
     check_mesh(config, dict(mesh.shape))
     if mesh.size == 1:
         return None
-    return Parallelism(mesh, context_parallel=m.context_parallel, load_balance=m.load_balance)
+    return Parallelism(
+        mesh,
+        context_parallel=m.context_parallel,
+        load_balance=m.load_balance,
+        head_groups=m.get("context_head_groups", 0) or "auto",
+    )
 
 
 def _boxed_params(model: CausalLM, rng):

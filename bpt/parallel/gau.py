@@ -1,0 +1,122 @@
+"""FLASH's mixed chunk attention with the sequence sharded over devices.
+
+The mixed form needs no ring: inside a chunk it is quadratic, and across chunks it is a
+running sum of lin_k v^T, [s, e] whatever the length. With contiguous shards whose length is
+a multiple of the chunk, every chunk lies on one device, so each device runs the one-device
+attention on its tokens (bpt.ops.gau.mixed_chunk_attention, kernels included), and the
+only thing that crosses devices is the linear sum of the tokens on the devices before it:
+one all-gather of each device's [batch, s, e] float32 total, a few megabytes. Its queries
+add lin_q . that sum * lin_scale to their output. Autodiff carries the gradient back
+through the all-gather (a reduce-scatter of the sums' gradients).
+
+Packed documents (segment ids, each document one contiguous run of ids): a device's
+queries take the earlier devices' sum only for the document its first token belongs to,
+and only the tokens of that document, which on an earlier device are the ones at its end,
+and only if every device in between holds nothing but that document.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from bpt.ops.gau import mixed_chunk_attention
+from bpt.parallel.mesh import mesh_axes
+
+Array = jax.Array
+
+
+def sharded_mixed_chunk_attention(
+    quad_q: Array,
+    quad_k: Array,
+    lin_q: Array,
+    lin_k: Array,
+    v: Array,
+    *,
+    mesh: Mesh,
+    chunk_size: int,
+    quad_scale: float,
+    lin_scale: float,
+    bias: Array | None = None,
+    segment_ids: Array | None = None,
+    impl: str = "blockwise",
+    axis: str = "sequence",
+    batch_axes: tuple[str, ...] = ("data", "fsdp"),
+    value_axis: str = "tensor",
+) -> Array:
+    """bpt.ops.gau.mixed_chunk_attention (same arguments and result, global arrays in token
+    order) with the tokens split in contiguous shards over mesh[axis], the batch over
+    batch_axes and the values' width over value_axis (each output column needs only its own
+    value column; not with the Pallas kernels). Each device's share of the sequence must be
+    a multiple of chunk_size."""
+    shards = mesh.shape[axis] if axis in mesh.axis_names else 1
+    t = quad_q.shape[1]
+    if t % (shards * chunk_size):
+        raise ValueError(
+            f"FLASH over mesh.{axis}={shards} needs a sequence of a multiple of {shards} x chunk_size="
+            f"{chunk_size} tokens, so that no chunk straddles two devices; got {t}"
+        )
+    attend = functools.partial(
+        mixed_chunk_attention, chunk_size=chunk_size, quad_scale=quad_scale, lin_scale=lin_scale, impl=impl
+    )
+    rows = PartitionSpec(mesh_axes(mesh, batch_axes), axis if shards > 1 else None)
+    columns = mesh_axes(mesh, (value_axis,))
+    if columns and impl == "pallas":
+        raise ValueError(
+            f"FLASH's Pallas kernels do not split the values over mesh.{value_axis}; use impl='blockwise'"
+        )
+    values = PartitionSpec(*rows, columns)
+
+    def body(quad_q, quad_k, lin_q, lin_k, v, bias, seg):
+        out = attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg)
+        if shards == 1:
+            return out
+        carry, sees = _state_from_earlier_devices(lin_k, v, seg, axis, shards)
+        lq = lin_q * lin_scale
+        if sees is not None:
+            lq = jnp.where(sees[..., None], lq, 0)
+        extra = jnp.einsum(
+            "bts,bse->bte", lq.astype(v.dtype), carry.astype(v.dtype), preferred_element_type=jnp.float32
+        )
+        return (out.astype(jnp.float32) + extra).astype(out.dtype)
+
+    seg_spec = None if segment_ids is None else rows
+    # The bias table is the same on every device; shard_map sums its gradient over them.
+    bias_spec = None if bias is None else PartitionSpec()
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(rows,) * 4 + (values, bias_spec, seg_spec),
+        out_specs=values,
+        check_vma=False,
+    )(quad_q, quad_k, lin_q, lin_k, v, bias, segment_ids)
+
+
+def _state_from_earlier_devices(lin_k, v, seg, axis: str, shards: int):
+    """(the float32 [batch, s, e] linear sum this device's queries take from the devices
+    before it, and which of its queries take it: [batch, t] bool, or None for all)."""
+    index = lax.axis_index(axis)
+    if seg is None:
+        total = jnp.einsum("bts,bte->bse", lin_k, v, preferred_element_type=jnp.float32)
+        totals = lax.all_gather(total, axis)  # [shards, batch, s, e]
+        before = (jnp.arange(shards) < index).astype(jnp.float32)
+        return jnp.einsum("d,dbse->bse", before, totals), None
+    first, last = seg[:, 0], seg[:, -1]  # [batch]
+    tail = jnp.einsum(
+        "bts,bte->bse", jnp.where((seg == last[:, None])[..., None], lin_k, 0), v,
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    tails, firsts, lasts = (lax.all_gather(x, axis) for x in (tail, first, last))  # [shards, batch, ...]
+    # Device d < index passes its tail on when it ends in this device's first document and
+    # every device strictly between holds that document alone.
+    r = jnp.arange(shards)
+    whole = (firsts == lasts) & (firsts == first[None])  # [shards, batch]
+    between = (r[:, None] > r[None, :]) & (r[:, None] < index)  # [m, d]: d < m < index
+    blocked = jnp.any(between[..., None] & ~whole[:, None, :], axis=0)  # [d, batch]
+    passes = (r < index)[:, None] & (lasts == first[None]) & ~blocked  # [shards, batch]
+    carry = jnp.einsum("db,dbse->bse", passes.astype(jnp.float32), tails)
+    return carry, seg == first[:, None]
