@@ -12,7 +12,9 @@ process that sees only those N devices, and leaves its results under --out:
   the N GPUs (mesh.sequence=N, the ring by default; --context_set adds settings such as
   mesh.context_parallel=all_gather). The search starts from half of N times the one-GPU
   result and bisects in units of 2 N chunks (the zigzag layout's). --verify confirms the
-  longest by a real step.
+  longest by a real step. --context_together runs the cells of every GPU count at once
+  instead (they only compile, so they can share the GPUs: minutes instead of tens of
+  minutes), each from N x --context_start and without autotuning.
 - throughput: scripts/bench_scaling.py --parts train, tokens/s per GPU of data, FSDP and
   sequence parallelism at each --tokens per GPU, against one GPU at the same tokens per
   GPU (the scaling efficiency).
@@ -32,6 +34,7 @@ Without GPUs the cells run on N simulated CPU devices (for tests).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shutil
@@ -57,9 +60,12 @@ def gpu_count() -> int:
     )
 
 
-def device_env(n: int, on_gpu: bool) -> dict:
-    """The environment of a process that sees the first n devices."""
+def device_env(n: int, on_gpu: bool, *, autotune: bool = True) -> dict:
+    """The environment of a process that sees the first n devices (autotune=False: XLA picks
+    its GPU kernels without trying them on the device, for processes that share it)."""
     env = dict(os.environ)
+    if not autotune:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
     if on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
     else:
@@ -97,7 +103,10 @@ def cell_command(args, part: str, n: int, path: Path, one_gpu_context: dict) -> 
             granule = 2 * n * args.chunk
             command += [f"--set=mesh.sequence={n}", *(f"--set={s}" for s in args.context_set)]
         known = [v for v in one_gpu_context.values() if v]
-        start = max(args.context_start, n * min(known) // 2) if n > 1 and known else args.context_start
+        if args.context_together:  # every GPU count at once: no one-GPU result to start from
+            start = n * args.context_start
+        else:
+            start = max(args.context_start, n * min(known) // 2) if n > 1 and known else args.context_start
         start = -(-start // granule) * granule
         command += [f"--start={start}", f"--granule={granule}"]
         if args.verify:
@@ -144,7 +153,9 @@ def run_cell(args, part: str, n: int, on_gpu: bool) -> str:
         return "failed before (--rerun_failed retries it)"
     path.mkdir(parents=True, exist_ok=True)
     (path / "failed.json").unlink(missing_ok=True)
-    one_gpu = {setting: r["longest"] for setting, r in context_summaries(args.out).items() if r["gpus"] == 1}
+    together = part == "context" and args.context_together  # the other cells still running
+    summaries = {} if together else context_summaries(args.out)
+    one_gpu = {setting: r["longest"] for setting, r in summaries.items() if r["gpus"] == 1}
     command = cell_command(args, part, n, path, one_gpu)
     start = time.time()
     with open(path / "log.txt", "w") as log:
@@ -153,7 +164,7 @@ def run_cell(args, part: str, n: int, on_gpu: bool) -> str:
         try:
             proc = subprocess.run(
                 command,
-                env=device_env(n, on_gpu),
+                env=device_env(n, on_gpu, autotune=not together),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 timeout=args.cell_timeout or None,
@@ -401,6 +412,12 @@ def main() -> None:
     parser.add_argument(
         "--memory_gib", type=float, default=0.0, help="context: budget a device (0: its limit)"
     )
+    parser.add_argument(
+        "--context_together",
+        action="store_true",
+        help="context: search on every GPU count at once (compiling shares the GPUs; each search starts "
+        "at N x --context_start and compiles without autotuning; not with --verify)",
+    )
     parser.add_argument("--verify", action="store_true", help="context: confirm the longest by a real step")
     parser.add_argument("--verify_max", type=int, default=0)
     parser.add_argument("--throughput_config", default="configs/gpt_1b.py")
@@ -420,6 +437,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     parts = parse_choices(parser, args.parts, PARTS, "part")
+    if args.context_together and args.verify:
+        parser.error(
+            "--context_together compiles only; --verify runs real steps, which cannot share the GPUs"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report:
         gpus = gpu_count()
@@ -433,6 +454,15 @@ def main() -> None:
             + (f" (skipped {skipped})" if skipped else "")
         )
         cells = [(part, n) for part in parts for n in counts if not (part == "decode" and n == 1)]
+        together = [cell for cell in cells if cell[0] == "context"] if args.context_together else []
+        if together:
+            cells = [cell for cell in cells if cell[0] != "context"]
+            print(f"context on {', '.join(str(n) for _, n in together)} devices at once ...", flush=True)
+            with concurrent.futures.ThreadPoolExecutor(len(together)) as pool:
+                runs = {pool.submit(run_cell, args, part, n, on_gpu): n for part, n in together}
+                for run in concurrent.futures.as_completed(runs):
+                    print(f"context on {runs[run]}: {run.result()}", flush=True)
+            report(args.out)
         for i, (part, n) in enumerate(cells, 1):
             print(f"[{i}/{len(cells)}] {part} on {n} device{'s' if n > 1 else ''} ...", flush=True)
             print(f"[{i}/{len(cells)}] {part} on {n}: {run_cell(args, part, n, on_gpu)}", flush=True)

@@ -24,7 +24,7 @@ def test_context_cells_start_near_n_times_one_gpu_in_zigzag_units(scaleout, tmp_
     args = SimpleNamespace(
         configs="configs/gpt_1b.py", modes="blockwise_parallel", chunk=1024, context_stop=1 << 24,
         context_start=65536, context_set=["mesh.context_parallel=all_gather"], memory_gib=0.0,
-        verify=False, verify_max=0, context_refine=32, context_jobs=2,
+        verify=False, verify_max=0, context_refine=32, context_jobs=2, context_together=False,
     )  # fmt: skip
     one = scaleout.cell_command(args, "context", 1, tmp_path, {})
     assert "--set=mesh.data=1" in one and not any("mesh.sequence" in a for a in one)
@@ -36,8 +36,12 @@ def test_context_cells_start_near_n_times_one_gpu_in_zigzag_units(scaleout, tmp_
     # half of 4 x 768K, a multiple of 2 x 4 x 1024
     assert "--start=1572864" in four and "--granule=8192" in four
     env = scaleout.device_env(4, on_gpu=True)
-    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and "autotune" not in env.get("XLA_FLAGS", "")
     assert scaleout.device_env(2, on_gpu=False)["JAX_NUM_CPU_DEVICES"] == "2"
+    assert "--xla_gpu_autotune_level=0" in scaleout.device_env(4, True, autotune=False)["XLA_FLAGS"]
+    args.context_together = True  # all GPU counts at once: each from N x the start
+    four = scaleout.cell_command(args, "context", 4, tmp_path, {})
+    assert "--start=262144" in four
 
 
 def test_report_tables_and_targets_from_the_cells(scaleout, tmp_path):
@@ -102,3 +106,21 @@ def test_a_campaign_runs_its_cells_once_and_resumes(tmp_path):
     second = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert "decode on 2: done before" in second.stdout, second.stdout + second.stderr
     assert "sample on 1: done before" in second.stdout
+
+
+def test_context_cells_together_on_cpu_devices(tmp_path):
+    """--context_together: the searches on 1 and 2 simulated devices run at once (tiny model,
+    a 1 GiB budget, lengths 512 to 2048), and the report compares them."""
+    command = [sys.executable, str(REPO / "scripts" / "bench_scaleout.py"), f"--out={tmp_path}"]
+    command += ["--parts=context", "--gpus=1,2", "--cpu_devices=2", "--context_together"]
+    command += ["--configs=configs/tiny.py", "--modes=blockwise_parallel", "--chunk=64", "--memory_gib=1"]
+    command += ["--context_start=512", "--context_stop=2048"]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "context on 1, 2 devices at once" in run.stdout
+    for n in (1, 2):
+        records = json.loads((tmp_path / "context" / f"{n}gpu" / "results.json").read_text())["records"]
+        (summary,) = [r for r in records if r.get("summary")]
+        assert summary["longest"] == 2048, records  # the tiny model fits the whole range
+        assert min(r["seq_len"] for r in records if "seq_len" in r) == 512 * n
+    assert "| tiny | blockwise_parallel | 2K | 2K (1.00x, 0.50 N) |" in run.stdout
