@@ -297,7 +297,9 @@ def agentic_config(task: str = "walker_walk", trajectories: int = 4, baseline: s
     c.model.returns_input = baseline != "bc"
     c.data.seq_len = 4 * c.data.trajectories * c.data.episode_length
     c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1000
-    c.train.update(steps=20000, batch_size=64, learning_rate=1e-4, warmup_steps=2000, weight_decay=1e-4, grad_clip=0.25)
+    c.train.update(
+        steps=20000, batch_size=64, learning_rate=1e-4, warmup_steps=2000, weight_decay=1e-4, grad_clip=0.25
+    )
     c.train.update(eval_every=1000, eval_batches=4, checkpoint_every=1000, sample_tokens=0)
     return c
 
@@ -400,25 +402,25 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
         hidden = int(c.model.expansion * c.model.d_model)
         if hidden % tensor:
             raise ValueError(f"mesh.tensor={tensor} must divide FLASH's expansion x d_model = {hidden}")
-    if seq > 1:
-        # FLASH's shards are contiguous (bpt.models.flash.FLASH.sequence_layout)
-        layout = "none" if flash else m.load_balance
-        if c.model.attention_mode == "vanilla" and not flash:
+    if seq > 1 and not flash:
+        if c.model.attention_mode == "vanilla":
             raise ValueError(
                 "model.attention_mode='vanilla' materializes the [seq, seq] scores and cannot run with "
                 "mesh.sequence > 1; use memory_efficient or blockwise_parallel"
             )
+        kv_heads = (c.model.num_kv_heads or c.model.num_heads) // tensor
+        if groups and kv_heads % groups:
+            raise ValueError(
+                f"mesh.context_head_groups={groups} must divide the {kv_heads} key/value heads each device "
+                "holds (model.num_kv_heads / mesh.tensor)"
+            )
+    if seq > 1:
+        layout = "none" if flash else m.load_balance  # FLASH's shards are contiguous (FLASH.sequence_layout)
         pieces = 2 * seq if layout == "zigzag" else seq
         if c.data.seq_len % pieces:
             raise ValueError(
                 f"data.seq_len={c.data.seq_len} does not split into the {pieces} pieces of "
                 f"mesh.load_balance={layout!r} over mesh.sequence={seq}"
-            )
-        kv_heads = (c.model.num_kv_heads or c.model.num_heads) // tensor
-        if groups and kv_heads % groups and not flash:
-            raise ValueError(
-                f"mesh.context_head_groups={groups} must divide the {kv_heads} key/value heads each device "
-                "holds (model.num_kv_heads / mesh.tensor)"
             )
         piece = c.data.seq_len // pieces
         for name in ("loss_chunk_size",) if flash else ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
@@ -514,7 +516,9 @@ def check_config(c: ConfigDict) -> None:
         if not 0.0 < c.data.best_fraction <= 1.0:
             raise ValueError(f"data.best_fraction must be in (0, 1]; got {c.data.best_fraction}")
         if c.train.eval_by_position:
-            raise ValueError("train.eval_by_position measures a language model's loss; set it to 0 for data.name='exorl'")
+            raise ValueError(
+                "train.eval_by_position measures a language model's loss; set it to 0 for data.name='exorl'"
+            )
     if c.data.name == "copy" and c.data.seq_len % 2:
         raise ValueError(f"data.name='copy' needs an even data.seq_len; got {c.data.seq_len}")
     # The family's config (GPTConfig, FLASHConfig) checks the model's settings.

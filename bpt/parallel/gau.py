@@ -7,7 +7,9 @@ attention on its tokens (bpt.ops.gau.mixed_chunk_attention, kernels included), a
 only thing that crosses devices is the linear sum of the tokens on the devices before it:
 one all-gather of each device's [batch, s, e] float32 total, a few megabytes. Its queries
 add lin_q . that sum * lin_scale to their output. Autodiff carries the gradient back
-through the all-gather (a reduce-scatter of the sums' gradients).
+through the all-gather (a reduce-scatter of the sums' gradients). The device's total is one
+more [s, T] x [T, e] matmul over its tokens: the one-device op keeps its states inside its
+custom_vjp (and, with the kernels, in bf16), so it cannot hand the float32 total out.
 
 Packed documents (segment ids, each document one contiguous run of ids): a device's
 queries take the earlier devices' sum only for the document its first token belongs to,

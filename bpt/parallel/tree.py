@@ -55,16 +55,6 @@ def _check_layout(layout: str) -> None:
         raise ValueError(f"unknown cache layout {layout!r}; allowed: {', '.join(CACHE_LAYOUTS)}")
 
 
-def _local_slots(positions: Array, index, shards: int, length: int, layout: str) -> Array:
-    """Device `index`'s local slot of each position under the layout, or -1 for positions it
-    does not hold (another device's, or past its `length` slots)."""
-    if layout == "striped":
-        local = jnp.where(positions % shards == index, positions // shards, -1)
-    else:
-        local = positions - index * length
-    return jnp.where((local >= 0) & (local < length), local, -1)
-
-
 def _local_last(last: Array, index, shards: int, length: int, layout: str) -> Array:
     """Device `index`'s last visible local slot for queries whose last visible position is
     `last` (-1: none): the visible positions are a prefix of the device's slots."""
@@ -140,10 +130,14 @@ def sharded_write_cache(
     spec = PartitionSpec(*[None] * slot_axis, axis if shards > 1 else None)
 
     def body(cache, new, positions, layer):
-        if shards > 1:
+        offset = 0
+        if shards > 1:  # write_cache drops what falls outside this device's slots
             index = lax.axis_index(axis)
-            positions = _local_slots(positions, index, shards, cache.shape[slot_axis], layout)
-        return write_cache(cache, new, positions, 0, layer if stacked else None)
+            if layout == "striped":  # position p: slot p // N of device p mod N
+                positions = jnp.where(positions % shards == index, positions // shards, -1)
+            else:
+                offset = index * cache.shape[slot_axis]
+        return write_cache(cache, new, positions, offset, layer if stacked else None)
 
     layer = jnp.asarray(layer if stacked else 0, jnp.int32)
     replicated = PartitionSpec()
