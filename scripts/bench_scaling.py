@@ -22,6 +22,8 @@ a fresh process. Reported: tokens/s per GPU, MFU (counting attention at the run'
 and the ratio to one GPU.
 
 Prints markdown tables last; --out writes results.json, table.md and scaling.png.
+--from_json a.json,b.json prints (and with --out plots) earlier runs' rows together, such
+as one GPU's baseline measured apart from the multi-GPU setups.
 """
 
 from __future__ import annotations
@@ -177,26 +179,37 @@ def tables(ring_rows: list[dict], train_rows: list[dict]) -> str:
         out.append("")
     if train_rows:
         out += [
-            "Training throughput (tokens/s per GPU, MFU; ratio to one GPU at the same tokens per GPU)",
+            "Training throughput (tokens/s per GPU, MFU; ratio to one GPU at the same tokens per GPU, "
+            "and at the same context where one GPU ran it)",
             "",
-            "| tokens / GPU | setup | context | GPUs | tokens/s/GPU | MFU | vs 1 GPU | peak GiB |",
-            "|---|---|---|---|---|---|---|---|",
+            "| tokens / GPU | setup | context | GPUs | tokens/s/GPU | MFU | vs 1 GPU | vs 1 GPU, same context "
+            "| peak GiB |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
-        base = {r["tokens_per_device"]: r for r in train_rows if r["setup"] == "1 GPU" and r.get("ok")}
+        ones = [r for r in train_rows if r["setup"] == "1 GPU" and r.get("ok")]
+        by_tokens = {r["tokens_per_device"]: r for r in ones}
+        by_context = {r["seq_len"]: r for r in ones}
+
+        def ratio(r, one):
+            if one is None or one is r:
+                return "–"
+            return f"{r['tokens_per_second_per_gpu'] / one['tokens_per_second_per_gpu']:.3f}"
+
         for r in train_rows:
             if not r.get("ok"):
                 out.append(
-                    f"| {human_tokens(r['tokens_per_device'])} | {r['setup']} | | | failed: {r.get('error', '')[:80]} | | | |"
+                    f"| {human_tokens(r['tokens_per_device'])} | {r['setup']} | | | failed: {r.get('error', '')[:80]} "
+                    "| | | | |"
                 )
                 continue
-            one = base.get(r["tokens_per_device"])
-            ratio = r["tokens_per_second_per_gpu"] / one["tokens_per_second_per_gpu"] if one else None
             mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "–"
             peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "–"
+            same_tokens = by_tokens.get(r["tokens_per_device"])
             out.append(
                 f"| {human_tokens(r['tokens_per_device'])} | {r['setup']} | {human_tokens(r['seq_len'])} | "
                 f"{r['devices']} | {r['tokens_per_second_per_gpu']:,.0f} | {mfu} | "
-                f"{'–' if ratio is None else f'{ratio:.3f}'} | {peak} |"
+                f"{'1.000' if same_tokens is r else ratio(r, same_tokens)} | {ratio(r, by_context.get(r['seq_len']))} "
+                f"| {peak} |"
             )
     return "\n".join(out)
 
@@ -264,6 +277,11 @@ def main() -> None:
         "--set", action="append", default=[], help="train part: section.name=value, repeatable"
     )
     parser.add_argument("--out", default="", help="folder for results.json, table.md and scaling.png")
+    parser.add_argument(
+        "--from_json",
+        default="",
+        help="comma-separated results.json files of earlier runs: their rows in one table (nothing runs)",
+    )
     parser.add_argument("--train_one", help=argparse.SUPPRESS)
     parser.add_argument("--one_tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -276,10 +294,16 @@ def main() -> None:
 
     from benchlib import run_meta
 
-    meta = run_meta(parts=parts, settings=args.set)
-    print(json.dumps(meta), flush=True)
-    ring_rows = ring_part(args) if "ring" in parts else []
-    train_rows = train_part(args) if "train" in parts else []
+    if args.from_json:
+        runs = [json.loads(Path(path).read_text()) for path in args.from_json.split(",")]
+        meta = {"from": args.from_json.split(","), "runs": [run["meta"] for run in runs]}
+        ring_rows = [row for run in runs for row in run["ring"]]
+        train_rows = [row for run in runs for row in run["train"]]
+    else:
+        meta = run_meta(parts=parts, settings=args.set)
+        print(json.dumps(meta), flush=True)
+        ring_rows = ring_part(args) if "ring" in parts else []
+        train_rows = train_part(args) if "train" in parts else []
     text = tables(ring_rows, train_rows)
     if args.out:
         out = Path(args.out)

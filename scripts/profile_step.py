@@ -6,7 +6,10 @@
 
 Runs --warmup steps, then --steps steps under jax.profiler, and sums the device's kernel
 time by the XLA operation each kernel belongs to (its fusion or custom call) and by kind
-(matmul, attention kernel, fusion, copy, collective). The trace itself (for Perfetto or
+(matmul, attention kernel, fusion, copy, collective). With a mesh (--set mesh.sequence=4, ...)
+each figure is one device's average, and each device's kernel total is printed too.
+Kernels of different streams (a collective beside a matmul) are summed, so the kernel
+time can pass the step's. The trace itself (for Perfetto or
 TensorBoard) stays under --out. Prints the step time and the --top operations as a markdown
 table last; --out also gets profile.json.
 """
@@ -182,7 +185,15 @@ def main() -> None:
         jax.block_until_ready(metrics)
     seconds = (time.perf_counter() - start) / args.steps  # with the profiler's own overhead
     hlo = compiled.as_text()
-    summary = summarize(device_events(trace_dir), args.steps, hlo_shapes(hlo))
+    events = device_events(trace_dir)
+    # On several devices every figure is one device's average; the per-device totals show
+    # whether the work is balanced.
+    per_device = collections.Counter()
+    for e in events:
+        per_device[e["pid"]] += e["dur"] / 1e3 / args.steps
+    summary = summarize(events, args.steps * max(1, len(per_device)), hlo_shapes(hlo))
+    summary["devices"] = len(per_device)
+    summary["kernel_ms_per_step_by_device"] = [per_device[pid] for pid in sorted(per_device)]
     vocab = step.model.config.vocab_size
     summary["by_part"] = by_part(
         summary["ops"],
@@ -211,6 +222,11 @@ def main() -> None:
         f"\n{args.config} at {args.seq_len} x {args.batch} {' '.join(args.set)} (remat_layer {result['remat_layer']})"
     )
     print(f"step {seconds * 1e3:.1f} ms (profiled), kernels {total:.1f} ms a step")
+    if summary["devices"] > 1:
+        by_device = ", ".join(f"{ms:.1f}" for ms in summary["kernel_ms_per_step_by_device"])
+        print(
+            f"{summary['devices']} devices, each figure one device's average; kernels by device: {by_device} ms"
+        )
     print(
         "parts: "
         + ", ".join(f"{k} {v:.1f} ms ({v / total:.0%})" for k, v in summary["by_part"].items() if total)

@@ -97,6 +97,54 @@ def test_context_parallel_attention_on_gpus_with_bpts_kernels(strategy, head_gro
         assert err < 1e-2, err
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs or more")
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_flash_attention_over_sequence_shards_on_gpus(packed):
+    """FLASH's mixed chunk attention with the tokens in contiguous shards over the GPUs (each
+    device's chunks through the Pallas kernels, the earlier devices' linear sum by one
+    all-gather), bf16 at flash_125m's sizes, against the float32 one-device op: the output and
+    the gradients of all five inputs, with documents that span devices when packed."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from bpt.ops.gau import mixed_chunk_attention
+    from bpt.parallel import make_mesh
+    from bpt.parallel.gau import sharded_mixed_chunk_attention
+
+    n = jax.device_count()
+    mesh = make_mesh(sequence=n)
+    g, t, s, e = 256, 1024 * n, 128, 1536
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    qk = [jax.random.normal(k, (1, t, s), jnp.bfloat16) for k in keys[:4]]
+    v = jax.random.normal(keys[4], (1, t, e), jnp.bfloat16)
+    cot = jax.random.normal(keys[5], (1, t, e), jnp.float32)
+    # Packed: a document from the middle of device 0 to the middle of device 1 (and, with
+    # more GPUs, one that covers whole devices), then the rest.
+    seg = jnp.array([[0] * 512 + [1] * 1024 + [2] * (t - 1536)]) if packed else None
+    settings = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t, segment_ids=seg)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+
+    def ref_loss(*a):
+        with jax.default_matmul_precision("highest"):
+            out = mixed_chunk_attention(*map(up, a), impl="blockwise", **settings)
+        return jnp.sum(out * cot), out
+
+    def loss(*a):
+        out = sharded_mixed_chunk_attention(*a, mesh=mesh, impl="pallas", **settings)
+        return jnp.sum(up(out) * cot), out
+
+    ref_grads, ref_out = jax.jit(jax.grad(ref_loss, argnums=tuple(range(5)), has_aux=True))(*qk, v)
+    sharded = NamedSharding(mesh, PartitionSpec(None, "sequence"))
+    grads, out = jax.jit(jax.grad(loss, argnums=tuple(range(5)), has_aux=True))(
+        *(jax.device_put(x, sharded) for x in (*qk, v))
+    )
+    for got, want in zip((out, *grads), (ref_out, *ref_grads)):
+        err = float(jnp.linalg.norm(up(got) - want) / jnp.linalg.norm(want))
+        assert err < 1e-2, err
+
+
 def test_head_groups_split_long_shards_only():
     from bpt.parallel.ring import GROUP_BYTES, head_groups_for
 

@@ -124,3 +124,39 @@ def test_context_cells_together_on_cpu_devices(tmp_path):
         assert summary["longest"] == 2048, records  # the tiny model fits the whole range
         assert min(r["seq_len"] for r in records if "seq_len" in r) == 512 * n
     assert "| tiny | blockwise_parallel | 2K | 2K (1.00x, 0.50 N) |" in run.stdout
+
+
+def test_scaling_table_compares_sequence_setups_with_one_gpu_at_their_context(tmp_path):
+    """bench_scaling's train table: each setup against one GPU at its tokens per GPU, and the
+    sequence setups also against one GPU at their whole context, from two runs' JSON merged."""
+
+    def row(setup, tokens, seq_len, devices, rate):
+        return dict(setup=setup, tokens_per_device=tokens, seq_len=seq_len, devices=devices, ok=True,
+                    tokens_per_second=rate * devices, tokens_per_second_per_gpu=rate, mfu=0.3, peak_gib=50.0)  # fmt: skip
+
+    runs = {
+        "four.json": [
+            row("1 GPU", 65536, 65536, 1, 16000.0),
+            row("sequence (ring)", 65536, 262144, 4, 3000.0),
+        ],
+        "one.json": [row("1 GPU", 262144, 262144, 1, 4000.0)],
+    }
+    for name, rows in runs.items():
+        (tmp_path / name).write_text(json.dumps({"meta": {"name": name}, "ring": [], "train": rows}))
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_scaling.py", "--out", str(tmp_path / "merged"),
+         "--from_json", f"{tmp_path / 'four.json'},{tmp_path / 'one.json'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = {line.split("|")[2].strip() + " " + line.split("|")[1].strip(): line for line in proc.stdout.splitlines()
+             if line.startswith("| ") and "GPU" not in line.split("|")[1]}  # fmt: skip
+    ring = [c.strip() for c in lines["sequence (ring) 64K"].split("|")]
+    assert ring[7:9] == ["0.188", "0.750"]  # 3000 / 16000 and 3000 / 4000
+    assert [c.strip() for c in lines["1 GPU 256K"].split("|")][7:9] == ["1.000", "–"]
+    assert (tmp_path / "merged" / "scaling.png").is_file()
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert len(merged["train"]) == 3 and [m["name"] for m in merged["meta"]["runs"]] == [
+        "four.json",
+        "one.json",
+    ]
