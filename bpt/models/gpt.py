@@ -233,7 +233,8 @@ class GPTConfig(LMConfigMixin):
         seq_len keys (half of them, causal)."""
         d, h, kv, hd, f = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head, self.mlp_dim
         matmul_params = (
-            self.num_layers * (2 * d * h * hd + 2 * d * kv * hd + self.ffn_matrices * d * f) + d * self.vocab_size
+            self.num_layers * (2 * d * h * hd + 2 * d * kv * hd + self.ffn_matrices * d * f)
+            + d * self.vocab_size
         )
         attention = 12 * self.num_layers * h * hd * seq_len * (0.5 if causal else 1.0)
         return 6.0 * matmul_params + attention
@@ -322,7 +323,11 @@ class Block(Layer):
             ("w2", (f, d), ("mlp", "embed"), residual, True),
             ("b2", (d,), ("embed",), zeros, cfg.use_bias),
         ]
-        return {name: self._param(name, shape, axes, init) for name, shape, axes, init, present in table if present}
+        return {
+            name: self._param(name, shape, axes, init)
+            for name, shape, axes, init, present in table
+            if present
+        }
 
     @nn.compact
     def __call__(
@@ -412,16 +417,21 @@ class Block(Layer):
             h = x_c + dropout(project_out(p, a_c), rate, fold_rng(rng, 0, i))
             return ffn_residual(h, fold_rng(rng, 1, i), p)
 
-        out = scan_chunks(
-            post_attention,
-            (x, a),
-            chunk_size=cfg.q_chunk_size,
-            policy="none",
-            name="q_chunk_size",
-            weights=post_attention_weights(p),
-            shards=shards,
-        )
-        return from_chunks(out, shards), None
+        def chunk_loop(x, a, weights, shards):
+            out = scan_chunks(
+                post_attention,
+                (x, a),
+                chunk_size=cfg.q_chunk_size,
+                policy="none",
+                name="q_chunk_size",
+                weights=weights,
+                shards=shards,
+            )
+            return from_chunks(out, shards)
+
+        weights = post_attention_weights(p)
+        out = self._per_device(functools.partial(chunk_loop, shards=1), x, a, weights=weights, rng=rng)
+        return (chunk_loop(x, a, weights, shards) if out is None else out), None
 
     def _cached_attention(self, q, k, v, impl: str, cache_index: Array | None, stacks, layer):
         """Attention while decoding, and the caches: the cache holds every position's keys
@@ -484,36 +494,50 @@ class Block(Layer):
     def _fused_blockwise(self, p, x, q, k, v, segment_ids, rng, ffn_residual):
         """The BPT loop: per query block, attention over all key/value blocks, then the FFN."""
         cfg = self.config
-        k, v = gradient_carrier(k), gradient_carrier(v)
 
-        def block(i, chunk, p):
-            x_c, q_c, seg_c = chunk
-            attend = remat(
-                lambda q_c: attend_query_chunk(
-                    q_c,
-                    k,
-                    v,
-                    i * q_c.shape[1],
-                    causal=True,
-                    q_segment_ids=seg_c,
-                    kv_segment_ids=segment_ids,
-                    kv_chunk_size=cfg.kv_chunk_size,
-                )[0],
-                cfg.remat_attention,
-                prevent_cse=False,
+        def loop(x, q, k, v, segment_ids, weights):
+            k, v = gradient_carrier(k), gradient_carrier(v)
+
+            def block(i, chunk, p):
+                x_c, q_c, seg_c = chunk
+                attend = remat(
+                    lambda q_c: attend_query_chunk(
+                        q_c,
+                        k,
+                        v,
+                        i * q_c.shape[1],
+                        causal=True,
+                        q_segment_ids=seg_c,
+                        kv_segment_ids=segment_ids,
+                        kv_chunk_size=cfg.kv_chunk_size,
+                    )[0],
+                    cfg.remat_attention,
+                    prevent_cse=False,
+                )
+                h = x_c + dropout(project_out(p, attend(q_c)), cfg.dropout, fold_rng(rng, 0, i))
+                return ffn_residual(h, fold_rng(rng, 1, i), p)
+
+            out = scan_chunks(
+                block,
+                (x, q, segment_ids),
+                chunk_size=cfg.q_chunk_size,
+                policy="none",
+                name="q_chunk_size",
+                weights=weights,
             )
-            h = x_c + dropout(project_out(p, attend(q_c)), cfg.dropout, fold_rng(rng, 0, i))
-            return ffn_residual(h, fold_rng(rng, 1, i), p)
+            return from_chunks(out)
 
-        out = scan_chunks(
-            block,
-            (x, q, segment_ids),
-            chunk_size=cfg.q_chunk_size,
-            policy="none",
-            name="q_chunk_size",
-            weights=post_attention_weights(p),
-        )
-        return from_chunks(out)
+        rows, weights = (x, q, k, v, segment_ids), post_attention_weights(p)
+        out = self._per_device(loop, *rows, weights=weights, rng=rng)
+        return loop(*rows, weights) if out is None else out
+
+    def _per_device(self, loop, *rows, weights, rng):
+        """The chunk loop run by each device over its own chunks (Parallelism.per_device), or
+        None where it stays global: on one device, and with dropout (its masks are drawn for
+        the global chunk, as on one device)."""
+        if self.parallel is None or rng is not None:
+            return None
+        return self.parallel.per_device(loop, *rows, weights=weights)
 
 
 class GPT(CausalLM):

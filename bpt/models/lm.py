@@ -147,7 +147,10 @@ def final_layer_norm(module: nn.Module, *, bias: bool = True):
     scale = logical_param(module, "ln_f_scale", (cfg.d_model,), ("embed",), nn.initializers.ones_init())
     if not bias:
         return (lambda p, h: rms_norm(h, p, eps)), scale
-    params = (scale, logical_param(module, "ln_f_bias", (cfg.d_model,), ("embed",), nn.initializers.zeros_init()))
+    params = (
+        scale,
+        logical_param(module, "ln_f_bias", (cfg.d_model,), ("embed",), nn.initializers.zeros_init()),
+    )
     return (lambda p, h: layer_norm(h, *p, eps)), params
 
 
@@ -161,7 +164,14 @@ class Layer(nn.Module):
     parallel: Parallelism | None = None  # the mesh; None: one device
 
     def _param(self, name: str, shape: tuple[int, ...], axes: tuple, init) -> Array:
-        return logical_param(self, name, shape, axes, init).astype(jnp.dtype(self.config.dtype))
+        value = logical_param(self, name, shape, axes, init).astype(jnp.dtype(self.config.dtype))
+        par = self.parallel
+        if par is not None and not self.decode and par.shards_weights:
+            # Gathered once here, in the compute dtype: left to XLA, a weight that a chunk
+            # loop reads (BPT's blockwise FFN) is gathered in every chunk, and its gradient
+            # reduce-scattered in every chunk too.
+            value = jax.lax.with_sharding_constraint(value, par.gathered(axes, shape))
+        return value
 
 
 class CausalLM(nn.Module):
@@ -381,16 +391,26 @@ class CausalLM(nn.Module):
             x = jax.lax.with_sharding_constraint(x, par.activations())
             head = jax.lax.with_sharding_constraint(head, par.sharding(None, "tensor"))
         if targets is not None and cfg.chunked_loss:  # the final norm, chunk by chunk too
-            return blockwise_cross_entropy(
-                x,
-                head,
-                targets,
-                chunk_size=cfg.loss_chunk_size,
-                mask=loss_mask,
-                norm=norm,
-                norm_params=norm_params,
-                shards=shards,
-            )
+            loss = functools.partial(blockwise_cross_entropy, chunk_size=cfg.loss_chunk_size, norm=norm)
+            if par is not None:  # each device over its own tokens, where it can
+                per_device = par.per_device(
+                    lambda x, t, m, w: loss(
+                        x,
+                        w[0],
+                        t,
+                        mask=m,
+                        norm_params=w[1],
+                        reduce=lambda s: jax.lax.psum(s, par.mesh.axis_names),
+                    ),
+                    x,
+                    targets,
+                    loss_mask,
+                    weights=(head, norm_params),
+                    reduced=True,
+                )
+                if per_device is not None:
+                    return per_device
+            return loss(x, head, targets, mask=loss_mask, norm_params=norm_params, shards=shards)
         x = norm(norm_params, x)
         logits = jnp.einsum(
             "bsd,dv->bsv", x, head.astype(jnp.dtype(cfg.dtype)), preferred_element_type=jnp.float32

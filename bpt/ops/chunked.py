@@ -182,6 +182,7 @@ def blockwise_cross_entropy(
     norm: Callable[[PyTree, Array], Array] | None = None,
     norm_params: PyTree = None,
     shards: int = 1,
+    reduce: Callable[[Array], Array] | None = None,
 ) -> CrossEntropy:
     """LM head matmul and cross-entropy per chunk; [seq, vocab] logits never exist at once.
 
@@ -205,6 +206,9 @@ def blockwise_cross_entropy(
         intermediates exist one chunk at a time too.
       shards: the sequence is split over that many devices (see to_chunks); chunk_size then
         counts within a shard.
+      reduce: applied to the [nll_sum, count, correct_sum] sums before the mean (inside
+        shard_map: their lax.psum over the devices, so that each device's chunk loop
+        covers its own tokens and the result is the whole batch's).
     Returns:
       CrossEntropy(loss, num_tokens, accuracy), equal to
       cross_entropy(norm(norm_params, hidden) @ weight, ...).
@@ -214,7 +218,8 @@ def blockwise_cross_entropy(
         raise ValueError(f"sequence length {hidden.shape[1]} does not split into {shards} shards")
     chunk_size = resolve_chunk_size(chunk_size, hidden.shape[1] // shards, "chunk_size")
     chunking = (chunk_size, shards)
-    return _finish(_chunked_loss_sums(chunking, norm, hidden, weight, norm_params, targets, mask))
+    sums = _chunked_loss_sums(chunking, norm, hidden, weight, norm_params, targets, mask)
+    return _finish(sums if reduce is None else reduce(sums))
 
 
 VOCAB_ALIGNMENT = 128

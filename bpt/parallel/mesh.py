@@ -29,6 +29,7 @@ AXES = ("data", "fsdp", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp")
 CONTEXT_PARALLEL = ("ring", "all_gather")
 LOAD_BALANCE = ("zigzag", "striped", "none")
+WEIGHT_SHARD_AXES = ("fsdp", "sequence")  # weights split here are gathered where they are used
 
 # Logical parameter axis -> mesh axes. Anything not named is replicated.
 PARAM_RULES = (
@@ -122,6 +123,38 @@ class Parallelism:
     def replicated(self) -> NamedSharding:
         return self.sharding()
 
+    def per_device(self, fn, *rows, weights, reduced: bool = False):
+        """fn(*rows, weights) run by every device on its own rows (shard_map), or None where
+        it cannot be. rows: [batch, seq, ...] arrays (or None) in the activations' sharding;
+        weights: a pytree every device holds whole. fn returns rows, or with reduced=True a
+        result it has already summed over the mesh (lax.psum over mesh.axis_names).
+
+        For chunk loops that read weights (BPT's FFN, the chunked loss): a loop over the
+        global chunks reduces the weights' gradient across the devices in every chunk, a
+        loop per device once, when shard_map's backward sums it. Not with tensor
+        parallelism (the chunk's matmuls need the tensor axis): None there, and on one device."""
+        if self.mesh.size == 1 or self.size("tensor") > 1:
+            return None
+        spec = self.activations().spec
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=tuple(None if r is None else spec for r in rows) + (PartitionSpec(),),
+            out_specs=PartitionSpec() if reduced else spec,
+            check_vma=False,
+        )(*rows, weights)
+
+    @property
+    def shards_weights(self) -> bool:
+        """Whether weights are split over devices that all need them whole (fsdp, sequence)."""
+        return any(self.size(a) > 1 for a in WEIGHT_SHARD_AXES)
+
+    def gathered(self, names: tuple, shape: tuple[int, ...]) -> NamedSharding:
+        """A weight with these logical axes as a layer uses it: whole over fsdp and sequence,
+        still split over tensor."""
+        spec = logical_to_spec(names, shape, self.mesh, "a weight", drop=WEIGHT_SHARD_AXES)
+        return NamedSharding(self.mesh, spec)
+
 
 def mesh_axes(mesh: Mesh, names) -> tuple[str, ...] | None:
     """The axes among names that the mesh has with more than one device (None: none), for a
@@ -131,16 +164,17 @@ def mesh_axes(mesh: Mesh, names) -> tuple[str, ...] | None:
 
 
 def logical_to_spec(
-    names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, where: str
+    names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, where: str, *, drop=()
 ) -> PartitionSpec:
     """The PartitionSpec of an array whose axes have these logical names, by PARAM_RULES;
-    a mesh axis of size 1 is left out, and an axis that does not divide is an error naming where."""
+    a mesh axis of size 1 (or named in drop) is left out, and an axis that does not divide is
+    an error naming where."""
     rules = dict(PARAM_RULES)
     spec = []
     for name, size in zip(names, shape):
         axes = rules.get(name)
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+        axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1 and a not in drop)
         shards = math.prod(mesh.shape[a] for a in axes)
         if size % shards:
             mesh_text = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)

@@ -47,12 +47,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 from bpt.ops.attention import attention
 from bpt.ops.blockwise import blockwise_backward, blockwise_forward
 from bpt.ops.kernels.flash import flash_backward, flash_forward
 from bpt.ops.reference import check_qkv, logsumexp_merge, split_segment_ids
+from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT
 from bpt.parallel.mesh import mesh_axes
 
 Array = jax.Array
@@ -336,6 +338,10 @@ def _attend_fwd(s: _Settings, q, k, v, q_seg, kv_seg):
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
         (2, 1),
     )
+    # Named like the one-device kernels' results, so that a remat policy that keeps attention
+    # (bpt.ops.remat: attention_saveable) keeps the merged output and logsumexp: the layer's
+    # backward then never runs the ring's forward, hops and transfers, a second time.
+    out, lse = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
     return out, (q, k, v, q_seg, kv_seg, out, lse)
 
 

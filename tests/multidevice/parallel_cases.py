@@ -2,6 +2,7 @@
 (XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax starts)."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -144,6 +145,29 @@ def test_heads_in_groups_shrink_what_the_ring_holds(key):
 
     one, four = temp(1), temp(4)
     assert four < 0.8 * one, (one, four)
+
+
+@pytest.mark.parametrize(
+    "strategy,transfer",
+    [(ring_attention, "ppermute"), (all_gather_attention, "all_gather")],
+    ids=["ring", "all_gather"],
+)
+def test_a_policy_that_keeps_attention_keeps_the_rings_results(strategy, transfer):
+    """Under attention_saveable a layer's backward does not run context-parallel attention's
+    forward again: its gradient moves the shards as often as without any remat, and the
+    layer remat (nothing_saveable) moves them more."""
+    from bpt.ops.remat import remat
+
+    x = jax.ShapeDtypeStruct((1, 256, 4, 16), jnp.float32)
+
+    def transfers(policy):
+        def layer(q, k, v):
+            out = strategy(q, k, v, mesh=sequence_mesh(4), q_chunk_size=32, kv_chunk_size=32)
+            return (out**2).sum()
+
+        return str(jax.make_jaxpr(jax.grad(remat(layer, policy), argnums=(0, 1, 2)))(x, x, x)).count(transfer)
+
+    assert transfers("attention_saveable") == transfers("none") < transfers("nothing_saveable")
 
 
 def test_bad_head_groups_name_the_setting(key):
@@ -350,6 +374,53 @@ def test_training_on_a_mesh_logs_the_one_device_losses(one_device_losses, mode, 
     w1 = params["layers"]["w1"]
     shards = (sizes["fsdp"] * sizes["sequence"]) * sizes["tensor"]
     assert w1.addressable_shards[0].data.size == w1.size // shards
+
+
+def innermost_loops_with_reductions(hlo: str) -> list[str]:
+    """The while-loop bodies of a compiled module that contain no loop themselves (chunk
+    loops, the loss's) and yet gather or reduce across devices, by name."""
+    comps = {}
+    for block in re.split(r"\n(?=\S)", hlo):
+        m = re.match(r"(?:ENTRY )?%?([\w.\-]+) ", block)
+        if m:
+            comps[m.group(1)] = block
+    callees = {
+        name: set(re.findall(r"(?:body|condition|to_apply|calls)=%?([\w.\-]+)", text))
+        | {c.strip().lstrip("%") for group in re.findall(r"branch_computations=\{([^}]*)\}", text)
+           for c in group.split(",")}
+        for name, text in comps.items()
+    }  # fmt: skip
+
+    def reach(name, seen):
+        for c in callees.get(name, ()):
+            if c in comps and c not in seen:
+                seen.add(c)
+                reach(c, seen)
+        return seen
+
+    bodies = {b for text in comps.values() for b in re.findall(r"body=%?([\w.\-]+)", text)}
+    reduction = re.compile(r" (?:all-gather|all-reduce|reduce-scatter)(?:-start)?\(")
+    found = []
+    for body in bodies:
+        inside = reach(body, {body})
+        if not any(re.search(r" while\(", comps[c]) for c in inside) and any(
+            reduction.search(comps[c]) for c in inside
+        ):
+            found.append(body)
+    return found
+
+
+@pytest.mark.parametrize("mode", ["blockwise_parallel", "memory_efficient"])
+def test_chunk_loops_leave_the_weights_gradient_on_the_device(mode):
+    """On data x fsdp x sequence, no chunk loop (BPT's FFN, the chunked loss) gathers a weight
+    or reduces a gradient across devices in each chunk: weights are gathered once a layer and
+    each device sums its own chunks' gradients (one reduction a layer). Before, a step of
+    GPT-1B over four GPUs all-reduced its FFN gradients in each of 1,536 chunks."""
+    c = tiny_config(mode, data=2, fsdp=2, sequence=2)
+    c.data.seq_len = 128
+    c.model.loss_impl = "chunked"
+    step = TrainingStep(c, vocab_size=16)
+    assert innermost_loops_with_reductions(step.compiled().as_text()) == []
 
 
 def test_resume_on_another_mesh_logs_the_same_losses(tmp_path):
