@@ -61,7 +61,8 @@ def part_of(op: dict, *, vocab_sizes=(), param_shapes=()) -> str:
     (param_shapes: 'f32[24,2048,8192]', ...); then by kernel kind."""
     text = f"{op['op']} {op['hlo']} {op['kernel']}".lower()
     if re.search(r"attention|fmha|flash|mosaic|pallas|gau_", text):
-        return "attention backward" if re.search(r"bwd|backward|_dq|_dkv", text) else "attention forward"
+        # bpt's backward kernels: bpt_flash_hopper_dkdvdq_..., _dkdv_kernel, _dq_kernel
+        return "attention backward" if re.search(r"bwd|backward|dkdv|_dq|_dkv", text) else "attention forward"
     if re.search(r"nccl|all-reduce|all_reduce|all-gather|all_gather|reduce-scatter|collective-permute", text):
         return "collectives"
     if any(re.search(rf"[\[,]{v}[\],]", op["hlo"]) for v in vocab_sizes):
