@@ -166,10 +166,10 @@ class Layer(nn.Module):
     def _param(self, name: str, shape: tuple[int, ...], axes: tuple, init) -> Array:
         value = logical_param(self, name, shape, axes, init).astype(jnp.dtype(self.config.dtype))
         par = self.parallel
-        if par is not None and not self.decode and par.shards_weights:
-            # Gathered once here, in the compute dtype: left to XLA, a weight that a chunk
-            # loop reads (BPT's blockwise FFN) is gathered in every chunk, and its gradient
-            # reduce-scattered in every chunk too.
+        if par is not None and not self.decode:
+            # Gathered once here (over fsdp and sequence, where it is split), in the compute
+            # dtype: left to XLA, a weight that a chunk loop reads (BPT's blockwise FFN) is
+            # gathered in every chunk.
             value = jax.lax.with_sharding_constraint(value, par.gathered(axes, shape))
         return value
 
@@ -393,23 +393,17 @@ class CausalLM(nn.Module):
         if targets is not None and cfg.chunked_loss:  # the final norm, chunk by chunk too
             loss = functools.partial(blockwise_cross_entropy, chunk_size=cfg.loss_chunk_size, norm=norm)
             if par is not None:  # each device over its own tokens, where it can
-                per_device = par.per_device(
-                    lambda x, t, m, w: loss(
-                        x,
-                        w[0],
-                        t,
-                        mask=m,
-                        norm_params=w[1],
-                        reduce=lambda s: jax.lax.psum(s, par.mesh.axis_names),
-                    ),
-                    x,
-                    targets,
-                    loss_mask,
-                    weights=(head, norm_params),
-                    reduced=True,
-                )
-                if per_device is not None:
-                    return per_device
+
+                def local(x, targets, mask, weights):
+                    sum_over_mesh = functools.partial(jax.lax.psum, axis_name=par.mesh.axis_names)
+                    return loss(
+                        x, weights[0], targets, mask=mask, norm_params=weights[1], reduce=sum_over_mesh
+                    )
+
+                rows = (x, targets, loss_mask)
+                out = par.per_device(local, *rows, weights=(head, norm_params), reduced=True)
+                if out is not None:
+                    return out
             return loss(x, head, targets, mask=loss_mask, norm_params=norm_params, shards=shards)
         x = norm(norm_params, x)
         logits = jnp.einsum(

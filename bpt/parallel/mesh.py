@@ -144,11 +144,6 @@ class Parallelism:
             check_vma=False,
         )(*rows, weights)
 
-    @property
-    def shards_weights(self) -> bool:
-        """Whether weights are split over devices that all need them whole (fsdp, sequence)."""
-        return any(self.size(a) > 1 for a in WEIGHT_SHARD_AXES)
-
     def gathered(self, names: tuple, shape: tuple[int, ...]) -> NamedSharding:
         """A weight with these logical axes as a layer uses it: whole over fsdp and sequence,
         still split over tensor."""
