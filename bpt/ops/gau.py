@@ -219,12 +219,18 @@ def _mixed_chunks_forward(static: _Static, quad_q, quad_k, lin_q, lin_k, v, bias
     G, e] = relu^2 weights @ v + (lin_q * lin_scale) @ state, in the inputs' dtype with
     float32 accumulation. XLA: both parts as one matmul per chunk ([W | lq] @ [v ; state],
     K = G + s); Pallas: the states by one kernel (no segment ids, no initial state; None
-    is returned for the float32 states then) and the rest by another that keeps W in
-    registers."""
+    is returned for the float32 states then), which writes [v ; state] whole for XLA's
+    matmul, or the states alone for the quadratic kernel that keeps W in registers."""
     g, quad_scale, lin_scale, kernel = static.chunk, static.quad_scale, static.lin_scale, static.kernel
     dtype = v.dtype
+    quadratic_kernel = kernel is not None and kernel.quadratic
+    state = st = y = None
     if kernel is not None and seg is None and initial_state is None:
-        state, st = None, kernels.states(kernel, _unchunk(lin_k), _unchunk(v))
+        written = kernels.states(kernel, _unchunk(lin_k), _unchunk(v), with_values=not quadratic_kernel)
+        if quadratic_kernel:
+            st = written
+        else:
+            y = written
     else:
         state = _states_entering_chunks(lin_k, v, seg)
         if initial_state is not None:
@@ -233,7 +239,7 @@ def _mixed_chunks_forward(static: _Static, quad_q, quad_k, lin_q, lin_k, v, bias
     res = dict(
         quad_q=quad_q, quad_k=quad_k, lin_k=lin_k, v=v, bias=bias, seg=seg, initial_state=initial_state
     )
-    if kernel is not None and kernel.quadratic:
+    if quadratic_kernel:
         args = [_flat(x) for x in (quad_q, quad_k, lin_q, v, st)]
         out = kernels.forward(kernel, *args, bias, _flat(seg)).reshape(v.shape)
         return out, state, dict(res, lin_q=lin_q, st=st)
@@ -246,7 +252,8 @@ def _mixed_chunks_forward(static: _Static, quad_q, quad_k, lin_q, lin_k, v, bias
     if lin_mask is not None:
         lq = jnp.where(lin_mask[..., None], lq, 0)
     x = jnp.concatenate([jnp.square(r).astype(dtype), lq.astype(dtype)], axis=-1)  # [b, c, G, G + s]
-    y = jnp.concatenate([v, st], axis=-2)  # [b, c, G + s, e]
+    if y is None:
+        y = jnp.concatenate([v, st], axis=-2)  # [b, c, G + s, e]
     out = jnp.einsum("bcik,bcke->bcie", x, y, preferred_element_type=jnp.float32).astype(dtype)
     return out, state, dict(res, v=None, r=r, x=x, y=y)  # v is in y
 
@@ -283,18 +290,28 @@ def _mixed_chunks_bwd(static: _Static, res, d_out):
     d_out = d_out.astype(dtype)
     grads = (_quadratic_grads_pallas if quadratic_kernel else _quadratic_grads_xla)(static, res, d_out)
     d_quad_q, d_lin_q, d_scores, x, v = grads
-    # [dv ; d_state] = x^T d_out: [b, c, G + s, e] in the inputs' dtype (the widest tensor
-    # here; float32 doubled its traffic)
-    dy = jnp.einsum("bcik,bcie->bcke", x, d_out, preferred_element_type=jnp.float32).astype(dtype)
     d_quad_k = (
         jnp.einsum("bcij,bcis->bcjs", d_scores, quad_q, preferred_element_type=jnp.float32) * quad_scale
     )
     d_bias = None if bias is None else d_scores.astype(jnp.float32).sum((0, 1)).astype(bias.dtype)
-    d_state = dy[:, :, g:]  # [b, c, s, e]
+    if kernel is not None and seg is None:
+        # dv as one matmul: d_state = lq^T d_out first, then the later chunks' sums of it by a
+        # kernel that also writes [d_out ; sums] whole, and dv = [W^T | lin_k] [d_out ; sums]
+        # (K = G + s) in the inputs' dtype with float32 accumulation, where the XLA path below
+        # adds a float32 [seq, e] term to a slice of [dv ; d_state]
+        d_state = jnp.einsum("bcis,bcie->bcse", x[..., g:], d_out, preferred_element_type=jnp.float32)
+        later, joined = kernels.later_sums(kernel, d_state.astype(dtype), _unchunk(d_out))
+        left = jnp.concatenate([jnp.swapaxes(x[..., :g], -1, -2), lin_k.astype(dtype)], axis=-1)
+        d_v = jnp.einsum("bcjk,bcke->bcje", left, joined, preferred_element_type=jnp.float32)
+        d_lin_k = jnp.einsum("bcje,bcse->bcjs", v, later, preferred_element_type=jnp.float32)
+    else:
+        # [dv ; d_state] = x^T d_out: [b, c, G + s, e] in the inputs' dtype (the widest
+        # tensor here; float32 doubled its traffic)
+        dy = jnp.einsum("bcik,bcie->bcke", x, d_out, preferred_element_type=jnp.float32).astype(dtype)
+        d_state = dy[:, :, g:]  # [b, c, s, e]
+        d_lin_k, d_v_lin = _states_vjp(lin_k, v, seg, d_state.astype(jnp.float32))
+        d_v = dy[:, :, :g].astype(jnp.float32) + d_v_lin
     d_init = None if initial_state is None else d_state.astype(jnp.float32).sum(1).astype(initial_state.dtype)
-    later = None if kernel is None or seg is not None else kernels.later_sums(kernel, d_state)
-    d_lin_k, d_v_lin = _states_vjp(lin_k, v, seg, d_state.astype(jnp.float32), later)
-    d_v = dy[:, :, :g].astype(jnp.float32) + d_v_lin
     return (
         d_quad_q.astype(quad_q.dtype),
         d_quad_k.astype(quad_k.dtype),
@@ -307,9 +324,7 @@ def _mixed_chunks_bwd(static: _Static, res, d_out):
     )
 
 
-def _states_vjp(
-    lin_k: Array, v: Array, seg: Array | None, d_state: Array, later: Array | None = None
-) -> tuple[Array, Array]:
+def _states_vjp(lin_k: Array, v: Array, seg: Array | None, d_state: Array) -> tuple[Array, Array]:
     """The gradients of _states_entering_chunks ([b, c, G, .] float32) from d_state [b, c, s,
     e] float32. Without segment ids each chunk's k v^T sum reaches every later chunk, so its
     gradient is the sum of the later chunks' d_state (a reverse cumsum), and the two matmuls
@@ -317,9 +332,7 @@ def _states_vjp(
     if seg is not None:  # documents restart the state: autodiff through the associative scan
         _, vjp = jax.vjp(lambda k, w: _states_entering_chunks(k, w, seg), lin_k, v)
         return tuple(d.astype(jnp.float32) for d in vjp(d_state))
-    if later is None:  # (later: the same sums from bpt.ops.kernels.gau.later_sums)
-        later = exclusive_chunk_sum(d_state, reverse=True)
-    d_sums = later.astype(v.dtype)  # the chunks after c see chunk c's sum
+    d_sums = exclusive_chunk_sum(d_state, reverse=True).astype(v.dtype)  # the chunks after c see chunk c's sum
     d_k = jnp.einsum("bcje,bcse->bcjs", v, d_sums, preferred_element_type=jnp.float32)
     d_v = jnp.einsum("bcjs,bcse->bcje", lin_k, d_sums, preferred_element_type=jnp.float32)
     return d_k, d_v

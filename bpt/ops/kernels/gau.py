@@ -313,64 +313,93 @@ def backward(cfg: GAUKernelConfig, q, k, lq, v, state, d_out, bias=None, seg=Non
 # --- the linear part's states -------------------------------------------------------------
 
 
-def _states_kernel(cfg: GAUKernelConfig, lk_ref, v_ref, o_ref):
+def _states_kernel(cfg: GAUKernelConfig, with_values: bool, lk_ref, v_ref, o_ref):
     g = cfg.chunk
+    s, te = lk_ref.shape[-1], v_ref.shape[-1]
+    state_rows = pl.ds(g, s) if with_values else pl.ds(0, s)
 
     def body(c, acc):
-        o_ref[c] = acc.astype(o_ref.dtype)  # the sum over the chunks before c
         rows = pl.ds(pl.multiple_of(c * g, g), g)
-        return acc + _dot(lk_ref[rows, :], v_ref[rows, :], ta=True)
+        v = v_ref[rows, :]
+        if with_values:  # the chunk's values above its state: [v ; state], as the matmul reads them
+            o_ref[c, pl.ds(0, g), :] = v
+        o_ref[c, state_rows, :] = acc.astype(o_ref.dtype)  # the sum over the chunks before c
+        return acc + _dot(lk_ref[rows, :], v, ta=True)
 
-    s, te = lk_ref.shape[-1], v_ref.shape[-1]
     lax.fori_loop(0, lk_ref.shape[0] // g, body, jnp.zeros((s, te), jnp.float32))
 
 
-def states(cfg: GAUKernelConfig, lk: Array, v: Array) -> Array:
+def states(cfg: GAUKernelConfig, lk: Array, v: Array, *, with_values: bool = False) -> Array:
     """The linear state entering each chunk, sum over earlier chunks of lk_j v_j^T: lk [batch,
     seq, s], v [batch, seq, e] -> [batch, chunks, s, e] in v's dtype, summed in float32 in
     registers. One program per (sequence, value tile) walks its chunks in order: lk and v
-    are read once and the states written once, with no float32 copy in memory."""
+    are read once and the states written once, with no float32 copy in memory.
+
+    with_values: [batch, chunks, G + s, e], each chunk's values and then its state, the
+    operand [v ; state] of the forward's one matmul per chunk, written here instead of
+    concatenated after (which cost a pass over both: 5% of FLASH-125M's step at 8K)."""
     b, t, s = lk.shape
-    e, c, te = v.shape[-1], t // cfg.chunk, cfg.state_block_e
+    e, c, te, g = v.shape[-1], t // cfg.chunk, cfg.state_block_e, cfg.chunk
+    rows = g + s if with_values else s
     return pl.pallas_call(
-        functools.partial(_states_kernel, cfg),
+        functools.partial(_states_kernel, cfg, with_values),
         grid=(b, e // te),
         in_specs=[
             pl.BlockSpec((None, t, s), lambda i, j: (i, 0, 0)),
             pl.BlockSpec((None, t, te), lambda i, j: (i, 0, j)),
         ],
-        out_specs=pl.BlockSpec((None, c, s, te), lambda i, j: (i, 0, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((b, c, s, e), v.dtype),
+        out_specs=pl.BlockSpec((None, c, rows, te), lambda i, j: (i, 0, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((b, c, rows, e), v.dtype),
         compiler_params=_compiler_params(cfg, cfg.state_warps),
         interpret=cfg.interpret,
         name="bpt_gau_states",
     )(lk, v)
 
 
-def _later_sum_kernel(x_ref, o_ref):
-    chunks = x_ref.shape[0]
+def _later_sum_kernel(with_values: bool, x_ref, *refs):
+    if with_values:
+        values_ref, o_ref, joined_ref = refs
+        g = values_ref.shape[0] // x_ref.shape[0]
+    else:
+        (o_ref,) = refs
+    chunks, s = x_ref.shape[0], x_ref.shape[1]
 
     def body(i, acc):
         c = chunks - 1 - i
-        o_ref[c] = acc.astype(o_ref.dtype)  # the sum over the chunks after c
+        later = acc.astype(o_ref.dtype)  # the sum over the chunks after c
+        o_ref[c] = later
+        if with_values:  # [values ; later], as the matmul after this reads them
+            joined_ref[c, pl.ds(0, g), :] = values_ref[pl.ds(pl.multiple_of(c * g, g), g), :]
+            joined_ref[c, pl.ds(g, s), :] = later
         return acc + x_ref[c].astype(jnp.float32)
 
     lax.fori_loop(0, chunks, body, jnp.zeros(x_ref.shape[1:], jnp.float32))
 
 
-def later_sums(cfg: GAUKernelConfig, x: Array) -> Array:
+def later_sums(cfg: GAUKernelConfig, x: Array, values: Array | None = None):
     """[batch, chunks, s, e] -> for each chunk the sum over the chunks after it (the states'
-    gradient: a chunk's k v^T reaches every later chunk), in x's dtype, summed in float32."""
+    gradient: a chunk's k v^T reaches every later chunk), in x's dtype, summed in float32.
+
+    values [batch, seq, e] (seq = chunks x G): also [batch, chunks, G + s, e], each chunk's
+    values above its later sum, the operand of the backward's one matmul for dv, written
+    here instead of concatenated after."""
     b, c, s, e = x.shape
     te = cfg.state_block_e
     spec = pl.BlockSpec((None, c, s, te), lambda i, j: (i, 0, 0, j))
-    return pl.pallas_call(
-        _later_sum_kernel,
+    in_specs, out_specs, out_shape = [spec], [spec], [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    if values is not None:
+        t, g = values.shape[1], values.shape[1] // c
+        in_specs.append(pl.BlockSpec((None, t, te), lambda i, j: (i, 0, j)))
+        out_specs.append(pl.BlockSpec((None, c, g + s, te), lambda i, j: (i, 0, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((b, c, g + s, e), x.dtype))
+    out = pl.pallas_call(
+        functools.partial(_later_sum_kernel, values is not None),
         grid=(b, e // te),
-        in_specs=[spec],
-        out_specs=spec,
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_compiler_params(cfg, cfg.state_warps),
         interpret=cfg.interpret,
         name="bpt_gau_later_sums",
-    )(x)
+    )(x, *([] if values is None else [values]))
+    return out[0] if values is None else tuple(out)
