@@ -117,6 +117,29 @@ def test_mixed_chunk_from_an_initial_state_and_in_bf16(key):
     assert all(x.dtype == jnp.bfloat16 for x in grads)
 
 
+def test_the_kernels_continue_from_an_initial_state(key):
+    """The Pallas path (interpret mode) started from the linear sum of the tokens before the
+    sequence (as the devices after the first run it, bpt.parallel.gau): the states' kernel
+    starts every sequence's sum from it. Values and gradients, the initial state's included
+    (fp32, 1e-5), equal the whole sequence's later part by XLA."""
+    g, t = 16, 64
+    qk, v = gau_inputs(key, t=t, s=16, e=32)
+    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
+    cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - 2 * g, v.shape[-1]))
+    whole = lambda *a: jnp.sum(mixed_chunk_attention(*a, **kwargs)[:, 2 * g :] * cot)  # noqa: E731
+    pallas = dict(impl="pallas", kernel_options=dict(block_q=8, block_e=16, state_block_e=16))
+
+    def continued(*a):
+        state = jnp.einsum("bjs,bje->bse", a[3][:, : 2 * g], a[4][:, : 2 * g])
+        later = [x[:, 2 * g :] for x in a]
+        return jnp.sum(mixed_chunk_attention(*later, initial_state=state, **kwargs, **pallas) * cot)
+
+    args = (*qk, v)
+    assert rel_err(continued(*args), whole(*args)) < 1e-5
+    argnums = tuple(range(5))
+    assert tree_rel_err(jax.grad(continued, argnums)(*args), jax.grad(whole, argnums)(*args)) < 1e-5
+
+
 def test_attention_saveable_keeps_what_the_backward_reads(key, capsys):
     """Under remat with attention_saveable the mixed chunk attention's output and computed
     residuals (the relu^2 weights, [W | lq] and [v ; states]) are kept, so the backward never

@@ -218,15 +218,18 @@ def _mixed_chunks_forward(static: _Static, quad_q, quad_k, lin_q, lin_k, v, bias
     """(out, the float32 states entering the chunks or None, residuals). out [batch, chunks,
     G, e] = relu^2 weights @ v + (lin_q * lin_scale) @ state, in the inputs' dtype with
     float32 accumulation. XLA: both parts as one matmul per chunk ([W | lq] @ [v ; state],
-    K = G + s); Pallas: the states by one kernel (no segment ids, no initial state; None
-    is returned for the float32 states then), which writes [v ; state] whole for XLA's
+    K = G + s); Pallas: the states by one kernel (no segment ids; None is returned for the
+    float32 states then), which writes [v ; state] whole for XLA's
     matmul, or the states alone for the quadratic kernel that keeps W in registers."""
     g, quad_scale, lin_scale, kernel = static.chunk, static.quad_scale, static.lin_scale, static.kernel
     dtype = v.dtype
     quadratic_kernel = kernel is not None and kernel.quadratic
     state = st = y = None
-    if kernel is not None and seg is None and initial_state is None:
-        written = kernels.states(kernel, _unchunk(lin_k), _unchunk(v), with_values=not quadratic_kernel)
+    if kernel is not None and seg is None:
+        initial = None if initial_state is None else initial_state.astype(jnp.float32)
+        written = kernels.states(
+            kernel, _unchunk(lin_k), _unchunk(v), with_values=not quadratic_kernel, initial=initial
+        )
         if quadratic_kernel:
             st = written
         else:
@@ -332,7 +335,7 @@ def _states_vjp(lin_k: Array, v: Array, seg: Array | None, d_state: Array) -> tu
     if seg is not None:  # documents restart the state: autodiff through the associative scan
         _, vjp = jax.vjp(lambda k, w: _states_entering_chunks(k, w, seg), lin_k, v)
         return tuple(d.astype(jnp.float32) for d in vjp(d_state))
-    d_sums = exclusive_chunk_sum(d_state, reverse=True).astype(v.dtype)  # the chunks after c see chunk c's sum
+    d_sums = exclusive_chunk_sum(d_state, reverse=True).astype(v.dtype)  # chunks after c see c's sum
     d_k = jnp.einsum("bcje,bcse->bcjs", v, d_sums, preferred_element_type=jnp.float32)
     d_v = jnp.einsum("bcjs,bcse->bcje", lin_k, d_sums, preferred_element_type=jnp.float32)
     return d_k, d_v
@@ -362,13 +365,14 @@ def mixed_chunk_attention(
     [s, e] sum, never [seq, seq]. seq must be a multiple of chunk_size; bias [G, G] is the
     quadratic part's relative bias inside a chunk (chunks start at multiples of G, so it is
     the same for all). initial_state [batch, s, e]: the linear sum of the tokens before this
-    sequence (decoding a prompt's later part; no segment ids then). return_states: also the
+    sequence (decoding a prompt's later part, or the tokens on earlier devices:
+    bpt.parallel.gau; no segment ids then). return_states: also the
     float32 linear sum entering each chunk, [batch, chunks, s, e] (what decoding keeps).
 
     impl: "blockwise" (XLA), "pallas" (bpt.ops.kernels.gau: Triton on GPUs, interpret mode
     elsewhere; kernel_options: fields of its GAUKernelConfig, the blocks and the Triton
     settings) or "auto" (pallas on a GPU where the kernels take the sizes). With segment ids
-    or an initial state the linear states are XLA's in both.
+    the linear states are XLA's in both.
 
     Its backward is written out (custom_vjp): every matmul takes the inputs' dtype with
     float32 accumulation, the forward's two parts are one matmul (or one kernel), and the

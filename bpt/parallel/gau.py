@@ -5,16 +5,19 @@ running sum of lin_k v^T, [s, e] whatever the length. With contiguous shards who
 a multiple of the chunk, every chunk lies on one device, so each device runs the one-device
 attention on its tokens (bpt.ops.gau.mixed_chunk_attention, kernels included), and the
 only thing that crosses devices is the linear sum of the tokens on the devices before it:
-one all-gather of each device's [batch, s, e] float32 total, a few megabytes. Its queries
-add lin_q . that sum * lin_scale to their output. Autodiff carries the gradient back
-through the all-gather (a reduce-scatter of the sums' gradients). The device's total is one
-more [s, T] x [T, e] matmul over its tokens: the one-device op keeps its states inside its
-custom_vjp (and, with the kernels, in bf16), so it cannot hand the float32 total out.
+one all-gather of each device's [batch, s, e] float32 total, a few megabytes. The
+one-device op starts its running sum from it (its initial_state; the states' kernel reads
+it too), so the sum reaches every chunk's state and no [T, e] term is added after.
+Autodiff carries the gradient back through the all-gather (a reduce-scatter of the sums'
+gradients). The device's total is one more [s, T] x [T, e] matmul over its tokens: the
+one-device op keeps its states inside its custom_vjp (and, with the kernels, in bf16), so
+it cannot hand the float32 total out.
 
 Packed documents (segment ids, each document one contiguous run of ids): a device's
 queries take the earlier devices' sum only for the document its first token belongs to,
 and only the tokens of that document, which on an earlier device are the ones at its end,
-and only if every device in between holds nothing but that document.
+and only if every device in between holds nothing but that document. Those queries add
+lin_q . that sum * lin_scale to the op's output (a float32 [T, e] term, and its gradient).
 """
 
 from __future__ import annotations
@@ -74,10 +77,12 @@ def sharded_mixed_chunk_attention(
     values = PartitionSpec(*rows, columns)
 
     def body(quad_q, quad_k, lin_q, lin_k, v, bias, seg):
-        out = attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg)
         if shards == 1:
-            return out
+            return attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg)
         carry, sees = _state_from_earlier_devices(lin_k, v, seg, axis, shards)
+        if seg is None:  # every query takes the earlier devices' sum: the state the op starts from
+            return attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, initial_state=carry)
+        out = attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg)
         lq = lin_q * lin_scale
         if sees is not None:
             lq = jnp.where(sees[..., None], lq, 0)

@@ -4,9 +4,11 @@ and the quadratic part.
 The states: per sequence, the float32 sum of lk_j v_j^T over the chunks before each chunk
 (and, for the backward, the sum of the states' gradients over the chunks after each one),
 one program per (sequence, value tile) walking the chunks in order with the sum in
-registers: the inputs are read once and the states written once in the inputs' dtype.
-XLA's chunk sums and cumulative sum wrote and re-read float32 states several times (the
-states are as large as the values themselves: s e / G numbers a token).
+registers: the inputs are read once and the states written once in the inputs' dtype,
+inside the operand of the matmul that follows ([v ; state], [d_out ; later sums]), so
+that nothing is concatenated after. XLA's chunk sums and cumulative sum wrote and re-read
+float32 states several times (the states are as large as the values themselves: s e / G
+numbers a token).
 
 The quadratic part (optional, GAUKernelConfig.quadratic):
 
@@ -313,9 +315,11 @@ def backward(cfg: GAUKernelConfig, q, k, lq, v, state, d_out, bias=None, seg=Non
 # --- the linear part's states -------------------------------------------------------------
 
 
-def _states_kernel(cfg: GAUKernelConfig, with_values: bool, lk_ref, v_ref, o_ref):
+def _states_kernel(cfg: GAUKernelConfig, with_values: bool, lk_ref, v_ref, *refs):
     g = cfg.chunk
     s, te = lk_ref.shape[-1], v_ref.shape[-1]
+    *initial_ref, o_ref = refs
+    acc = initial_ref[0][...].astype(jnp.float32) if initial_ref else jnp.zeros((s, te), jnp.float32)
     state_rows = pl.ds(g, s) if with_values else pl.ds(0, s)
 
     def body(c, acc):
@@ -326,10 +330,12 @@ def _states_kernel(cfg: GAUKernelConfig, with_values: bool, lk_ref, v_ref, o_ref
         o_ref[c, state_rows, :] = acc.astype(o_ref.dtype)  # the sum over the chunks before c
         return acc + _dot(lk_ref[rows, :], v, ta=True)
 
-    lax.fori_loop(0, lk_ref.shape[0] // g, body, jnp.zeros((s, te), jnp.float32))
+    lax.fori_loop(0, lk_ref.shape[0] // g, body, acc)
 
 
-def states(cfg: GAUKernelConfig, lk: Array, v: Array, *, with_values: bool = False) -> Array:
+def states(
+    cfg: GAUKernelConfig, lk: Array, v: Array, *, with_values: bool = False, initial: Array | None = None
+) -> Array:
     """The linear state entering each chunk, sum over earlier chunks of lk_j v_j^T: lk [batch,
     seq, s], v [batch, seq, e] -> [batch, chunks, s, e] in v's dtype, summed in float32 in
     registers. One program per (sequence, value tile) walks its chunks in order: lk and v
@@ -337,69 +343,63 @@ def states(cfg: GAUKernelConfig, lk: Array, v: Array, *, with_values: bool = Fal
 
     with_values: [batch, chunks, G + s, e], each chunk's values and then its state, the
     operand [v ; state] of the forward's one matmul per chunk, written here instead of
-    concatenated after (which cost a pass over both: 5% of FLASH-125M's step at 8K)."""
+    concatenated after (the concatenation took 12.3 ms of FLASH-125M's 8K step on an H100).
+    initial [batch, s, e] float32: the sum the first chunk starts from (the tokens before
+    this sequence)."""
     b, t, s = lk.shape
     e, c, te, g = v.shape[-1], t // cfg.chunk, cfg.state_block_e, cfg.chunk
     rows = g + s if with_values else s
+    in_specs = [
+        pl.BlockSpec((None, t, s), lambda i, j: (i, 0, 0)),
+        pl.BlockSpec((None, t, te), lambda i, j: (i, 0, j)),
+    ]
+    if initial is not None:
+        in_specs.append(pl.BlockSpec((None, s, te), lambda i, j: (i, 0, j)))
     return pl.pallas_call(
         functools.partial(_states_kernel, cfg, with_values),
         grid=(b, e // te),
-        in_specs=[
-            pl.BlockSpec((None, t, s), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec((None, t, te), lambda i, j: (i, 0, j)),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, c, rows, te), lambda i, j: (i, 0, 0, j)),
         out_shape=jax.ShapeDtypeStruct((b, c, rows, e), v.dtype),
         compiler_params=_compiler_params(cfg, cfg.state_warps),
         interpret=cfg.interpret,
         name="bpt_gau_states",
-    )(lk, v)
+    )(lk, v, *([] if initial is None else [initial]))
 
 
-def _later_sum_kernel(with_values: bool, x_ref, *refs):
-    if with_values:
-        values_ref, o_ref, joined_ref = refs
-        g = values_ref.shape[0] // x_ref.shape[0]
-    else:
-        (o_ref,) = refs
+def _later_sum_kernel(x_ref, values_ref, o_ref, joined_ref):
     chunks, s = x_ref.shape[0], x_ref.shape[1]
+    g = values_ref.shape[0] // chunks
 
     def body(i, acc):
         c = chunks - 1 - i
         later = acc.astype(o_ref.dtype)  # the sum over the chunks after c
         o_ref[c] = later
-        if with_values:  # [values ; later], as the matmul after this reads them
-            joined_ref[c, pl.ds(0, g), :] = values_ref[pl.ds(pl.multiple_of(c * g, g), g), :]
-            joined_ref[c, pl.ds(g, s), :] = later
+        # [values ; later], as the matmul after this reads them
+        joined_ref[c, pl.ds(0, g), :] = values_ref[pl.ds(pl.multiple_of(c * g, g), g), :]
+        joined_ref[c, pl.ds(g, s), :] = later
         return acc + x_ref[c].astype(jnp.float32)
 
     lax.fori_loop(0, chunks, body, jnp.zeros(x_ref.shape[1:], jnp.float32))
 
 
-def later_sums(cfg: GAUKernelConfig, x: Array, values: Array | None = None):
-    """[batch, chunks, s, e] -> for each chunk the sum over the chunks after it (the states'
-    gradient: a chunk's k v^T reaches every later chunk), in x's dtype, summed in float32.
-
-    values [batch, seq, e] (seq = chunks x G): also [batch, chunks, G + s, e], each chunk's
-    values above its later sum, the operand of the backward's one matmul for dv, written
-    here instead of concatenated after."""
+def later_sums(cfg: GAUKernelConfig, x: Array, values: Array) -> tuple[Array, Array]:
+    """x [batch, chunks, s, e] (the states' gradients), values [batch, chunks x G, e] ->
+    (for each chunk the sum over the chunks after it, [batch, chunks, s, e]: a chunk's k v^T
+    reaches every later chunk; and [batch, chunks, G + s, e], each chunk's values above that
+    sum: the operand of the backward's one matmul for dv, written here instead of
+    concatenated after), in x's dtype, summed in float32."""
     b, c, s, e = x.shape
-    te = cfg.state_block_e
+    t, te = values.shape[1], cfg.state_block_e
+    g = t // c
     spec = pl.BlockSpec((None, c, s, te), lambda i, j: (i, 0, 0, j))
-    in_specs, out_specs, out_shape = [spec], [spec], [jax.ShapeDtypeStruct(x.shape, x.dtype)]
-    if values is not None:
-        t, g = values.shape[1], values.shape[1] // c
-        in_specs.append(pl.BlockSpec((None, t, te), lambda i, j: (i, 0, j)))
-        out_specs.append(pl.BlockSpec((None, c, g + s, te), lambda i, j: (i, 0, 0, j)))
-        out_shape.append(jax.ShapeDtypeStruct((b, c, g + s, e), x.dtype))
-    out = pl.pallas_call(
-        functools.partial(_later_sum_kernel, values is not None),
+    return pl.pallas_call(
+        _later_sum_kernel,
         grid=(b, e // te),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=[spec, pl.BlockSpec((None, t, te), lambda i, j: (i, 0, j))],
+        out_specs=[spec, pl.BlockSpec((None, c, g + s, te), lambda i, j: (i, 0, 0, j))],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((b, c, g + s, e), x.dtype)],
         compiler_params=_compiler_params(cfg, cfg.state_warps),
         interpret=cfg.interpret,
         name="bpt_gau_later_sums",
-    )(x, *([] if values is None else [values]))
-    return out[0] if values is None else tuple(out)
+    )(x, values)
