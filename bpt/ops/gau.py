@@ -219,8 +219,8 @@ def _mixed_chunks_forward(static: _Static, quad_q, quad_k, lin_q, lin_k, v, bias
     G, e] = relu^2 weights @ v + (lin_q * lin_scale) @ state, in the inputs' dtype with
     float32 accumulation. XLA: both parts as one matmul per chunk ([W | lq] @ [v ; state],
     K = G + s); Pallas: the states by one kernel (no segment ids; None is returned for the
-    float32 states then), which writes [v ; state] whole for XLA's
-    matmul, or the states alone for the quadratic kernel that keeps W in registers."""
+    float32 states then), which writes [v ; state] whole for XLA's matmul, or the states
+    alone for the quadratic kernel that keeps W in registers."""
     g, quad_scale, lin_scale, kernel = static.chunk, static.quad_scale, static.lin_scale, static.kernel
     dtype = v.dtype
     quadratic_kernel = kernel is not None and kernel.quadratic
@@ -366,8 +366,8 @@ def mixed_chunk_attention(
     quadratic part's relative bias inside a chunk (chunks start at multiples of G, so it is
     the same for all). initial_state [batch, s, e]: the linear sum of the tokens before this
     sequence (decoding a prompt's later part, or the tokens on earlier devices:
-    bpt.parallel.gau; no segment ids then). return_states: also the
-    float32 linear sum entering each chunk, [batch, chunks, s, e] (what decoding keeps).
+    bpt.parallel.gau; no segment ids then). return_states: also the float32 linear sum
+    entering each chunk, [batch, chunks, s, e] (what decoding keeps).
 
     impl: "blockwise" (XLA), "pallas" (bpt.ops.kernels.gau: Triton on GPUs, interpret mode
     elsewhere; kernel_options: fields of its GAUKernelConfig, the blocks and the Triton
