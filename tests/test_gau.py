@@ -117,6 +117,34 @@ def test_mixed_chunk_from_an_initial_state_and_in_bf16(key):
     assert all(x.dtype == jnp.bfloat16 for x in grads)
 
 
+def test_mixed_chunk_from_an_initial_state_with_documents(key):
+    """Packed documents continued from the linear sum of the earlier tokens of the document
+    the sequence starts in (as a device after the first holds them, bpt.parallel.gau): only
+    the chunks that start in that document take it. Values and gradients (fp32, 1e-5)
+    equal the whole sequence's later part: one row's first document spans the split and
+    ends inside a chunk, the other's spans it and a whole later chunk."""
+    g, t, split = 8, 48, 16
+    qk, v = gau_inputs(key, t=t)
+    seg = jnp.array([[0] * 12 + [1] * 8 + [2] * 28, [5] * 40 + [6] * 8])
+    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
+    cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - split, v.shape[-1]))
+
+    def whole(*a):
+        return jnp.sum(mixed_chunk_attention(*a, segment_ids=seg, **kwargs)[:, split:] * cot)
+
+    def continued(*a):
+        same = (seg[:, :split] == seg[:, split : split + 1])[..., None]  # the first document's earlier tokens
+        state = jnp.einsum("bjs,bje->bse", jnp.where(same, a[3][:, :split], 0), a[4][:, :split])
+        later = [x[:, split:] for x in a]
+        out = mixed_chunk_attention(*later, segment_ids=seg[:, split:], initial_state=state, **kwargs)
+        return jnp.sum(out * cot)
+
+    args = (*qk, v)
+    assert rel_err(continued(*args), whole(*args)) < 1e-5
+    argnums = tuple(range(5))
+    assert tree_rel_err(jax.grad(continued, argnums)(*args), jax.grad(whole, argnums)(*args)) < 1e-5
+
+
 def test_the_kernels_continue_from_an_initial_state(key):
     """The Pallas path (interpret mode) started from the linear sum of the tokens before the
     sequence (as the devices after the first run it, bpt.parallel.gau): the states' kernel

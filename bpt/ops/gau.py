@@ -150,6 +150,13 @@ def _states_entering_chunks(lin_k: Array, v: Array, seg: Array | None) -> Array:
     return jnp.concatenate([jnp.zeros_like(added[:, :1]), inclusive[:, :-1]], axis=1)
 
 
+def _initial_reach(seg: Array | None) -> Array | None:
+    """[batch, chunks] float32, 1 where a chunk's state takes the initial state: the chunks
+    that start in the document the sequence starts in (the tokens before the sequence
+    continue that document); None without segment ids (every chunk)."""
+    return None if seg is None else (seg[:, :, 0] == seg[:, :1, 0]).astype(jnp.float32)
+
+
 def _chunk_masks(seg: Array | None, g: int) -> tuple[Array, Array | None]:
     """The quadratic part's [.., G, G] visibility inside each chunk (causal, same document),
     and [batch, chunks, G]: the queries that see earlier chunks (those in the document their
@@ -237,7 +244,8 @@ def _mixed_chunks_forward(static: _Static, quad_q, quad_k, lin_q, lin_k, v, bias
     else:
         state = _states_entering_chunks(lin_k, v, seg)
         if initial_state is not None:
-            state = state + initial_state[:, None].astype(jnp.float32)
+            initial, reach = initial_state[:, None].astype(jnp.float32), _initial_reach(seg)
+            state = state + (initial if reach is None else reach[..., None, None] * initial)
         st = state.astype(dtype)
     res = dict(
         quad_q=quad_q, quad_k=quad_k, lin_k=lin_k, v=v, bias=bias, seg=seg, initial_state=initial_state
@@ -314,7 +322,15 @@ def _mixed_chunks_bwd(static: _Static, res, d_out):
         d_state = dy[:, :, g:]  # [b, c, s, e]
         d_lin_k, d_v_lin = _states_vjp(lin_k, v, seg, d_state.astype(jnp.float32))
         d_v = dy[:, :, :g].astype(jnp.float32) + d_v_lin
-    d_init = None if initial_state is None else d_state.astype(jnp.float32).sum(1).astype(initial_state.dtype)
+    d_init = None
+    if initial_state is not None:
+        reach = _initial_reach(seg)
+        d_state = d_state.astype(jnp.float32)
+        d_init = (
+            (d_state if reach is None else reach[..., None, None] * d_state)
+            .sum(1)
+            .astype(initial_state.dtype)
+        )
     return (
         d_quad_q.astype(quad_q.dtype),
         d_quad_k.astype(quad_k.dtype),
@@ -366,8 +382,9 @@ def mixed_chunk_attention(
     quadratic part's relative bias inside a chunk (chunks start at multiples of G, so it is
     the same for all). initial_state [batch, s, e]: the linear sum of the tokens before this
     sequence (decoding a prompt's later part, or the tokens on earlier devices:
-    bpt.parallel.gau; no segment ids then). return_states: also the float32 linear sum
-    entering each chunk, [batch, chunks, s, e] (what decoding keeps).
+    bpt.parallel.gau); with segment ids those tokens belong to the document the sequence
+    starts in, so only the chunks that start in it take the sum. return_states: also the
+    float32 linear sum entering each chunk, [batch, chunks, s, e] (what decoding keeps).
 
     impl: "blockwise" (XLA), "pallas" (bpt.ops.kernels.gau: Triton on GPUs, interpret mode
     elsewhere; kernel_options: fields of its GAUKernelConfig, the blocks and the Triton

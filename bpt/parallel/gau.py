@@ -7,7 +7,7 @@ attention on its tokens (bpt.ops.gau.mixed_chunk_attention, kernels included), a
 only thing that crosses devices is the linear sum of the tokens on the devices before it:
 one all-gather of each device's [batch, s, e] float32 total, a few megabytes. The
 one-device op starts its running sum from it (its initial_state; the states' kernel reads
-it too), so the sum reaches every chunk's state and no [T, e] term is added after.
+it too), so the sum reaches the chunks' states and no [T, e] term is added after.
 Autodiff carries the gradient back through the all-gather (a reduce-scatter of the sums'
 gradients). The device's total is one more [s, T] x [T, e] matmul over its tokens: the
 one-device op keeps its states inside its custom_vjp (and, with the kernels, in bf16), so
@@ -16,8 +16,8 @@ it cannot hand the float32 total out.
 Packed documents (segment ids, each document one contiguous run of ids): a device's
 queries take the earlier devices' sum only for the document its first token belongs to,
 and only the tokens of that document, which on an earlier device are the ones at its end,
-and only if every device in between holds nothing but that document. Those queries add
-lin_q . that sum * lin_scale to the op's output (a float32 [T, e] term, and its gradient).
+and only if every device in between holds nothing but that document. The one-device op
+gives its initial state to the chunks that start in that document only.
 """
 
 from __future__ import annotations
@@ -77,19 +77,8 @@ def sharded_mixed_chunk_attention(
     values = PartitionSpec(*rows, columns)
 
     def body(quad_q, quad_k, lin_q, lin_k, v, bias, seg):
-        if shards == 1:
-            return attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg)
-        carry, sees = _state_from_earlier_devices(lin_k, v, seg, axis, shards)
-        if seg is None:  # every query takes the earlier devices' sum: the state the op starts from
-            return attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, initial_state=carry)
-        out = attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg)
-        lq = lin_q * lin_scale
-        if sees is not None:
-            lq = jnp.where(sees[..., None], lq, 0)
-        extra = jnp.einsum(
-            "bts,bse->bte", lq.astype(v.dtype), carry.astype(v.dtype), preferred_element_type=jnp.float32
-        )
-        return (out.astype(jnp.float32) + extra).astype(out.dtype)
+        carry = None if shards == 1 else _state_from_earlier_devices(lin_k, v, seg, axis, shards)
+        return attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg, initial_state=carry)
 
     seg_spec = None if segment_ids is None else rows
     # The bias table is the same on every device; shard_map sums its gradient over them.
@@ -103,15 +92,15 @@ def sharded_mixed_chunk_attention(
     )(quad_q, quad_k, lin_q, lin_k, v, bias, segment_ids)
 
 
-def _state_from_earlier_devices(lin_k, v, seg, axis: str, shards: int):
-    """(the float32 [batch, s, e] linear sum this device's queries take from the devices
-    before it, and which of its queries take it: [batch, t] bool, or None for all)."""
+def _state_from_earlier_devices(lin_k, v, seg, axis: str, shards: int) -> Array:
+    """The float32 [batch, s, e] linear sum this device's first document takes from the
+    devices before it (every token of theirs without segment ids)."""
     index = lax.axis_index(axis)
     if seg is None:
         total = jnp.einsum("bts,bte->bse", lin_k, v, preferred_element_type=jnp.float32)
         totals = lax.all_gather(total, axis)  # [shards, batch, s, e]
         before = (jnp.arange(shards) < index).astype(jnp.float32)
-        return jnp.einsum("d,dbse->bse", before, totals), None
+        return jnp.einsum("d,dbse->bse", before, totals)
     first, last = seg[:, 0], seg[:, -1]  # [batch]
     tail = jnp.einsum(
         "bts,bte->bse", jnp.where((seg == last[:, None])[..., None], lin_k, 0), v,
@@ -125,5 +114,4 @@ def _state_from_earlier_devices(lin_k, v, seg, axis: str, shards: int):
     between = (r[:, None] > r[None, :]) & (r[:, None] < index)  # [m, d]: d < m < index
     blocked = jnp.any(between[..., None] & ~whole[:, None, :], axis=0)  # [d, batch]
     passes = (r < index)[:, None] & (lasts == first[None]) & ~blocked  # [shards, batch]
-    carry = jnp.einsum("db,dbse->bse", passes.astype(jnp.float32), tails)
-    return carry, seg == first[:, None]
+    return jnp.einsum("db,dbse->bse", passes.astype(jnp.float32), tails)

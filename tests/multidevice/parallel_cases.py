@@ -582,19 +582,22 @@ def test_flash_attention_over_sequence_shards_equals_one_device(key, mesh, impl,
         assert rel_err(grad, grad_1) < TOL, i
 
 
-def test_flash_attention_over_sequence_shards_needs_little_more_than_one_device():
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_flash_attention_over_sequence_shards_needs_little_more_than_one_device(packed):
     """The gradient of mixed chunk attention over 4 sequence shards, per device, against the
     one-device op on as many tokens (compiled temporaries, bf16, XLA's path): the earlier
     devices' sum enters the op as its initial state, so no float32 [T, e] term (and its
-    gradient) is added after it; with that term the ratio was 1.58x."""
+    gradient) is added after it. With that term the ratio was 1.58x (plain) and 1.44x
+    (packed: a document across every device); now 1.39x and 1.22x."""
     from bpt.ops.gau import mixed_chunk_attention
     from bpt.parallel.gau import sharded_mixed_chunk_attention
 
     mesh = make_mesh(sequence=4, devices=jax.devices()[:4])
     b, s, e, g, t = 1, 32, 256, 64, 2048
-    settings = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1e-3)
 
     def temporaries(attend, tokens, sharding=None):
+        seg = jnp.array([[0] * (tokens // 8) + [1] * (tokens - tokens // 8)]) if packed else None
+        settings = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1e-3, segment_ids=seg)
         args = [
             jax.ShapeDtypeStruct((b, tokens, w), jnp.bfloat16, sharding=sharding) for w in (s,) * 4 + (e,)
         ]
@@ -607,7 +610,7 @@ def test_flash_attention_over_sequence_shards_needs_little_more_than_one_device(
     per_device = temporaries(
         sharded, t, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
     )
-    assert per_device < 1.45 * one, (per_device, one)
+    assert per_device < (1.3 if packed else 1.45) * one, (per_device, one)
 
 
 def test_flash_on_a_mesh_logs_the_one_device_losses():
