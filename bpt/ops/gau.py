@@ -150,11 +150,13 @@ def _states_entering_chunks(lin_k: Array, v: Array, seg: Array | None) -> Array:
     return jnp.concatenate([jnp.zeros_like(added[:, :1]), inclusive[:, :-1]], axis=1)
 
 
-def _initial_reach(seg: Array | None) -> Array | None:
-    """[batch, chunks] float32, 1 where a chunk's state takes the initial state: the chunks
-    that start in the document the sequence starts in (the tokens before the sequence
-    continue that document); None without segment ids (every chunk)."""
-    return None if seg is None else (seg[:, :, 0] == seg[:, :1, 0]).astype(jnp.float32)
+def _reached_by_initial(x: Array, seg: Array | None) -> Array:
+    """x [batch, chunks (or 1), s, e] at the chunks whose state takes the initial state, zero
+    at the others: with segment ids the chunks that start in the document the sequence
+    starts in (the tokens before the sequence continue that document), else every chunk."""
+    if seg is None:
+        return x
+    return jnp.where((seg[:, :, 0] == seg[:, :1, 0])[..., None, None], x, 0.0)
 
 
 def _chunk_masks(seg: Array | None, g: int) -> tuple[Array, Array | None]:
@@ -244,8 +246,7 @@ def _mixed_chunks_forward(static: _Static, quad_q, quad_k, lin_q, lin_k, v, bias
     else:
         state = _states_entering_chunks(lin_k, v, seg)
         if initial_state is not None:
-            initial, reach = initial_state[:, None].astype(jnp.float32), _initial_reach(seg)
-            state = state + (initial if reach is None else reach[..., None, None] * initial)
+            state = state + _reached_by_initial(initial_state[:, None].astype(jnp.float32), seg)
         st = state.astype(dtype)
     res = dict(
         quad_q=quad_q, quad_k=quad_k, lin_k=lin_k, v=v, bias=bias, seg=seg, initial_state=initial_state
@@ -324,13 +325,7 @@ def _mixed_chunks_bwd(static: _Static, res, d_out):
         d_v = dy[:, :, :g].astype(jnp.float32) + d_v_lin
     d_init = None
     if initial_state is not None:
-        reach = _initial_reach(seg)
-        d_state = d_state.astype(jnp.float32)
-        d_init = (
-            (d_state if reach is None else reach[..., None, None] * d_state)
-            .sum(1)
-            .astype(initial_state.dtype)
-        )
+        d_init = _reached_by_initial(d_state.astype(jnp.float32), seg).sum(1).astype(initial_state.dtype)
     return (
         d_quad_q.astype(quad_q.dtype),
         d_quad_k.astype(quad_k.dtype),
