@@ -88,14 +88,33 @@ def test_mixed_chunk_gradients_equal_the_reference(key, segments, bias):
     assert tree_rel_err(fast, ref) < 1e-5
 
 
-def assert_same_values_and_grads(fn, ref, args, cot, tol=1e-5):
-    """fn(*args) equals ref(*args), and so do the gradients of sum(out * cot) with respect to
-    every argument (fp32, relative). The outputs are compared themselves: the scalar
-    sum(out * cot) can cancel to far below their norm, and its relative error with it."""
-    assert rel_err(fn(*args), ref(*args)) < tol
-    argnums = tuple(range(len(args)))
-    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums)(*args) for f in (fn, ref)]
-    assert tree_rel_err(*grads) < tol
+def assert_continues(qk, v, cot, *, split: int, seg=None, options=None, **kwargs):
+    """mixed_chunk_attention over tokens [split:], started from the linear sum of the earlier
+    tokens of the document the later part starts in (all of them without segment ids; as a
+    device after the first holds them, bpt.parallel.gau), equals the whole sequence's later
+    part by XLA: the outputs and the gradients of sum(out * cot) for all five inputs (fp32,
+    1e-5). options: extra arguments of the continued call only (impl, kernel_options). The
+    outputs are compared themselves: the scalar sum(out * cot) can cancel to far below their
+    norm, and its relative error with it."""
+    later_seg = None if seg is None else seg[:, split:]
+
+    def whole(*a):
+        return mixed_chunk_attention(*a, segment_ids=seg, **kwargs)[:, split:]
+
+    def continued(*a):
+        earlier_k = a[3][:, :split]
+        if seg is not None:  # the earlier tokens of the document the later part starts in
+            earlier_k = jnp.where((seg[:, :split] == seg[:, split : split + 1])[..., None], earlier_k, 0)
+        state = jnp.einsum("bjs,bje->bse", earlier_k, a[4][:, :split])
+        later = [x[:, split:] for x in a]
+        return mixed_chunk_attention(
+            *later, segment_ids=later_seg, initial_state=state, **kwargs, **(options or {})
+        )
+
+    out, grads = mixed_chunk_grads(continued, qk, v, cot)
+    ref_out, ref_grads = mixed_chunk_grads(whole, qk, v, cot)
+    assert rel_err(out, ref_out) < 1e-5
+    assert tree_rel_err(grads, ref_grads) < 1e-5
 
 
 def test_mixed_chunk_from_an_initial_state_and_in_bf16(key):
@@ -106,23 +125,13 @@ def test_mixed_chunk_from_an_initial_state_and_in_bf16(key):
     qk, v = gau_inputs(key, t=t)
     kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
     cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - 2 * g, v.shape[-1]))
-    whole = lambda *a: mixed_chunk_attention(*a, **kwargs)[:, 2 * g :]  # noqa: E731
-
-    def continued(*a):
-        state = jnp.einsum("bjs,bje->bse", a[3][:, : 2 * g], a[4][:, : 2 * g])
-        later = [x[:, 2 * g :] for x in a]
-        return mixed_chunk_attention(*later, initial_state=state, **kwargs)
-
-    args = (*qk, v)
-    assert_same_values_and_grads(continued, whole, args, cot)
-    argnums = tuple(range(5))
-    half = [x.astype(jnp.bfloat16) for x in args]
+    assert_continues(qk, v, cot, split=2 * g, **kwargs)
+    half = [x.astype(jnp.bfloat16) for x in (*qk, v)]
     out = mixed_chunk_attention(*half, **kwargs)
     assert out.dtype == jnp.bfloat16
-    assert rel_err(out.astype(jnp.float32), mixed_chunk_attention(*args, **kwargs)) < 2e-2
-    grads = jax.grad(lambda *a: jnp.sum(mixed_chunk_attention(*a, **kwargs).astype(jnp.float32)), argnums)(
-        *half
-    )
+    assert rel_err(out.astype(jnp.float32), mixed_chunk_attention(*qk, v, **kwargs)) < 2e-2
+    loss = lambda *a: jnp.sum(mixed_chunk_attention(*a, **kwargs).astype(jnp.float32))  # noqa: E731
+    grads = jax.grad(loss, argnums=tuple(range(5)))(*half)
     assert all(x.dtype == jnp.bfloat16 for x in grads)
 
 
@@ -135,19 +144,8 @@ def test_mixed_chunk_from_an_initial_state_with_documents(key):
     g, t, split = 8, 48, 16
     qk, v = gau_inputs(key, t=t)
     seg = jnp.array([[0] * 12 + [1] * 8 + [2] * 28, [5] * 40 + [6] * 8])
-    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
     cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - split, v.shape[-1]))
-
-    def whole(*a):
-        return mixed_chunk_attention(*a, segment_ids=seg, **kwargs)[:, split:]
-
-    def continued(*a):
-        same = (seg[:, :split] == seg[:, split : split + 1])[..., None]  # the first document's earlier tokens
-        state = jnp.einsum("bjs,bje->bse", jnp.where(same, a[3][:, :split], 0), a[4][:, :split])
-        later = [x[:, split:] for x in a]
-        return mixed_chunk_attention(*later, segment_ids=seg[:, split:], initial_state=state, **kwargs)
-
-    assert_same_values_and_grads(continued, whole, (*qk, v), cot)
+    assert_continues(qk, v, cot, split=split, seg=seg, chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
 
 
 def test_the_kernels_continue_from_an_initial_state(key):
@@ -157,17 +155,10 @@ def test_the_kernels_continue_from_an_initial_state(key):
     (fp32, 1e-5), equal the whole sequence's later part by XLA."""
     g, t = 16, 64
     qk, v = gau_inputs(key, t=t, s=16, e=32)
-    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
     cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - 2 * g, v.shape[-1]))
-    whole = lambda *a: mixed_chunk_attention(*a, **kwargs)[:, 2 * g :]  # noqa: E731
     pallas = dict(impl="pallas", kernel_options=dict(block_q=8, block_e=16, state_block_e=16))
-
-    def continued(*a):
-        state = jnp.einsum("bjs,bje->bse", a[3][:, : 2 * g], a[4][:, : 2 * g])
-        later = [x[:, 2 * g :] for x in a]
-        return mixed_chunk_attention(*later, initial_state=state, **kwargs, **pallas)
-
-    assert_same_values_and_grads(continued, whole, (*qk, v), cot)
+    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
+    assert_continues(qk, v, cot, split=2 * g, options=pallas, **kwargs)
 
 
 def test_attention_saveable_keeps_what_the_backward_reads(key, capsys):
