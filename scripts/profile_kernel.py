@@ -11,7 +11,9 @@ ui.perfetto.dev). This script runs the kernel once that way, then sums each phas
 warpgroups and prints a table: cycles per step, the share of the warpgroups' time, and
 what lies between phases (barrier waits outside any phase, loop overhead). The profiler's
 buffer lives in shared memory, so keep sweeps short (--seq 2048: at most 32 steps a CTA).
-It also times the kernel unprofiled (the median of 20 calls).
+It also times the kernel unprofiled (the median of 20 calls). Registers: run it with
+MOSAIC_GPU_DUMP_PTXAS=1 and Mosaic GPU prints ptxas's report of each kernel (registers and
+spills); MOSAIC_GPU_DUMP_TO=DIR keeps the PTX as well.
 """
 
 from __future__ import annotations

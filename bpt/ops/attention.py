@@ -26,9 +26,10 @@ from bpt.ops.kernels.flash import flash_attention
 from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
 
 Array = jax.Array
-# bpt's Hopper kernels measured faster than cuDNN (causal, d=128, H100) on small problems
-# only: forward+backward 1.47x at 2K and 1.12x at 4K (batch 1, 16 heads), 0.99x at 8K, and
-# 0.63x at batch 8 of 2K, where cuDNN's fixed cost per call is spread over more work.
+# bpt's Hopper kernels against cuDNN (causal, d=128, batch 1, 16 heads, H100), forward+
+# backward: 1.6x at 2K, 1.13x at 4K, 1.04x at 8K, 0.94-0.97x from 16K to 64K, and 0.65x at
+# batch 8 of 2K, where cuDNN's fixed cost per call is spread over more work
+# (docs/benchmarks.md). A larger SMALL would also take that batched shape.
 SHORT = 4096  # tokens
 SMALL = 16 * 4096**2  # batch x heads x seq^2 (query-key pairs, counting both triangles)
 # pallas_fp8: bpt's Triton forward with its matmuls in float8_e4m3fn (flash_attention's
