@@ -3,6 +3,7 @@
     python scripts/profile_step.py --config configs/flash_125m.py --seq_len 8192 --batch 8
     python scripts/profile_step.py --config configs/gpt_125m.py --seq_len 8192 --batch 8 \\
         --set model.remat_layer=dots_saveable --out results/profile_gpt
+    python scripts/profile_step.py --config configs/gpt_1b.py --seq_len 8192 --fusions 15
 
 Runs --warmup steps, then --steps steps under jax.profiler, and sums the device's kernel
 time by the XLA operation each kernel belongs to (its fusion or custom call) and by kind
@@ -11,7 +12,8 @@ each figure is one device's average, and each device's kernel total is printed t
 Kernels of different streams (a collective beside a matmul) are summed, so the kernel
 time can pass the step's. The trace itself (for Perfetto or
 TensorBoard) stays under --out. Prints the step time and the --top operations as a markdown
-table last; --out also gets profile.json.
+table last; --out also gets profile.json. --fusions N adds what the N slowest elementwise
+and norm fusions compute (their opcodes) and the bandwidth they reach.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import collections
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import tempfile
@@ -121,6 +124,56 @@ def hlo_shapes(text: str) -> dict[str, str]:
     return shapes
 
 
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
+         "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+ARRAY = re.compile(r"\b(" + "|".join(BYTES) + r")\[([\d,]*)\]")
+COMPUTATION = re.compile(r"^\s*%?([\w.\-]+) \((.*)\) -> (.+) \{\s*$")
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of every array shape written in `text` (a shape, a tuple, a parameter list)."""
+    return sum(BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in ARRAY.findall(text))
+
+
+def fusion_contents(text: str) -> dict[str, dict]:
+    """{fusion instruction: {"ops": {opcode: count}, "bytes": its operands' and result's}} of
+    an HLO module's text: what each fusion computes (the opcodes of the computation it
+    calls, parameters and tuples left out) and an upper bound on the bytes one call moves
+    (an operand it only slices counts whole)."""
+    bodies, current = {}, None
+    for line in text.splitlines():
+        m = COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            bodies[current] = {"ops": collections.Counter(), "bytes": shape_bytes(m.group(2) + " " + m.group(3))}
+        elif line.strip() == "}":
+            current = None
+        elif current is not None and (ins := HLO_LINE.match(line)):
+            if ins.group(3) not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
+                bodies[current]["ops"][ins.group(3)] += 1
+    fusions = {}
+    for line in text.splitlines():
+        ins = HLO_LINE.match(line)
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if ins and ins.group(3) == "fusion" and called and called.group(1) in bodies:
+            fusions[ins.group(1)] = bodies[called.group(1)]
+    return fusions
+
+
+def fusions_table(ops: list[dict], fusions: dict[str, dict], top: int, **known) -> str:
+    """The `top` slowest operations of the "elementwise and norms" part: milliseconds a step,
+    launches, the bandwidth their bytes imply (an upper bound) and what each computes, to
+    see which fusions XLA formed (a norm with its residual add, a bias with its GELU)."""
+    lines = ["| operation | ms a step | calls | GB/s (bound) | computes |", "|---|---|---|---|---|"]
+    rows = [op for op in ops if part_of(op, **known) == "elementwise and norms"][:top]
+    for op in rows:
+        f = fusions.get(op["op"], {"ops": {}, "bytes": 0})
+        gbs = f["bytes"] * op["calls"] / (op["ms"] * 1e6) if op["ms"] else 0.0
+        what = " ".join(f"{k}x{n}" if n > 1 else k for k, n in sorted(f["ops"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {op['op'][:40]} | {op['ms']:.2f} | {op['calls']:g} | {gbs:.0f} | {what[:90]} |")
+    return "\n".join(lines)
+
+
 def summarize(events: list[dict], steps: int, shapes: dict[str, str] | None = None) -> dict:
     """Kernel time per step (ms), by operation and by kind."""
     by_op: dict[str, dict] = collections.defaultdict(lambda: {"ms": 0.0, "calls": 0, "kernels": set()})
@@ -163,6 +216,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument(
+        "--fusions", type=int, default=0, help="also list the N slowest elementwise/norm fusions' contents"
+    )
     p.add_argument("--out", default="")
     args = p.parse_args()
 
@@ -196,8 +252,7 @@ def main() -> None:
     summary["devices"] = len(per_device)
     summary["kernel_ms_per_step_by_device"] = [per_device[pid] for pid in sorted(per_device)]
     vocab = step.model.config.vocab_size
-    summary["by_part"] = by_part(
-        summary["ops"],
+    known = dict(
         vocab_sizes={vocab, -(-vocab // 128) * 128},  # the chunked loss pads the head to 128s
         param_shapes={
             f"{x.dtype}[{','.join(map(str, x.shape))}]".replace("float32", "f32").replace("bfloat16", "bf16")
@@ -205,6 +260,7 @@ def main() -> None:
             if x.ndim
         },
     )
+    summary["by_part"] = by_part(summary["ops"], **known)
     result = dict(
         run_meta(config=args.config, seq_len=args.seq_len, batch=args.batch, overrides=args.set),
         remat_layer=step.config.model.remat_layer,
@@ -243,6 +299,9 @@ def main() -> None:
         print(
             f"| {r['op'][:40]} | {r['ms']:.2f} | {share:.1%} | {r['calls']:g} | {r['hlo'][:60]} | {r['kernel'][:40]} |"
         )
+    if args.fusions:
+        print(f"\nThe {args.fusions} slowest elementwise and norm operations:\n")
+        print(fusions_table(summary["ops"], fusion_contents(hlo), args.fusions, **known))
 
 
 if __name__ == "__main__":

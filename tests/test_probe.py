@@ -334,6 +334,39 @@ def test_profile_parts_of_a_step():
     assert list(parts) == [p for p in profile_step.PARTS if p in parts]
 
 
+def test_profile_lists_what_a_fusion_computes():
+    """profile_step's --fusions table: each fusion's opcodes (from the computation it calls)
+    and the bytes of its operands and result, turned into a bandwidth by the profiled time."""
+    profile_step = load_script("profile_step")
+    hlo = """
+%fused_add_norm (param_0: bf16[8,1024], param_1: bf16[8,1024], param_2: f32[1024]) -> (bf16[8,1024], f32[8]) {
+  %param_0 = bf16[8,1024]{1,0} parameter(0)
+  %param_1 = bf16[8,1024]{1,0} parameter(1)
+  %add.1 = bf16[8,1024]{1,0} add(%param_0, %param_1)
+  %constant.2 = f32[] constant(0)
+  %reduce.3 = f32[8]{0} reduce(%add.1, %constant.2), dimensions={1}, to_apply=%sum
+  %rsqrt.4 = f32[8]{0} rsqrt(%reduce.3)
+  ROOT %tuple.5 = (bf16[8,1024]{1,0}, f32[8]{0}) tuple(%add.1, %rsqrt.4)
+}
+
+ENTRY %main (a: bf16[8,1024], b: bf16[8,1024], g: f32[1024]) -> (bf16[8,1024], f32[8]) {
+  %a = bf16[8,1024]{1,0} parameter(0)
+  %b = bf16[8,1024]{1,0} parameter(1)
+  %g = f32[1024]{0} parameter(2)
+  ROOT %input_add_reduce_fusion.7 = (bf16[8,1024]{1,0}, f32[8]{0}) fusion(%a, %b, %g), kind=kInput, calls=%fused_add_norm
+}
+"""
+    fusions = profile_step.fusion_contents(hlo)
+    assert list(fusions) == ["input_add_reduce_fusion.7"]
+    f = fusions["input_add_reduce_fusion.7"]
+    assert dict(f["ops"]) == {"add": 1, "reduce": 1, "rsqrt": 1}
+    assert f["bytes"] == 3 * 8 * 1024 * 2 + 1024 * 4 + 8 * 4
+    ops = [{"op": "input_add_reduce_fusion.7", "ms": 0.001, "calls": 10, "kernel": "k", "hlo": ""}]
+    table = profile_step.fusions_table(ops, fusions, 5)
+    gbs = f["bytes"] * 10 / 1e3  # bytes a step over 1 us, in GB/s
+    assert f"| input_add_reduce_fusion.7 | 0.00 | 10 | {gbs:.0f} | add reduce rsqrt |" in table
+
+
 def test_only_training_chooses_the_remat(monkeypatch):
     """bpt-eval and bpt-sample (restore_run -> setup) never compile candidate training steps
     for model.remat_layer=auto; bpt-train (setup with training=True) does."""
