@@ -138,14 +138,15 @@ def shape_bytes(text: str) -> int:
 def fusion_contents(text: str) -> dict[str, dict]:
     """{fusion instruction: {"ops": {opcode: count}, "bytes": its operands' and result's}} of
     an HLO module's text: what each fusion computes (the opcodes of the computation it
-    calls, parameters and tuples left out) and an upper bound on the bytes one call moves
+    calls; parameters, constants and tuples left out) and an upper bound on the bytes one call moves
     (an operand it only slices counts whole)."""
     bodies, current = {}, None
     for line in text.splitlines():
         m = COMPUTATION.match(line)
         if m:
             current = m.group(1)
-            bodies[current] = {"ops": collections.Counter(), "bytes": shape_bytes(m.group(2) + " " + m.group(3))}
+            signature = m.group(2) + " " + m.group(3)  # the parameters and the result
+            bodies[current] = {"ops": collections.Counter(), "bytes": shape_bytes(signature)}
         elif line.strip() == "}":
             current = None
         elif current is not None and (ins := HLO_LINE.match(line)):
@@ -169,7 +170,8 @@ def fusions_table(ops: list[dict], fusions: dict[str, dict], top: int, **known) 
     for op in rows:
         f = fusions.get(op["op"], {"ops": {}, "bytes": 0})
         gbs = f["bytes"] * op["calls"] / (op["ms"] * 1e6) if op["ms"] else 0.0
-        what = " ".join(f"{k}x{n}" if n > 1 else k for k, n in sorted(f["ops"].items(), key=lambda kv: -kv[1]))
+        counts = sorted(f["ops"].items(), key=lambda kv: -kv[1])
+        what = " ".join(f"{k}x{n}" if n > 1 else k for k, n in counts)
         lines.append(f"| {op['op'][:40]} | {op['ms']:.2f} | {op['calls']:g} | {gbs:.0f} | {what[:90]} |")
     return "\n".join(lines)
 
