@@ -27,7 +27,7 @@ from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
 
 Array = jax.Array
 # bpt's Hopper kernels against cuDNN (causal, d=128, batch 1, 16 heads, H100), forward+
-# backward: 1.6x at 2K, 1.13x at 4K, 1.04x at 8K, 0.94-0.97x from 16K to 64K, and 0.65x at
+# backward: 1.5x at 2K, 1.17x at 4K, 1.06x at 8K, 0.98-1.00x from 16K to 64K, and 0.68x at
 # batch 8 of 2K, where cuDNN's fixed cost per call is spread over more work
 # (docs/benchmarks.md). A larger SMALL would also take that batched shape.
 SHORT = 4096  # tokens
