@@ -128,6 +128,7 @@ BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16
          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 ARRAY = re.compile(r"\b(" + "|".join(BYTES) + r")\[([\d,]*)\]")
 COMPUTATION = re.compile(r"^\s*%?([\w.\-]+) \((.*)\) -> (.+) \{\s*$")
+NOT_COMPUTED = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 
 
 def shape_bytes(text: str) -> int:
@@ -138,27 +139,23 @@ def shape_bytes(text: str) -> int:
 def fusion_contents(text: str) -> dict[str, dict]:
     """{fusion instruction: {"ops": {opcode: count}, "bytes": its operands' and result's}} of
     an HLO module's text: what each fusion computes (the opcodes of the computation it
-    calls; parameters, constants and tuples left out) and an upper bound on the bytes one call moves
-    (an operand it only slices counts whole)."""
-    bodies, current = {}, None
+    calls, less NOT_COMPUTED) and an upper bound on the bytes one call moves (an operand
+    it only slices counts whole)."""
+    bodies, calls, current = {}, {}, None
     for line in text.splitlines():
-        m = COMPUTATION.match(line)
-        if m:
+        if m := COMPUTATION.match(line):
             current = m.group(1)
             signature = m.group(2) + " " + m.group(3)  # the parameters and the result
             bodies[current] = {"ops": collections.Counter(), "bytes": shape_bytes(signature)}
         elif line.strip() == "}":
             current = None
-        elif current is not None and (ins := HLO_LINE.match(line)):
-            if ins.group(3) not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
-                bodies[current]["ops"][ins.group(3)] += 1
-    fusions = {}
-    for line in text.splitlines():
-        ins = HLO_LINE.match(line)
-        called = re.search(r"calls=%?([\w.\-]+)", line)
-        if ins and ins.group(3) == "fusion" and called and called.group(1) in bodies:
-            fusions[ins.group(1)] = bodies[called.group(1)]
-    return fusions
+        elif ins := HLO_LINE.match(line):
+            opcode = ins.group(3)
+            if opcode == "fusion" and (called := re.search(r"calls=%?([\w.\-]+)", line)):
+                calls[ins.group(1)] = called.group(1)
+            if current is not None and opcode not in NOT_COMPUTED:
+                bodies[current]["ops"][opcode] += 1
+    return {name: bodies[c] for name, c in calls.items() if c in bodies}
 
 
 def fusions_table(ops: list[dict], fusions: dict[str, dict], top: int, **known) -> str:
