@@ -1,8 +1,39 @@
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
-import jax
-import numpy as np
-import pytest
+# One persistent compilation cache for the whole run, made before jax starts: the pytest-xdist
+# workers and every subprocess a test starts (bpt-train, the scripts, the 8-device suite)
+# inherit it, so a program compiled once (the same tiny model's train step in many tests) is
+# loaded, not compiled, the next time. XLA's CPU compiles are most of the suite's time. Set
+# JAX_COMPILATION_CACHE_DIR to keep a cache across runs; the one made here is removed at the end.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bpt-tests-jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+import jax  # noqa: E402  (after the cache's settings)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def no_compilation_cache():
+    """Compiles as if no cache existed, for a test that counts XLA's compilations (jax reads
+    the setting once per process; reset_cache makes it read it again)."""
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture

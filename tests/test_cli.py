@@ -105,7 +105,7 @@ def test_the_readmes_commands_on_a_run_run_as_written(default_run, program):
         assert "=== sample 2 of 2 ===\nJULIET:" in outputs[1]  # two prompts, one batch
 
 
-def test_resuming_compiles_the_train_step_once(tmp_path):
+def test_resuming_compiles_the_train_step_once(tmp_path, no_compilation_cache):
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: (
