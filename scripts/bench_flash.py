@@ -162,10 +162,11 @@ def steps_to_loss(steps: list[int], losses: list[float], target: float) -> float
     return None
 
 
-def seconds_per_step(row: dict) -> float:
-    """A training run's seconds a step: the median over its logging windows."""
+def seconds_per_step(row: dict) -> float | None:
+    """A training run's seconds a step: the median over its timed logging windows (None when
+    none was timed)."""
     times = sorted(t for t in row["step_seconds"] if t)
-    return times[len(times) // 2]
+    return times[len(times) // 2] if times else None
 
 
 def time_to_quality(gpt: dict, flash: dict) -> dict:
@@ -177,7 +178,7 @@ def time_to_quality(gpt: dict, flash: dict) -> dict:
     reached = steps_to_loss(flash["steps"], flash["loss"], target)
     row = dict(target=target, gpt_steps=gpt["steps"][-1], gpt_step_s=gpt_s, flash_step_s=flash_s)
     row.update(flash_steps=reached, speedup=None)
-    if reached is not None:
+    if reached is not None and gpt_s and flash_s:
         row["speedup"] = gpt["steps"][-1] * gpt_s / (reached * flash_s)
     return row
 
@@ -254,13 +255,17 @@ def tables(args, speed, longest, quality, equal_loss) -> str:
             "| GPT | its final loss | steps | s a step | FLASH | steps to that loss | s a step | speed-up at equal loss |",
             "|---|---|---|---|---|---|---|---|",
         ]
+
+        def seconds(value):
+            return "–" if value is None else f"{value:.4f}"
+
         for t in equal_loss:
             gpt, flash = t["gpt"], t["flash"]
             reached = "not reached" if t["flash_steps"] is None else f"{t['flash_steps']:.0f}"
             speedup = "–" if t["speedup"] is None else f"{t['speedup']:.2f}x"
             out.append(
-                f"| {Path(gpt).stem} | {t['target']:.4f} | {t['gpt_steps']} | {t['gpt_step_s']:.4f} | "
-                f"{Path(flash).stem} | {reached} | {t['flash_step_s']:.4f} | {speedup} |"
+                f"| {Path(gpt).stem} | {t['target']:.4f} | {t['gpt_steps']} | {seconds(t['gpt_step_s'])} | "
+                f"{Path(flash).stem} | {reached} | {seconds(t['flash_step_s'])} | {speedup} |"
             )
     return "\n".join(out)
 
@@ -303,6 +308,8 @@ def plot(speed, quality, path: Path) -> None:
         ax = axes["time"]
         for r in quality:
             seconds = seconds_per_step(r)
+            if seconds is None:
+                continue
             ax.plot([step * seconds for step in r["steps"]], r["loss"], label=Path(r["config"]).stem)
             if r["family"] == "gpt":
                 ax.axhline(r["loss"][-1], color="gray", linestyle="--", linewidth=0.8)

@@ -252,6 +252,9 @@ def test_flash_script_time_to_equal_loss():
     assert abs(t["speedup"] - (40 * 0.20) / (25.0 * 0.10)) < 1e-12
     flash["loss"] = [3.9, 3.5, 3.0, 2.9]
     assert bench.time_to_quality(gpt, flash)["speedup"] is None
+    flash.update(loss=[3.5, 2.5, 1.5, 1.0], step_seconds=[None] * 4)  # no timed window: no speed-up
+    assert bench.time_to_quality(gpt, flash)["flash_step_s"] is None
+    assert bench.time_to_quality(gpt, flash)["speedup"] is None
 
 
 def test_rl_script_end_to_end(tmp_path):
