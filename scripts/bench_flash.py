@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,8 +166,8 @@ def steps_to_loss(steps: list[int], losses: list[float], target: float) -> float
 def seconds_per_step(row: dict) -> float | None:
     """A training run's seconds a step: the median over its timed logging windows (None when
     none was timed)."""
-    times = sorted(t for t in row["step_seconds"] if t)
-    return times[len(times) // 2] if times else None
+    times = [t for t in row["step_seconds"] if t]
+    return statistics.median(times) if times else None
 
 
 def time_to_quality(gpt: dict, flash: dict) -> dict:
@@ -176,11 +177,15 @@ def time_to_quality(gpt: dict, flash: dict) -> dict:
     target = gpt["loss"][-1]
     gpt_s, flash_s = seconds_per_step(gpt), seconds_per_step(flash)
     reached = steps_to_loss(flash["steps"], flash["loss"], target)
-    row = dict(target=target, gpt_steps=gpt["steps"][-1], gpt_step_s=gpt_s, flash_step_s=flash_s)
-    row.update(flash_steps=reached, speedup=None)
-    if reached is not None and gpt_s and flash_s:
-        row["speedup"] = gpt["steps"][-1] * gpt_s / (reached * flash_s)
-    return row
+    timed = reached is not None and gpt_s and flash_s
+    return dict(
+        target=target,
+        gpt_steps=gpt["steps"][-1],
+        gpt_step_s=gpt_s,
+        flash_step_s=flash_s,
+        flash_steps=reached,
+        speedup=gpt["steps"][-1] * gpt_s / (reached * flash_s) if timed else None,
+    )
 
 
 def pairs(args) -> list[tuple[str, str]]:

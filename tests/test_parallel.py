@@ -1,4 +1,4 @@
-"""Runs tests/multidevice/ on 8 CPU devices, in three subprocesses (the device count is fixed when
+"""Runs tests/multidevice/ on 8 CPU devices, in one subprocess (the device count is fixed when
 jax starts, and every other test module runs on one device); and, on a machine with two GPUs
 or more, context-parallel attention on the real devices (marked gpu)."""
 
@@ -12,20 +12,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-# The module's tests in three subprocesses of a few minutes each, so that pytest-xdist's workers
-# share them out (one subprocess of it all was the suite's longest test by far). Together the
-# selections take every test once: the third is what the first two leave.
-TRAINING_RUNS = "two_processes or resume_on_another_mesh or divides_the_activation_memory or chunk_loops"
-MATCHING_LOSSES = "logs_the_one_device_losses"
-SHARDS = {
-    "training_runs": TRAINING_RUNS,
-    "matching_losses": MATCHING_LOSSES,
-    "attention_and_decoding": f"not ({TRAINING_RUNS} or {MATCHING_LOSSES})",
-}
-
-
-@pytest.mark.parametrize("shard", list(SHARDS))
-def test_multidevice_suite_on_8_cpu_devices(shard):
+def test_multidevice_suite_on_8_cpu_devices():
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
@@ -40,8 +27,6 @@ def test_multidevice_suite_on_8_cpu_devices(shard):
             "-p",
             "no:cacheprovider",
             str(HERE / "multidevice" / "parallel_cases.py"),
-            "-k",
-            SHARDS[shard],
         ],
         capture_output=True,
         text=True,
@@ -52,7 +37,6 @@ def test_multidevice_suite_on_8_cpu_devices(shard):
     print(f"multidevice: {summary[0]}")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in summary[0] and "skipped" not in summary[0], summary[0]
-    assert "deselected" in summary[0], summary[0]  # a shard, not the whole module
 
 
 def _gpus() -> int:
