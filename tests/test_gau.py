@@ -156,7 +156,8 @@ def test_the_kernels_continue_from_an_initial_state(key):
     g, t = 16, 64
     qk, v = gau_inputs(key, t=t, s=16, e=32)
     cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - 2 * g, v.shape[-1]))
-    pallas = dict(impl="pallas", kernel_options=dict(block_q=8, block_e=16, state_block_e=16))
+    options = dict(block_q=8, block_e=16, state_block_e=16, state_rows=8)  # chunks in two pieces
+    pallas = dict(impl="pallas", kernel_options=options)
     kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
     assert_continues(qk, v, cot, split=2 * g, options=pallas, **kwargs)
 
@@ -195,9 +196,9 @@ def mixed_chunk_grads(attend, qk, v, cot, **kwargs):
 )
 def test_pallas_kernels_equal_the_reference_in_interpret_mode(key, extras, quadratic):
     """bpt.ops.kernels.gau in interpret mode against the materialized reference, values and
-    gradients (fp32, 1e-5): the states' kernels (four value tiles), and the quadratic part's
-    (four query blocks a chunk, so key extents of 8, 16, 32 (24 rounded up) and 32 and the
-    zero tails after them; two value tiles). With segment ids the states are XLA's; without,
+    gradients (fp32, 1e-5): the states' kernels (four value tiles, each chunk in four pieces
+    of rows), and the quadratic part's (four query blocks a chunk, so key extents of 8, 16,
+    32 (24 rounded up) and 32 and the zero tails after them; two value tiles). With segment ids the states are XLA's; without,
     bf16 inputs keep their dtype."""
     g, t = 32, 64
     qk, v = gau_inputs(key, t=t, s=16, e=64)
@@ -208,7 +209,7 @@ def test_pallas_kernels_equal_the_reference_in_interpret_mode(key, extras, quadr
     kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t, segment_ids=seg)
     bias_full = table[relative_buckets(dist)] if extras else None
     bias = table[relative_buckets(dist[:g, :g])] if extras else None
-    options = dict(block_q=8, block_e=32, state_block_e=16, quadratic=quadratic)
+    options = dict(block_q=8, block_e=32, state_block_e=16, state_rows=8, quadratic=quadratic)
     kernel = dict(impl="pallas", kernel_options=options, bias=bias)
     out, grads = mixed_chunk_grads(mixed_chunk_attention, qk, v, cot, **kwargs, **kernel)
     ref_out, ref_grads = mixed_chunk_grads(mixed_chunk_reference, qk, v, cot, bias=bias_full, **kwargs)
@@ -263,6 +264,27 @@ def test_pallas_kernels_on_gpu(key, extras, quadratic):
             tree_rel_err([x.astype(jnp.float32) for x in grads], [x.astype(jnp.float32) for x in ref_grads])
             < tol
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton kernels need a GPU")
+def test_the_states_kernels_take_long_chunks_on_gpu(key):
+    """Chunks of 512 and 1024 through the states' kernels (auto takes them there): they load
+    256 rows at a time, since a whole chunk of bf16 keys and values overflows an H100's shared
+    memory. bf16 values and gradients against the XLA path within 1e-2."""
+    for g in (512, 1024):
+        t = 2 * g
+        qk, v = gau_inputs(key, t=t, s=128, e=1536)
+        args = [x.astype(jnp.bfloat16) for x in (*qk, v)]
+        cot = jax.random.normal(jax.random.fold_in(key, 1), v.shape)
+        kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
+        out, grads = mixed_chunk_grads(mixed_chunk_attention, args[:4], args[4], cot, impl="pallas", **kwargs)
+        ref, ref_grads = mixed_chunk_grads(
+            mixed_chunk_attention, args[:4], args[4], cot, impl="blockwise", **kwargs
+        )
+        assert rel_err(out.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2, g
+        f32 = lambda xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
+        assert tree_rel_err(f32(grads), f32(ref_grads)) < 1e-2, g
 
 
 def test_impl_choices_and_what_the_kernels_refuse(key):

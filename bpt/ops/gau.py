@@ -271,7 +271,8 @@ def _mixed_chunks_forward(static: _Static, quad_q, quad_k, lin_q, lin_k, v, bias
 
 
 def _quadratic_grads_xla(static: _Static, res, d_out):
-    """(d_quad_q, d_lin_q, d(scaled scores) in the inputs' dtype, x = [W | lq], v) by XLA."""
+    """(d_quad_q, d_lin_q, d(scaled scores) in the inputs' dtype, x = [W | lq], [v ; states])
+    by XLA. The last is returned whole: v alone would be a copy of its first G rows."""
     g, quad_scale, lin_scale = static.chunk, static.quad_scale, static.lin_scale
     quad_q, seg, r, x, y = res["quad_q"], res["seg"], res["r"], res["x"], res["y"]
     dx = jnp.einsum("bcie,bcke->bcik", d_out, y, preferred_element_type=jnp.float32)
@@ -282,7 +283,7 @@ def _quadratic_grads_xla(static: _Static, res, d_out):
     d_lin_q = dx[..., g:] * lin_scale
     if seg is not None:
         d_lin_q = jnp.where(_chunk_masks(seg, g)[1][..., None], d_lin_q, 0.0)
-    return d_quad_q * quad_scale, d_lin_q, d_scores, x, y[:, :, :g]
+    return d_quad_q * quad_scale, d_lin_q, d_scores, x, y
 
 
 def _quadratic_grads_pallas(static: _Static, res, d_out):
@@ -301,7 +302,7 @@ def _mixed_chunks_bwd(static: _Static, res, d_out):
     dtype = (res["v"] if quadratic_kernel else res["y"]).dtype
     d_out = d_out.astype(dtype)
     grads = (_quadratic_grads_pallas if quadratic_kernel else _quadratic_grads_xla)(static, res, d_out)
-    d_quad_q, d_lin_q, d_scores, x, v = grads
+    d_quad_q, d_lin_q, d_scores, x, values = grads  # values: v, or [v ; states] (rows past G)
     d_quad_k = (
         jnp.einsum("bcij,bcis->bcjs", d_scores, quad_q, preferred_element_type=jnp.float32) * quad_scale
     )
@@ -315,13 +316,14 @@ def _mixed_chunks_bwd(static: _Static, res, d_out):
         later, joined = kernels.later_sums(kernel, d_state.astype(dtype), _unchunk(d_out))
         left = jnp.concatenate([jnp.swapaxes(x[..., :g], -1, -2), lin_k.astype(dtype)], axis=-1)
         d_v = jnp.einsum("bcjk,bcke->bcje", left, joined, preferred_element_type=jnp.float32)
-        d_lin_k = jnp.einsum("bcje,bcse->bcjs", v, later, preferred_element_type=jnp.float32)
+        # over every row of [v ; states] and the first G kept: cheaper than copying v out of it
+        d_lin_k = jnp.einsum("bcje,bcse->bcjs", values, later, preferred_element_type=jnp.float32)[:, :, :g]
     else:
         # [dv ; d_state] = x^T d_out: [b, c, G + s, e] in the inputs' dtype (the widest
         # tensor here; float32 doubled its traffic)
         dy = jnp.einsum("bcik,bcie->bcke", x, d_out, preferred_element_type=jnp.float32).astype(dtype)
         d_state = dy[:, :, g:]  # [b, c, s, e]
-        d_lin_k, d_v_lin = _states_vjp(lin_k, v, seg, d_state.astype(jnp.float32))
+        d_lin_k, d_v_lin = _states_vjp(lin_k, values[:, :, :g], seg, d_state.astype(jnp.float32))
         d_v = dy[:, :, :g].astype(jnp.float32) + d_v_lin
     d_init = None
     if initial_state is not None:

@@ -59,6 +59,10 @@ class GAUKernelConfig:
     block_e: int = 128
     # The linear states' tile of the value width (programs: sequences x e / state_block_e).
     state_block_e: int = 64
+    # The rows of a chunk the states' kernels load and multiply at once: chunks longer than
+    # this go in pieces (a whole chunk of 512 bf16 keys and values asked 336 KiB of shared
+    # memory, above an H100's 227).
+    state_rows: int = 256
     state_warps: int = 8
     # The quadratic part in these kernels too (False: XLA's, around the states from these).
     # Off by default: on an H100 at FLASH-125M's sizes its forward ties XLA's and its
@@ -74,7 +78,7 @@ class GAUKernelConfig:
         shared memory, so float32 gets narrower value tiles and no pipelining (an H100's
         227 KiB hold one [256, 128] float32 tile of keys and little else)."""
         if jnp.dtype(dtype).itemsize >= 4:
-            fields = {"block_e": 64, "state_block_e": 32, "num_stages": 1, **fields}
+            fields = {"block_e": 64, "state_block_e": 32, "state_rows": 128, "num_stages": 1, **fields}
         return cls(**fields)
 
 
@@ -94,12 +98,17 @@ def config_for(
         block_q=min(cfg.block_q, chunk),
         block_e=min(cfg.block_e, value_dim),
         state_block_e=min(cfg.state_block_e, value_dim),
+        state_rows=min(cfg.state_rows, chunk),
     )
     for name in ("block_e", "state_block_e"):
         if value_dim % getattr(cfg, name):
             raise ValueError(
                 f"kernel_options: {name}={getattr(cfg, name)} does not divide the value width {value_dim}"
             )
+    if chunk % cfg.state_rows or cfg.state_rows & (cfg.state_rows - 1):
+        raise ValueError(
+            f"kernel_options: state_rows={cfg.state_rows} must be a power of two dividing chunk_size={chunk}"
+        )
     return cfg
 
 
@@ -315,20 +324,33 @@ def backward(cfg: GAUKernelConfig, q, k, lq, v, state, d_out, bias=None, seg=Non
 # --- the linear part's states -------------------------------------------------------------
 
 
+def _over_pieces(pieces: int, size: int, body, carry):
+    """body(first row, carry) over a chunk's pieces of `size` rows: inline for one, else a
+    loop (unrolled, Triton gave every piece buffers of its own: 336 KiB of shared memory for
+    two pieces of 256 rows)."""
+    if pieces == 1:
+        return body(0, carry)
+    return lax.fori_loop(0, pieces, lambda p, c: body(pl.multiple_of(p * size, size), c), carry)
+
+
 def _states_kernel(cfg: GAUKernelConfig, with_values: bool, lk_ref, v_ref, *refs):
-    g = cfg.chunk
+    g, piece = cfg.chunk, cfg.state_rows
     s, te = lk_ref.shape[-1], v_ref.shape[-1]
     *initial_ref, o_ref = refs
     acc = initial_ref[0][...].astype(jnp.float32) if initial_ref else jnp.zeros((s, te), jnp.float32)
     state_rows = pl.ds(g, s) if with_values else pl.ds(0, s)
 
     def body(c, acc):
-        rows = pl.ds(pl.multiple_of(c * g, g), g)
-        v = v_ref[rows, :]
-        if with_values:  # the chunk's values above its state: [v ; state], as the matmul reads them
-            o_ref[c, pl.ds(0, g), :] = v
         o_ref[c, state_rows, :] = acc.astype(o_ref.dtype)  # the sum over the chunks before c
-        return acc + _dot(lk_ref[rows, :], v, ta=True)
+
+        def rows_of_chunk(start, acc):
+            rows = pl.ds(pl.multiple_of(c * g + start, piece), piece)
+            v = v_ref[rows, :]
+            if with_values:  # the chunk's values above its state: [v ; state], as the matmul reads them
+                o_ref[c, pl.ds(start, piece), :] = v
+            return acc + _dot(lk_ref[rows, :], v, ta=True)
+
+        return _over_pieces(g // piece, piece, rows_of_chunk, acc)
 
     lax.fori_loop(0, lk_ref.shape[0] // g, body, acc)
 
@@ -367,7 +389,7 @@ def states(
     )(lk, v, *([] if initial is None else [initial]))
 
 
-def _later_sum_kernel(x_ref, values_ref, o_ref, joined_ref):
+def _later_sum_kernel(piece, x_ref, values_ref, o_ref, joined_ref):
     chunks, s = x_ref.shape[0], x_ref.shape[1]
     g = values_ref.shape[0] // chunks
 
@@ -375,8 +397,13 @@ def _later_sum_kernel(x_ref, values_ref, o_ref, joined_ref):
         c = chunks - 1 - i
         later = acc.astype(o_ref.dtype)  # the sum over the chunks after c
         o_ref[c] = later
-        # [values ; later], as the matmul after this reads them
-        joined_ref[c, pl.ds(0, g), :] = values_ref[pl.ds(pl.multiple_of(c * g, g), g), :]
+
+        def copy_rows(start, carry):  # [values ; later], as the matmul after this reads them
+            rows = pl.ds(pl.multiple_of(c * g + start, piece), piece)
+            joined_ref[c, pl.ds(start, piece), :] = values_ref[rows, :]
+            return carry
+
+        _over_pieces(g // piece, piece, copy_rows, None)
         joined_ref[c, pl.ds(g, s), :] = later
         return acc + x_ref[c].astype(jnp.float32)
 
@@ -394,7 +421,7 @@ def later_sums(cfg: GAUKernelConfig, x: Array, values: Array) -> tuple[Array, Ar
     g = t // c
     spec = pl.BlockSpec((None, c, s, te), lambda i, j: (i, 0, 0, j))
     return pl.pallas_call(
-        _later_sum_kernel,
+        functools.partial(_later_sum_kernel, min(cfg.state_rows, g)),
         grid=(b, e // te),
         in_specs=[spec, pl.BlockSpec((None, t, te), lambda i, j: (i, 0, j))],
         out_specs=[spec, pl.BlockSpec((None, c, g + s, te), lambda i, j: (i, 0, 0, j))],
