@@ -198,8 +198,8 @@ def test_pallas_kernels_equal_the_reference_in_interpret_mode(key, extras, quadr
     """bpt.ops.kernels.gau in interpret mode against the materialized reference, values and
     gradients (fp32, 1e-5): the states' kernels (four value tiles, each chunk in four pieces
     of rows), and the quadratic part's (four query blocks a chunk, so key extents of 8, 16,
-    32 (24 rounded up) and 32 and the zero tails after them; two value tiles). With segment ids the states are XLA's; without,
-    bf16 inputs keep their dtype."""
+    32 (24 rounded up) and 32 and the zero tails after them; two value tiles). With segment
+    ids the states are XLA's; without, bf16 inputs keep their dtype."""
     g, t = 32, 64
     qk, v = gau_inputs(key, t=t, s=16, e=64)
     cot = jax.random.normal(jax.random.fold_in(key, 1), v.shape)

@@ -75,8 +75,9 @@ class GAUKernelConfig:
     @classmethod
     def for_dtype(cls, dtype, **fields) -> GAUKernelConfig:
         """The defaults for inputs of this dtype, then `fields`: 4-byte tiles take twice the
-        shared memory, so float32 gets narrower value tiles and no pipelining (an H100's
-        227 KiB hold one [256, 128] float32 tile of keys and little else)."""
+        shared memory, so float32 gets narrower value tiles, the states' rows 128 at a time
+        and no pipelining (an H100's 227 KiB hold one [256, 128] float32 tile of keys and
+        little else)."""
         if jnp.dtype(dtype).itemsize >= 4:
             fields = {"block_e": 64, "state_block_e": 32, "state_rows": 128, "num_stages": 1, **fields}
         return cls(**fields)
