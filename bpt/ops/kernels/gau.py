@@ -390,9 +390,9 @@ def states(
     )(lk, v, *([] if initial is None else [initial]))
 
 
-def _later_sum_kernel(piece, x_ref, values_ref, o_ref, joined_ref):
+def _later_sum_kernel(cfg: GAUKernelConfig, x_ref, values_ref, o_ref, joined_ref):
     chunks, s = x_ref.shape[0], x_ref.shape[1]
-    g = values_ref.shape[0] // chunks
+    g, piece = cfg.chunk, cfg.state_rows
 
     def body(i, acc):
         c = chunks - 1 - i
@@ -418,11 +418,10 @@ def later_sums(cfg: GAUKernelConfig, x: Array, values: Array) -> tuple[Array, Ar
     sum: the operand of the backward's one matmul for dv, written here instead of
     concatenated after), in x's dtype, summed in float32."""
     b, c, s, e = x.shape
-    t, te = values.shape[1], cfg.state_block_e
-    g = t // c
+    t, te, g = values.shape[1], cfg.state_block_e, cfg.chunk
     spec = pl.BlockSpec((None, c, s, te), lambda i, j: (i, 0, 0, j))
     return pl.pallas_call(
-        functools.partial(_later_sum_kernel, min(cfg.state_rows, g)),
+        functools.partial(_later_sum_kernel, cfg),
         grid=(b, e // te),
         in_specs=[spec, pl.BlockSpec((None, t, te), lambda i, j: (i, 0, j))],
         out_specs=[spec, pl.BlockSpec((None, c, g + s, te), lambda i, j: (i, 0, 0, j))],
