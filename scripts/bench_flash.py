@@ -1,8 +1,13 @@
 """FLASH against the GPT with BPT at matched parameters: speed, longest context and quality.
 
-    python scripts/bench_flash.py --out results/flash                       # all three parts
+    python scripts/bench_flash.py --out results/flash                       # all four parts
     python scripts/bench_flash.py --parts speed --contexts 1024,8192,65536
     python scripts/bench_flash.py --parts quality --steps 1000 --seq_len 8192 --set data.tokenizer=gpt2
+
+flops: each config's model FLOPs per token at each context, the count its MFU uses
+(GPTConfig / FLASHConfig.train_flops_per_token); computed, nothing runs. A step's speed
+ratio is the ratio of these times the ratio of the two MFUs, so GPT / FLASH here is
+FLASH's speed-up per step at equal MFU.
 
 speed: one real training step (median of --repeats after a warm-up, each model in a fresh
 process) at each context, --tokens_per_step tokens a step (batch = tokens / context), for
@@ -37,7 +42,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 from benchlib import benchmark_config, human_tokens, parse_choices, report, run_in_subprocess, run_meta  # noqa: E402
 
-PARTS = ("speed", "max_context", "quality")
+PARTS = ("flops", "speed", "max_context", "quality")
 
 
 def family(path: str) -> str:
@@ -107,6 +112,22 @@ def max_context_part(args, configs) -> list[dict]:
         row.update(config=path, family=family(path))
         print(json.dumps(row), flush=True)
         rows.append(row)
+    return rows
+
+
+def flops_part(args, configs) -> list[dict]:
+    from bpt.config import model_config
+    from bpt.train.metrics import train_flops_per_token
+    from bpt.train.probe import GPT2_VOCAB
+
+    rows = []
+    for path in configs:
+        for context in args.contexts:
+            c = benchmark_config(path, seq_len=context, overrides=args.set)
+            cfg = model_config(c.model, vocab_size=c.model.vocab_size or GPT2_VOCAB, seq_len=context)
+            rows.append(
+                dict(config=path, context=context, flops_per_token=train_flops_per_token(cfg, context))
+            )
     return rows
 
 
@@ -192,8 +213,25 @@ def pairs(args) -> list[tuple[str, str]]:
     return list(zip(args.gpt, args.flash))
 
 
-def tables(args, speed, longest, quality, equal_loss) -> str:
+def tables(args, flops, speed, longest, quality, equal_loss) -> str:
     out = []
+    if flops:
+        per_token = {(r["config"], r["context"]): r["flops_per_token"] for r in flops}
+        out += [
+            "Model FLOPs per token, forward and backward (each family's own count, the one MFU uses;",
+            "GPT / FLASH: FLASH's speed-up per step at equal MFU)",
+            "",
+            "| context | GPT (BPT) | GFLOP a token | FLASH | GFLOP a token | GPT / FLASH |",
+            "|---|---|---|---|---|---|",
+        ]
+        for gpt, flash in pairs(args):
+            for context in args.contexts:
+                g, f = per_token[gpt, context], per_token[flash, context]
+                out.append(
+                    f"| {human_tokens(context)} | {Path(gpt).stem} | {g / 1e9:.3f} | {Path(flash).stem} | "
+                    f"{f / 1e9:.3f} | {g / f:.2f} |"
+                )
+        out.append("")
     if speed:
         by = {(r["config"], r["context"]): r for r in speed}
         out += [
@@ -368,6 +406,7 @@ def main() -> None:
         parser.error("--gpt and --flash must list as many configs (they are compared pair by pair)")
     args.contexts = [int(x) for x in args.contexts.split(",")]
     configs = [c for pair in pairs(args) for c in pair]
+    flops = flops_part(args, configs) if "flops" in parts else []
     speed = speed_part(args, configs) if "speed" in parts else []
     longest = max_context_part(args, configs) if "max_context" in parts else []
     with tempfile.TemporaryDirectory() as scratch:  # the runs' checkpoints are not kept
@@ -378,14 +417,21 @@ def main() -> None:
         for gpt, flash in pairs(args)
         if gpt in runs and flash in runs
     ]
-    table = tables(args, speed, longest, quality, equal_loss)
+    table = tables(args, flops, speed, longest, quality, equal_loss)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = run_meta(parts=parts, settings=args.set)
         (out / "results.json").write_text(
             json.dumps(
-                dict(meta=meta, speed=speed, max_context=longest, quality=quality, equal_loss=equal_loss),
+                dict(
+                    meta=meta,
+                    flops=flops,
+                    speed=speed,
+                    max_context=longest,
+                    quality=quality,
+                    equal_loss=equal_loss,
+                ),
                 indent=1,
             )
         )

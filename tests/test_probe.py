@@ -1,5 +1,6 @@
 """The training-step probe behind the max-context, memory and throughput benchmarks."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -225,6 +226,10 @@ def test_flash_script_end_to_end(tmp_path):
     )
     results = json.loads((tmp_path / "results.json").read_text())
     assert all(r["ok"] and r["tokens_per_second"] > 0 for r in results["speed"])
+    assert [(Path(r["config"]).stem, r["context"]) for r in results["flops"]] == [
+        ("tiny", 512),
+        ("flash_tiny", 512),
+    ]
     longest = {r["family"]: r["longest"] for r in results["max_context"]}
     assert all(1024 <= n < 16384 for n in longest.values()), longest  # the budget bites in between
     assert all(r["ok"] and len(r["loss"]) == 4 for r in results["quality"])
@@ -233,8 +238,27 @@ def test_flash_script_end_to_end(tmp_path):
     assert equal["target"] == gpt_run["loss"][-1] and equal["gpt_step_s"] > 0
     assert (equal["flash_steps"] is None) == (equal["speedup"] is None)
     table = (tmp_path / "table.md").read_text()
-    assert "| 512 | tiny |" in table and "speed-up at equal loss" in table
+    assert "| 512 | tiny |" in table and "speed-up at equal loss" in table and "GPT / FLASH" in table
     assert (tmp_path / "flash.png").is_file()
+
+
+def test_flash_script_counts_each_familys_flops_at_each_context():
+    """The flops part: FLASH's model FLOPs a token stay flat with the context, the GPT's grow
+    by its attention's (QK^T and PV, forward and backward, over half the causal window); the
+    table's last column is their ratio, FLASH's speed-up per step at equal MFU."""
+    bench = load_script("bench_flash")
+    gpt, flash = str(ROOT / "configs/gpt_125m.py"), str(ROOT / "configs/flash_125m.py")
+    args = argparse.Namespace(gpt=[gpt], flash=[flash], contexts=[1024, 8192], set=[])
+    rows = bench.flops_part(args, [gpt, flash])
+    per = {(Path(r["config"]).stem, r["context"]): r["flops_per_token"] for r in rows}
+    assert len(per) == 4 and per["flash_125m", 1024] == per["flash_125m", 8192] > 0
+    layers, d_model = 12, 768
+    grown = per["gpt_125m", 8192] - per["gpt_125m", 1024]
+    assert grown == pytest.approx(layers * 3 * 2 * 2 * d_model * (8192 - 1024) / 2)
+    table = bench.tables(args, rows, [], [], [], [])
+    ratio = per["gpt_125m", 8192] / per["flash_125m", 8192]
+    assert f"| 8K | gpt_125m | {per['gpt_125m', 8192] / 1e9:.3f} | flash_125m |" in table
+    assert table.splitlines()[-1].endswith(f"| {ratio:.2f} |") and 1.3 < ratio < 1.5
 
 
 def test_flash_script_time_to_equal_loss():
