@@ -17,6 +17,16 @@ import jax  # noqa: E402  (after the cache's settings)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# The longest single test (the 8-device suite in one subprocess, 10 to 14 minutes) goes first:
+# pytest-xdist's worksteal gives each worker a contiguous half of the collected tests, so a
+# long test collected late ends the run alone while the other worker idles; first, it runs
+# beside the rest of the suite and the other worker takes over its half's queue.
+FIRST = ("test_parallel.py::test_multidevice_suite_on_8_cpu_devices",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.endswith(FIRST))  # stable: the rest keep their order
+
 
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
