@@ -1,4 +1,5 @@
-"""FLASH against the GPT with BPT at matched parameters: speed, longest context and quality.
+"""FLASH against the GPT with BPT at matched parameters: model FLOPs, speed, longest context and
+quality.
 
     python scripts/bench_flash.py --out results/flash                       # all four parts
     python scripts/bench_flash.py --parts speed --contexts 1024,8192,65536

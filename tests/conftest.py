@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 # The longest single test (the 8-device suite in one subprocess, 10 to 14 minutes) goes first:
 # pytest-xdist's worksteal gives each worker a contiguous half of the collected tests, so a
 # long test collected late ends the run alone while the other worker idles; first, it runs
-# beside the rest of the suite and the other worker takes over its half's queue.
+# beside the rest of the suite, and the other worker steals from its queue when done with its own.
 FIRST = ("test_parallel.py::test_multidevice_suite_on_8_cpu_devices",)
 
 
