@@ -117,17 +117,16 @@ def max_context_part(args, configs) -> list[dict]:
 
 
 def flops_part(args, configs) -> list[dict]:
-    from bpt.config import model_config
+    """The FLOPs per token the speed part's MFU counts: the model its TrainingStep would build."""
     from bpt.train.metrics import train_flops_per_token
-    from bpt.train.probe import GPT2_VOCAB
+    from bpt.train.probe import step_model_config
 
     rows = []
     for path in configs:
         for context in args.contexts:
-            c = benchmark_config(path, seq_len=context, overrides=args.set)
-            cfg = model_config(c.model, vocab_size=c.model.vocab_size or GPT2_VOCAB, seq_len=context)
+            model = step_model_config(benchmark_config(path, seq_len=context, overrides=args.set))
             rows.append(
-                dict(config=path, context=context, flops_per_token=train_flops_per_token(cfg, context))
+                dict(config=path, context=context, flops_per_token=train_flops_per_token(model, context))
             )
     return rows
 

@@ -118,6 +118,14 @@ def resolve_remat(
     return chosen
 
 
+def step_model_config(config: ConfigDict, *, vocab_size: int = GPT2_VOCAB):
+    """The model config a TrainingStep builds from `config`, at data.seq_len: model.vocab_size,
+    or vocab_size where that is unset (random tokens: no tokenizer to fit)."""
+    return model_config(
+        config.model, vocab_size=config.model.vocab_size or vocab_size, seq_len=config.data.seq_len
+    )
+
+
 class TrainingStep:
     """One config's training step on random tokens, compiled once, measured on demand.
 
@@ -142,11 +150,8 @@ class TrainingStep:
                 self.__dict__.update(tried[config.model.remat_layer].__dict__)
                 return
         self.config = config
-        vocab_size = config.model.vocab_size or vocab_size  # random tokens: no tokenizer to fit
         self.parallel = make_parallelism(config, devices)
-        self.model = make_model(
-            model_config(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len), self.parallel
-        )
+        self.model = make_model(step_model_config(config, vocab_size=vocab_size), self.parallel)
         self.shape = (config.train.batch_size, config.data.seq_len)
         self.init, shardings = jit_initializer(config, self.model)  # one state tree for all uses
         self.step, _, batch = jit_steps(config, self.model, shardings)
