@@ -8,6 +8,7 @@ import pytest
 from conftest import rel_err
 
 from bpt.ops import blockwise_cross_entropy, blockwise_ffn, cross_entropy
+from bpt.ops.chunked import logsumexp_argmax
 
 TOL = 1e-5
 
@@ -35,6 +36,24 @@ def test_blockwise_cross_entropy_equals_full(key, masked, vocab):
     g_chunk = jax.grad(lambda h, w: chunked(h, w).loss, (0, 1))(hidden, weight)
     assert rel_err(g_chunk[0], g_full[0]) < TOL
     assert rel_err(g_chunk[1], g_full[1]) < TOL
+
+
+def test_logsumexp_argmax_in_one_pass(key):
+    """The one-pass reduction equals jax.nn.logsumexp and jnp.argmax: with -inf padding
+    columns, with ties (the lower index wins, as jnp.argmax's), and a row of only -inf."""
+    logits = jax.random.normal(key, (3, 40, 300)) * 4.0
+    logits = logits.at[..., 250:].set(-jnp.inf)
+    logits = logits.at[0, 0, :].set(-jnp.inf)
+    logits = logits.at[1, 0, 5].set(20.0).at[1, 0, 200].set(20.0).at[1, 0, 7].set(20.0)
+    logits = logits.at[2, 0, :250].set(0.5)
+    lse, argmax = jax.jit(logsumexp_argmax)(logits)
+    want = jax.nn.logsumexp(logits, axis=-1)
+    assert float(lse[0, 0]) == -np.inf
+    finite = np.isfinite(np.asarray(want))
+    assert finite.sum() == 3 * 40 - 1
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want)[finite], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(argmax)[finite], np.asarray(jnp.argmax(logits, -1))[finite])
+    assert int(argmax[1, 0]) == 5 and int(argmax[2, 0]) == 0
 
 
 def test_blockwise_cross_entropy_with_a_norm_inside_the_chunks(key):
