@@ -8,16 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import with_xla_flags
 
 HERE = Path(__file__).resolve().parent
 
 
 def test_multidevice_suite_on_8_cpu_devices():
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-    )
+    env = with_xla_flags(dict(os.environ, JAX_PLATFORMS="cpu"), "--xla_force_host_platform_device_count=8")
     proc = subprocess.run(
         [
             sys.executable,

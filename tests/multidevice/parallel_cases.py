@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest's helpers
-from conftest import rel_err  # noqa: E402
+from conftest import rel_err, with_xla_flags  # noqa: E402
 
 from bpt.config import base_config  # noqa: E402
 from bpt.data.datasets import put_batch  # noqa: E402
@@ -519,8 +519,8 @@ def test_two_processes_train_as_one(tmp_path):
     root = Path(__file__).resolve().parents[2]
 
     def launch(workdir, devices, process_id=None):
-        env = dict(
-            os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
+        env = with_xla_flags(
+            dict(os.environ, JAX_PLATFORMS="cpu"), f"--xla_force_host_platform_device_count={devices}"
         )
         if process_id is not None:
             env.update(
