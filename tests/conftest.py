@@ -27,16 +27,16 @@ def _has_gpu_plugin() -> bool:
                for d in distributions())  # fmt: skip
 
 
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and not _has_gpu_plugin():
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
-
-
 def with_xla_flags(env: dict, *flags: str) -> dict:
     """env with flags ("--name=value") in its XLA_FLAGS, each replacing one of the same name:
     a subprocess keeps the suite's own flags and sets its device count."""
     names = {flag.split("=")[0] for flag in flags}
     kept = [f for f in env.get("XLA_FLAGS", "").split() if f.split("=")[0] not in names]
     return dict(env, XLA_FLAGS=" ".join([*kept, *flags]))
+
+
+if CPU_XLA_FLAGS.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and not _has_gpu_plugin():
+    os.environ.update(with_xla_flags(dict(os.environ), CPU_XLA_FLAGS))  # a setting of the user's stays
 
 
 import jax  # noqa: E402  (after the cache's and XLA's settings)

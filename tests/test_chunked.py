@@ -40,7 +40,8 @@ def test_blockwise_cross_entropy_equals_full(key, masked, vocab):
 
 def test_logsumexp_argmax_in_one_pass(key):
     """The one-pass reduction equals jax.nn.logsumexp and jnp.argmax: with -inf padding
-    columns, with ties (the lower index wins, as jnp.argmax's), and a row of only -inf."""
+    columns, with ties (the lower index wins, as jnp.argmax's), and a row of only -inf; and
+    so does the logsumexp's gradient."""
     logits = jax.random.normal(key, (3, 40, 300)) * 4.0
     logits = logits.at[..., 250:].set(-jnp.inf)
     logits = logits.at[0, 0, :].set(-jnp.inf)
@@ -54,6 +55,11 @@ def test_logsumexp_argmax_in_one_pass(key):
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want)[finite], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(argmax)[finite], np.asarray(jnp.argmax(logits, -1))[finite])
     assert int(argmax[1, 0]) == 5 and int(argmax[2, 0]) == 0
+    # The logsumexp's gradient is the softmax (zero on the padding), as jax.nn.logsumexp's.
+    rows, cot = logits[1:], jax.random.normal(key, (2, 40))
+    got = jax.grad(lambda x: jnp.sum(logsumexp_argmax(x)[0] * cot))(rows)
+    want = jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x, axis=-1) * cot))(rows)
+    assert rel_err(got, want) < TOL and not np.asarray(got[..., 250:]).any()
 
 
 def test_blockwise_cross_entropy_with_a_norm_inside_the_chunks(key):

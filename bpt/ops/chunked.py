@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import einops
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bpt.ops.remat import remat
 
@@ -144,17 +145,19 @@ class CrossEntropy(NamedTuple):
 
 def _combine_stats(a, b):
     """Merges two (max, sum of exp(x - max), index of the max) triples: the reducer of
-    logsumexp_argmax. Associative and commutative, as a reduction's combiner must be; a
-    side whose max is -inf adds nothing, and ties keep the lower index (jnp.argmax's)."""
+    logsumexp_argmax. Associative and commutative, as a reduction's combiner must be; ties
+    keep the lower index (jnp.argmax's)."""
     (m1, s1, i1), (m2, s2, i2) = a, b
     m, lo = jnp.maximum(m1, m2), jnp.minimum(m1, m2)
     first = m1 >= m2
-    # lo == m covers ties and two empty sides (-inf - -inf would be nan).
+    # lo == m covers ties and two -inf sides (-inf - -inf would be nan); a -inf side's count
+    # is scaled by exp(-inf) = 0 as soon as the other side has a finite max.
     s = jnp.where(first, s1, s2) + jnp.where(first, s2, s1) * jnp.where(lo == m, 1.0, jnp.exp(lo - m))
     i = jnp.where(m1 > m2, i1, jnp.where(m2 > m1, i2, jnp.minimum(i1, i2)))
     return m, s, i
 
 
+@jax.custom_jvp
 def logsumexp_argmax(logits: Array) -> tuple[Array, Array]:
     """(logsumexp, argmax) of float32 logits over their last axis, in one pass over them.
 
@@ -162,27 +165,30 @@ def logsumexp_argmax(logits: Array) -> tuple[Array, Array]:
     jnp.argmax once more: over an LM head's [chunk, vocab] logits each pass costs as much
     as the head's matmul writing them. Here one variadic reduction carries the running max,
     the sum of exponentials relative to it (the online softmax's rescaling) and the max's
-    index. -inf entries (padding) count for nothing; a row of only -inf gives -inf.
-    Not differentiable (lax.reduce with a reducer of its own has no derivative rule): the
-    chunked loss writes its gradient itself, from the logsumexp.
+    index. -inf entries (padding) count for nothing; a row of only -inf gives -inf. The
+    logsumexp is differentiable (its derivative is the softmax), the argmax is not.
     """
     x = logits.astype(jnp.float32)
     axis = x.ndim - 1
-    present = jnp.where(x == -jnp.inf, 0.0, 1.0)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
     inits = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(0))
-    m, s, i = jax.lax.reduce((x, present, index), inits, _combine_stats, (axis,))
+    m, s, i = jax.lax.reduce((x, jnp.ones_like(x), index), inits, _combine_stats, (axis,))
     return m + jnp.log(s), i
 
 
-def _loss_sums(logits: Array, targets: Array, mask: Array | None, *, one_pass: bool) -> tuple[Array, Array]:
+@logsumexp_argmax.defjvp
+def _logsumexp_argmax_jvp(primals, tangents):
+    (logits,), (dlogits,) = primals, tangents
+    lse, argmax = logsumexp_argmax(logits)
+    softmax = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+    dlse = jnp.sum(softmax * dlogits.astype(jnp.float32), axis=-1)
+    return (lse, argmax), (dlse, np.zeros(argmax.shape, jax.dtypes.float0))
+
+
+def _loss_sums(logits: Array, targets: Array, mask: Array | None) -> tuple[Array, Array]:
     """([nll_sum, count, correct_sum], logsumexp) over a [batch, seq, vocab] block of float32
-    logits; one_pass: by logsumexp_argmax (not differentiable), else by jax.nn.logsumexp and
-    jnp.argmax."""
-    if one_pass:
-        lse, argmax = logsumexp_argmax(logits)
-    else:
-        lse, argmax = jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1)
+    logits."""
+    lse, argmax = logsumexp_argmax(logits)
     nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     correct = (argmax == targets).astype(jnp.float32)
     weight = jnp.ones_like(nll) if mask is None else mask.astype(jnp.float32)
@@ -206,7 +212,7 @@ def _check_targets(targets: Array, mask: Array | None, shape: tuple[int, ...]) -
 def cross_entropy(logits: Array, targets: Array, mask: Array | None = None) -> CrossEntropy:
     """Cross-entropy of materialized [batch, seq, vocab] logits against [batch, seq] targets."""
     _check_targets(targets, mask, logits.shape[:2])
-    return _finish(_loss_sums(logits.astype(jnp.float32), targets, mask, one_pass=False)[0])
+    return _finish(_loss_sums(logits.astype(jnp.float32), targets, mask)[0])
 
 
 def blockwise_cross_entropy(
@@ -286,7 +292,7 @@ def _head_chunk(norm, hidden, weight, norm_params, targets, mask, *, vocab: int,
     vocab_ids = jax.lax.broadcasted_iota(targets.dtype, logits.shape, 2)
     if weight.shape[-1] != vocab:
         logits = jnp.where(vocab_ids < vocab, logits, -jnp.inf)
-    sums, lse = _loss_sums(logits, targets, mask, one_pass=True)
+    sums, lse = _loss_sums(logits, targets, mask)
     if not grads:
         return sums
     dlogits = jnp.exp(logits - lse[..., None]) - (vocab_ids == targets[..., None])
