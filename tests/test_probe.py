@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -205,22 +206,21 @@ def test_decode_script_end_to_end(tmp_path):
 
 
 def test_flash_script_end_to_end(tmp_path):
-    """Speed, longest context (a small budget) and quality of FLASH tiny against GPT tiny."""
+    """Speed, longest context (a small budget) and quality of FLASH tiny against GPT tiny;
+    the quality runs kept in --quality_dir are read back by a second call."""
+    configs = [f"--gpt={TINY}", f"--flash={ROOT / 'configs/flash_tiny.py'}"]
+    quality = ["--seq_len=128", "--steps=4", "--batch_size=2", "--set=model.loss_chunk_size=64"]
+    quality += ["--set=model.vocab_size=512", f"--quality_dir={tmp_path / 'runs'}"]
     run_script(
         "bench_flash.py",
-        f"--gpt={TINY}",
-        f"--flash={ROOT / 'configs/flash_tiny.py'}",
+        *configs,
         "--contexts=512",
         "--tokens_per_step=1024",
         "--repeats=1",
         "--max_start=1024",
         "--max_stop=16384",
         "--memory_gib=0.1",
-        "--seq_len=128",
-        "--steps=4",
-        "--batch_size=2",
-        "--set=model.loss_chunk_size=64",
-        "--set=model.vocab_size=512",
+        *quality,
         f"--out={tmp_path}",
         cwd=tmp_path,
     )
@@ -239,7 +239,21 @@ def test_flash_script_end_to_end(tmp_path):
     assert (equal["flash_steps"] is None) == (equal["speedup"] is None)
     table = (tmp_path / "table.md").read_text()
     assert "| 512 | tiny |" in table and "speed-up at equal loss" in table and "GPT / FLASH" in table
+    assert "Time to FLASH's final training loss" in table
     assert (tmp_path / "flash.png").is_file()
+
+    # Only the runs' metrics and settings are needed to read them back (as when the two
+    # families were trained on different machines); the checkpoints go.
+    for run in (tmp_path / "runs").iterdir():
+        shutil.rmtree(run / "checkpoints")
+    again = tmp_path / "again"
+    proc = run_script("bench_flash.py", *configs, "--parts=quality", *quality, f"--out={again}", cwd=tmp_path)
+    assert proc.stdout.count("read back the finished run") == 2
+    assert json.loads((again / "results.json").read_text())["quality"] == results["quality"]
+    # Under other settings the kept runs are refused, not mixed in or retrained over.
+    cmd = [sys.executable, str(ROOT / "scripts/bench_flash.py"), *configs, "--parts=quality", *quality]
+    proc = subprocess.run([*cmd, "--steps=5"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode != 0 and "was trained with" in proc.stderr and "train.steps=4" in proc.stderr
 
 
 def test_flash_script_counts_each_familys_flops_at_each_context():
@@ -274,11 +288,15 @@ def test_flash_script_time_to_equal_loss():
     assert t["target"] == 2.0 and t["flash_steps"] == 25.0
     assert t["gpt_step_s"] == 0.20 and t["flash_step_s"] == 0.10  # medians
     assert abs(t["speedup"] - (40 * 0.20) / (25.0 * 0.10)) < 1e-12
-    flash["loss"] = [3.9, 3.5, 3.0, 2.9]
-    assert bench.time_to_quality(gpt, flash)["speedup"] is None
+    assert t["flash_target"] == 1.0 and t["gpt_steps_to_flash"] is None and t["speedup_at_flash_loss"] is None
+    flash["loss"] = [3.9, 3.5, 3.0, 2.9]  # FLASH ends above the GPT: the measure from its side
+    t = bench.time_to_quality(gpt, flash)
+    assert t["speedup"] is None and t["flash_final_steps"] == 40
+    assert t["gpt_steps_to_flash"] == pytest.approx(22.0)  # 3.0 at step 20, 2.5 at 30
+    assert t["speedup_at_flash_loss"] == pytest.approx(22.0 * 0.20 / (40 * 0.10))
     flash.update(loss=[3.5, 2.5, 1.5, 1.0], step_seconds=[None] * 4)  # no timed window: no speed-up
-    assert bench.time_to_quality(gpt, flash)["flash_step_s"] is None
-    assert bench.time_to_quality(gpt, flash)["speedup"] is None
+    t = bench.time_to_quality(gpt, flash)
+    assert t["flash_step_s"] is None and t["speedup"] is None and t["speedup_at_flash_loss"] is None
 
 
 def test_rl_script_end_to_end(tmp_path):
