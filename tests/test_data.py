@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 from bpt.config import base_config
 from bpt.data import prepare as prep
@@ -478,3 +479,28 @@ def test_tokenizer_and_prepare_commands_on_a_local_jsonl(tmp_path):
     )
     assert again.returncode == 1 and "already holds a prepared dataset" in again.stderr
     assert "Traceback" not in again.stderr and len(again.stderr.strip().splitlines()) == 2
+
+
+def test_python_corpus_takes_the_interpreters_sources_in_order_within_the_budget(tmp_path):
+    """scripts/python_corpus.py: the standard library's .py files first, in sorted order,
+    each one document with its bytes unchanged, until the next would pass --max_bytes;
+    corpus.json lists them; the folder reads as local text; an existing folder is refused."""
+    corpus = load_script("python_corpus")
+    stdlib = corpus.source_roots()[0]
+    out = tmp_path / "src"
+    corpus.main([str(out), "--max_bytes", "300000"])
+    manifest = json.loads((out / "corpus.json").read_text())
+    files = [Path(path) for path, _ in manifest["files"]]
+    sizes = [size for _, size in manifest["files"]]
+    assert manifest["documents"] == len(files) == len(list(out.glob("*.txt"))) > 3
+    assert manifest["bytes"] == sum(sizes) <= 300000
+    expected = [p for p in sorted(stdlib.rglob("*.py")) if 0 < p.stat().st_size <= 2e6]
+    expected = [
+        p for p in expected if not {"site-packages", "dist-packages"} & set(p.relative_to(stdlib).parts)
+    ]
+    assert files == expected[: len(files)]  # in order, none skipped before the budget ran out
+    assert sum(sizes) + expected[len(files)].stat().st_size > 300000
+    assert (out / "000000.txt").read_bytes() == files[0].read_bytes()
+    assert detect_kind(str(out)) == "text" and len(read_text_documents(out)) <= len(files)
+    with pytest.raises(SystemExit):
+        corpus.main([str(out)])
