@@ -193,8 +193,9 @@ def quality_part(args, configs, workdir: Path) -> list[dict]:
         if records is not None:
             print(f"# {path}: read back the finished run in {run}", flush=True)
         elif family(path) not in args.quality_families:
-            error = f"not trained (--quality_families) and no finished run in {run}"
+            error = f"not in --quality_families and no finished run in {run}"
             rows.append(dict(config=path, family=family(path), ok=False, error=error))
+            print(f"# {path}: {error}", flush=True)
             continue
         else:
             check_run_settings(run, settings)  # resumes from the run's checkpoint, if it has one

@@ -250,6 +250,13 @@ def test_flash_script_end_to_end(tmp_path):
     proc = run_script("bench_flash.py", *configs, "--parts=quality", *quality, f"--out={again}", cwd=tmp_path)
     assert proc.stdout.count("read back the finished run") == 2
     assert json.loads((again / "results.json").read_text())["quality"] == results["quality"]
+    # A family left out of --quality_families is only read back: without its run, no row.
+    shutil.rmtree(tmp_path / "runs" / "flash_tiny")
+    proc = run_script(
+        "bench_flash.py", *configs, "--parts=quality", *quality, "--quality_families=gpt", cwd=tmp_path
+    )
+    assert "read back the finished run" in proc.stdout and "not in --quality_families" in proc.stdout
+    assert not (tmp_path / "runs" / "flash_tiny").exists()
     # Under other settings the kept runs are refused, not mixed in or retrained over.
     cmd = [sys.executable, str(ROOT / "scripts/bench_flash.py"), *configs, "--parts=quality", *quality]
     proc = subprocess.run([*cmd, "--steps=5"], capture_output=True, text=True, cwd=tmp_path)
