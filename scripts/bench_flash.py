@@ -150,8 +150,8 @@ def finished_run(run: Path, steps: int) -> list[dict] | None:
 
 
 def check_run_settings(run: Path, settings: list[str]) -> None:
-    """Writes the settings a kept run is started with, or checks a kept run's against them
-    (a run resumed or read back under other settings would compare unlike runs)."""
+    """Refuses a kept run folder started with other settings (resumed or read back, it would
+    compare unlike runs), or one this script did not start."""
     saved = run / QUALITY_RUN
     if saved.is_file():
         before = json.loads(saved.read_text())["settings"]
@@ -160,13 +160,10 @@ def check_run_settings(run: Path, settings: list[str]) -> None:
                 f"--quality_dir: {run} was trained with {before}, not {settings}; use another "
                 "--quality_dir or the same --seq_len, --steps, --batch_size and --set"
             )
-    elif run.is_dir() and any(run.iterdir()):
+    elif any(run.iterdir()):
         raise SystemExit(
             f"--quality_dir: {run} holds files but no {QUALITY_RUN}: not a run this script started"
         )
-    else:
-        run.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(dict(settings=settings), indent=1))
 
 
 def quality_part(args, configs, workdir: Path) -> list[dict]:
@@ -197,8 +194,9 @@ def quality_part(args, configs, workdir: Path) -> list[dict]:
             rows.append(dict(config=path, family=family(path), ok=False, error=error))
             print(f"# {path}: {error}", flush=True)
             continue
-        else:
-            check_run_settings(run, settings)  # resumes from the run's checkpoint, if it has one
+        else:  # a new run, or one that resumes from its checkpoint (its settings checked above)
+            run.mkdir(parents=True, exist_ok=True)
+            (run / QUALITY_RUN).write_text(json.dumps(dict(settings=settings), indent=1))
             cmd = [sys.executable, "-m", "bpt.cli.train", "--config", path, "--workdir", str(run)]
             cmd += [f"--config.{s}" for s in settings]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -356,13 +354,6 @@ def tables(args, flops, speed, longest, quality, equal_loss) -> str:
             evaluation = f"{r['eval_loss']:.4f}" if r.get("eval_loss") is not None else "–"
             out.append(f"| {Path(r['config']).stem} | {r['family']} | {r['loss'][-1]:.4f} | {evaluation} |")
     if equal_loss:
-        out += [
-            "",
-            "Time to the GPT's final training loss (seconds a step: the runs' median)",
-            "",
-            "| GPT | its final loss | steps | s a step | FLASH | steps to that loss | s a step | speed-up at equal loss |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
 
         def seconds(value):
             return "–" if value is None else f"{value:.4f}"
@@ -373,26 +364,36 @@ def tables(args, flops, speed, longest, quality, equal_loss) -> str:
         def speedup(value):
             return "–" if value is None else f"{value:.2f}x"
 
-        for t in equal_loss:
-            gpt, flash = Path(t["gpt"]).stem, Path(t["flash"]).stem
-            out.append(
-                f"| {gpt} | {t['target']:.4f} | {t['gpt_steps']} | {seconds(t['gpt_step_s'])} | "
-                f"{flash} | {steps(t['flash_steps'])} | {seconds(t['flash_step_s'])} | {speedup(t['speedup'])} |"
+        def table(title, first, second, rows):
+            out.extend(
+                [
+                    "",
+                    title,
+                    "",
+                    f"| {first} | its final loss | steps | s a step | {second} | "
+                    "steps to that loss | s a step | speed-up at equal loss |",
+                    "|---|---|---|---|---|---|---|---|",
+                ]
             )
-        out += [
-            "",
+            for name, target, total, own_s, other, reached, other_s, ratio in rows:
+                out.append(f"| {name} | {target:.4f} | {total} | {seconds(own_s)} | {other} | {steps(reached)} | "
+                           f"{seconds(other_s)} | {speedup(ratio)} |")  # fmt: skip
+
+        names = [(Path(t["gpt"]).stem, Path(t["flash"]).stem, t) for t in equal_loss]
+        table(
+            "Time to the GPT's final training loss (seconds a step: the runs' median)",
+            "GPT",
+            "FLASH",
+            [(g, t["target"], t["gpt_steps"], t["gpt_step_s"], f, t["flash_steps"], t["flash_step_s"], t["speedup"])
+             for g, f, t in names],
+        )  # fmt: skip
+        table(
             "Time to FLASH's final training loss: the GPT's time to it against FLASH's whole run",
-            "",
-            "| FLASH | its final loss | steps | s a step | GPT | steps to that loss | s a step | speed-up at equal loss |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for t in equal_loss:
-            gpt, flash = Path(t["gpt"]).stem, Path(t["flash"]).stem
-            out.append(
-                f"| {flash} | {t['flash_target']:.4f} | {t['flash_final_steps']} | {seconds(t['flash_step_s'])} | "
-                f"{gpt} | {steps(t['gpt_steps_to_flash'])} | {seconds(t['gpt_step_s'])} | "
-                f"{speedup(t['speedup_at_flash_loss'])} |"
-            )
+            "FLASH",
+            "GPT",
+            [(f, t["flash_target"], t["flash_final_steps"], t["flash_step_s"], g, t["gpt_steps_to_flash"],
+              t["gpt_step_s"], t["speedup_at_flash_loss"]) for g, f, t in names],
+        )  # fmt: skip
     return "\n".join(out)
 
 

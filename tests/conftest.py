@@ -35,8 +35,9 @@ def with_xla_flags(env: dict, *flags: str) -> dict:
     return dict(env, XLA_FLAGS=" ".join([*kept, *flags]))
 
 
+# a user's own setting of the flag stays
 if CPU_XLA_FLAGS.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and not _has_gpu_plugin():
-    os.environ.update(with_xla_flags(dict(os.environ), CPU_XLA_FLAGS))  # a setting of the user's stays
+    os.environ["XLA_FLAGS"] = with_xla_flags(os.environ, CPU_XLA_FLAGS)["XLA_FLAGS"]
 
 
 import jax  # noqa: E402  (after the cache's and XLA's settings)
