@@ -74,8 +74,9 @@ def measure_one(args) -> None:
 
     def fits(length: int) -> bool:
         config = benchmark_config(args.one, seq_len=length, overrides=overrides)
-        if config.model.remat_layer == "auto":  # the longest context is the leanest policy's
-            config.model.remat_layer = "nothing_saveable"
+        if config.model.remat_layer == "auto":  # the longest context is the leanest policy's,
+            config.model.remat_layer = "nothing_saveable"  # in the looped stack (fast to compile)
+            config.model.scan_unroll = 1
         try:
             return TrainingStep(config).memory().peak <= budget
         except Exception as error:  # a length that cannot even compile does not fit

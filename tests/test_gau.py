@@ -322,6 +322,24 @@ def test_impl_choices_and_what_the_kernels_refuse(key):
     assert tree_rel_err(jax.grad(loss, 1)(model, params), jax.grad(loss, 1)(blockwise, params)) < 1e-5
 
 
+def test_unrolled_flash_stack_computes_the_same_function(key):
+    """FLASH with the layer stack in one iteration of its loop (model.scan_unroll) and no
+    layer remat: the logits and parameter gradients of the looped stack with its remat."""
+    looped = FLASH(small_flash())
+    unrolled = FLASH(small_flash(scan_unroll=2, remat_layer="none"))
+    params = random_params(looped, key)
+    tokens = jax.random.randint(jax.random.fold_in(key, 2), (2, 16), 0, 40)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(model, p):
+        loss = lambda p: jnp.mean(model.apply({"params": p}, tokens) ** 2)  # noqa: E731
+        return model.apply({"params": p}, tokens), jax.grad(loss)(p)
+
+    (logits, grads), (expected, expected_grads) = run(unrolled, params), run(looped, params)
+    assert rel_err(logits, expected) < 1e-5
+    assert tree_rel_err(grads, expected_grads) < 1e-5
+
+
 def test_relu2_reference_is_causal_and_keeps_to_segments(key):
     qk, v = gau_inputs(key, t=16)
     seg = jnp.array([[0] * 6 + [1] * 10] * 2)

@@ -109,6 +109,22 @@ def test_scanned_and_unscanned_layers_agree(batch):
     assert tree_rel_err(grads_u, unstack_layers(grads_s, 2)) < TOL
 
 
+@pytest.mark.parametrize("policy", ["none", "nothing_saveable"])
+def test_unrolled_scan_computes_the_same_function(batch, policy):
+    """model.scan_unroll: the stack's loop with the whole stack in one iteration (2, and 5,
+    more layers than there are) runs the same layers over the same stacked parameters: the
+    logits, loss and gradients of one layer an iteration."""
+    tokens, targets, params = batch
+    cfg = dataclasses.replace(BASE, remat_layer=policy)
+    logits, loss, grads = forward(cfg, params, tokens, targets)
+    for unroll in (2, 5):
+        got_logits, got_loss, got_grads = forward(
+            dataclasses.replace(cfg, scan_unroll=unroll), params, tokens, targets
+        )
+        assert rel_err(got_logits, logits) < TOL and rel_err(got_loss, loss) < TOL, unroll
+        assert tree_rel_err(got_grads, grads) < TOL, unroll
+
+
 @pytest.mark.parametrize(
     "policy",
     [
@@ -295,6 +311,7 @@ def test_parameters_carry_logical_axis_names():
         ("dtype", "float8", "unknown model.dtype"),
         ("remat_group", 3, "model.remat_group=3 must divide model.num_layers=2"),
         ("remat_group", 0, "model.remat_group must be a positive integer"),
+        ("scan_unroll", 0, "model.scan_unroll must be a positive integer; got 0"),
         ("loss_impl", "blockwise", "unknown model.loss_impl 'blockwise'; allowed: auto, chunked, full"),
         ("offload_layer_inputs", True, "offload_layer_inputs needs model.remat_layer other than 'none'"),
     ],

@@ -1,6 +1,7 @@
 """The training-step probe behind the max-context, memory and throughput benchmarks."""
 
 import argparse
+import copy
 import json
 import shutil
 import subprocess
@@ -10,9 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import load_script
 
-from bpt.config import base_config
+from bpt.config import base_config, flash_config, paper_config
 from bpt.train import probe
-from bpt.train.probe import AUTO_REMAT, TrainingStep, longest_fitting, resolve_remat
+from bpt.train.probe import AUTO_REMAT, TrainingStep, auto_policies, longest_fitting, resolve_remat
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/tiny.py"
@@ -350,6 +351,35 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(capsys, monkeypatch):
     agentic.model.family, agentic.model.remat_layer = "agentic", "auto"
     with pytest.raises(ValueError, match="for model.family='agentic' name a policy"):
         resolve_remat(agentic, budget=1 << 30)
+
+
+def test_remat_auto_tries_no_remat_first_for_an_unrolled_stack():
+    """auto puts "none" first where the layer stack runs unrolled (scan_unroll covering
+    every layer, or no scan) and the stack's settings allow it; the 125M configs unroll."""
+    c = base_config("tiny")
+    assert auto_policies(c.model) == AUTO_REMAT
+    c.model.scan_unroll = c.model.num_layers
+    assert auto_policies(c.model) == ("none", *AUTO_REMAT)
+    looped = base_config("tiny")
+    looped.model.scan_layers = False
+    assert auto_policies(looped.model)[0] == "none"
+    grouped = copy.deepcopy(c)
+    grouped.model.remat_group = 2
+    assert auto_policies(grouped.model) == AUTO_REMAT
+    c.model.remat_layer = "auto"
+    needs = {"none": 40, "attention_and_dots_saveable": 30, "attention_saveable": 20, "nothing_saveable": 10}
+    for budget, expected in ((40, "none"), (39, "attention_and_dots_saveable"), (5, "nothing_saveable")):
+        chosen = resolve_remat(
+            c, budget=budget, need=lambda c: needs[c.model.remat_layer], say=lambda _: None
+        )
+        assert chosen.model.remat_layer == expected, budget
+    for config, layers in ((paper_config("125m"), 12), (flash_config("125m"), 24)):
+        assert (config.model.scan_unroll, config.model.remat_layer) == (layers, "auto")
+    assert (flash_config("350m").model.scan_unroll, flash_config("350m").model.remat_layer) == (
+        1,
+        "nothing_saveable",
+    )
+    assert paper_config("1b").model.scan_unroll == 1
 
 
 def test_profile_parts_of_a_step():

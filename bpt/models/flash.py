@@ -98,6 +98,7 @@ class FLASHConfig(LMConfigMixin):
     param_dtype: str = "float32"
     layer_norm_epsilon: float = 1e-5
     scan_layers: bool = True
+    scan_unroll: int = 1  # layers per iteration of the stack's loop, as GPTConfig's
     remat_layer: str = "nothing_saveable"
     remat_group: int = 1
     offload_layer_inputs: bool = False

@@ -68,6 +68,12 @@ class LMConfigMixin:
     def check_stack(self) -> None:
         """The layer stack's settings (raises ValueError naming the first that cannot work)."""
         if (
+            isinstance(self.scan_unroll, bool)
+            or not isinstance(self.scan_unroll, int)
+            or self.scan_unroll < 1
+        ):
+            raise ValueError(f"model.scan_unroll must be a positive integer; got {self.scan_unroll!r}")
+        if (
             isinstance(self.remat_group, bool)
             or not isinstance(self.remat_group, int)
             or self.remat_group < 1
@@ -286,7 +292,8 @@ class CausalLM(nn.Module):
         cfg = self.config
         layer = self.layer_class()
         if cfg.remat_layer != "none" and not decode:
-            layer = nn.remat(layer, policy=cfg.layer_policy, prevent_cse=not cfg.scan_layers)
+            looped = cfg.scan_layers and cfg.scan_unroll < cfg.num_layers  # a loop keeps CSE apart
+            layer = nn.remat(layer, policy=cfg.layer_policy, prevent_cse=not looped)
         args = (cfg, deterministic, decode, self.parallel)
         if cfg.scan_layers and cfg.remat_group > 1 and not decode and not self.is_initializing():
             return self._grouped_layers(x, segment_ids, extra, deterministic)
@@ -319,7 +326,10 @@ class CausalLM(nn.Module):
                 stack.value = value
             return x
         if cfg.scan_layers:
-            scanned = scan(in_axes=(nn.broadcast, nn.broadcast, nn.broadcast))(*args, name="layers")
+            unroll = min(cfg.scan_unroll, cfg.num_layers)
+            scanned = scan(in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), unroll=unroll)(
+                *args, name="layers"
+            )
             return scanned(x, segment_ids, extra, cache_index)[0]
         for i in range(cfg.num_layers):
             x, _ = layer(*args, name=f"layer_{i}")(x, segment_ids, extra, cache_index)

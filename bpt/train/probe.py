@@ -75,6 +75,19 @@ def is_out_of_memory(error: BaseException | str) -> bool:
 AUTO_REMAT = ("attention_and_dots_saveable", "attention_saveable", "nothing_saveable")
 
 
+def auto_policies(model: ConfigDict) -> tuple[str, ...]:
+    """The policies auto tries for this model, the fastest first: AUTO_REMAT, after "none"
+    (no layer remat) where the layer stack runs unrolled (model.scan_unroll >= num_layers,
+    or scan_layers off). In a loop over layers, what the backward keeps goes through the
+    loop's per-layer stacks, and keeping everything was slower than nothing_saveable
+    (FLASH-125M at 8K on an H100: 251,796 tokens/s in 68.1 GiB against 306,794 in 6.7);
+    unrolled it was the fastest (380,789 in 37.2 GiB; the GPT 271,791 in 15.0 GiB against
+    257K keeping attention and the matmuls: docs/benchmarks.md)."""
+    unrolled = not model.get("scan_layers", True) or model.get("scan_unroll", 1) >= model.num_layers
+    stack_allows = model.get("remat_group", 1) == 1 and not model.get("offload_layer_inputs", False)
+    return (("none",) if unrolled and stack_allows else ()) + AUTO_REMAT
+
+
 def resolve_remat(
     config: ConfigDict,
     *,
@@ -85,7 +98,8 @@ def resolve_remat(
     say=print,
 ) -> ConfigDict:
     """config itself, or where model.remat_layer is "auto" a copy with the first policy of
-    AUTO_REMAT whose training step fits the memory budget (default: the device's). need(config)
+    auto_policies(config.model) whose training step fits the memory budget (default: the
+    device's). need(config)
     is a step's bytes (default: its compiled peak, from shapes: nothing is allocated). Where
     the device reports no limit (a CPU) auto is nothing_saveable; where none fits, the last
     (and bpt-train's preflight says what would make it fit). Each policy tried is compiled
@@ -107,7 +121,7 @@ def resolve_remat(
     if need is None:
         need = lambda c: TrainingStep(c, vocab_size=vocab_size, devices=devices).memory().peak  # noqa: E731
     needs = []
-    for policy in AUTO_REMAT:
+    for policy in auto_policies(config.model):
         chosen.model.remat_layer = policy
         bytes_ = need(chosen)
         needs.append(f"{policy} {bytes_ / 2**30:.1f} GiB")
