@@ -123,6 +123,8 @@ def test_unrolled_scan_computes_the_same_function(batch, policy):
         )
         assert rel_err(got_logits, logits) < TOL and rel_err(got_loss, loss) < TOL, unroll
         assert tree_rel_err(got_grads, grads) < TOL, unroll
+    with pytest.raises(ValueError, match="model.remat_group > 1 runs loops of its own"):
+        dataclasses.replace(cfg, scan_unroll=2, remat_group=2)
 
 
 @pytest.mark.parametrize(

@@ -360,9 +360,9 @@ def test_remat_auto_tries_no_remat_first_for_an_unrolled_stack():
     assert auto_policies(c.model) == AUTO_REMAT
     c.model.scan_unroll = c.model.num_layers
     assert auto_policies(c.model) == ("none", *AUTO_REMAT)
-    looped = base_config("tiny")
-    looped.model.scan_layers = False
-    assert auto_policies(looped.model)[0] == "none"
+    unscanned = base_config("tiny")
+    unscanned.model.scan_layers = False
+    assert auto_policies(unscanned.model)[0] == "none"
     grouped = copy.deepcopy(c)
     grouped.model.remat_group = 2
     assert auto_policies(grouped.model) == AUTO_REMAT

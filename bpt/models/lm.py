@@ -86,6 +86,11 @@ class LMConfigMixin:
                 )
             if not self.scan_layers:
                 raise ValueError("model.remat_group > 1 needs model.scan_layers=True")
+            if self.scan_unroll > 1:
+                raise ValueError(
+                    "model.remat_group > 1 runs loops of its own and takes no model.scan_unroll; "
+                    f"got scan_unroll={self.scan_unroll}: set it to 1"
+                )
         if self.offload_layer_inputs and (self.remat_layer == "none" or self.remat_group > 1):
             raise ValueError(
                 "model.offload_layer_inputs needs model.remat_layer other than 'none' and "

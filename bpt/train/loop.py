@@ -295,7 +295,7 @@ def out_of_memory_message(config: ConfigDict, need: int | None = None, budget: i
     m = config.model
     hints = []
     if m.remat_group == 1 and m.scan_layers and m.num_layers % 4 == 0 and not m.offload_layer_inputs:
-        hints.append("model.remat_group=4")
+        hints.append("model.remat_group=4" + (" with model.scan_unroll=1" if m.scan_unroll > 1 else ""))
     if not m.offload_layer_inputs:
         hints.append(
             "model.offload_layer_inputs=True" + (" with model.remat_group=1" if m.remat_group > 1 else "")
