@@ -333,7 +333,7 @@ def flash_config(size: str) -> ConfigDict:
     c = paper_config(size)
     c.model.family = "flash"
     c.model.num_layers *= 2
-    if size in UNROLLED_SIZES:
+    if c.model.scan_unroll > 1:  # paper_config unrolled this size: the whole (doubled) stack
         c.model.scan_unroll = c.model.num_layers
     else:
         c.model.remat_layer = "nothing_saveable"

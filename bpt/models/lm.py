@@ -98,6 +98,14 @@ class LMConfigMixin:
             )
 
 
+def stack_unrolled(model) -> bool:
+    """Whether the layer stack runs without a loop over layers: not scanned, or scanned with
+    the whole stack in one iteration (scan_unroll >= num_layers). model: a family's config,
+    or its ConfigDict (one saved before scan_unroll existed reads as a loop)."""
+    scanned = getattr(model, "scan_layers", True)
+    return not scanned or getattr(model, "scan_unroll", 1) >= model.num_layers
+
+
 def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     x32 = x.astype(jnp.float32)
     mean = x32.mean(axis=-1, keepdims=True)
@@ -297,8 +305,8 @@ class CausalLM(nn.Module):
         cfg = self.config
         layer = self.layer_class()
         if cfg.remat_layer != "none" and not decode:
-            looped = cfg.scan_layers and cfg.scan_unroll < cfg.num_layers  # a loop keeps CSE apart
-            layer = nn.remat(layer, policy=cfg.layer_policy, prevent_cse=not looped)
+            # prevent_cse where no loop over layers keeps the recomputation apart from the forward
+            layer = nn.remat(layer, policy=cfg.layer_policy, prevent_cse=stack_unrolled(cfg))
         args = (cfg, deterministic, decode, self.parallel)
         if cfg.scan_layers and cfg.remat_group > 1 and not decode and not self.is_initializing():
             return self._grouped_layers(x, segment_ids, extra, deterministic)

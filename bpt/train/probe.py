@@ -21,6 +21,7 @@ from ml_collections import ConfigDict
 
 from bpt.config import check_config, model_config
 from bpt.models import make_model
+from bpt.models.lm import stack_unrolled
 from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.state import jit_initializer, jit_steps, make_parallelism
 
@@ -83,9 +84,8 @@ def auto_policies(model: ConfigDict) -> tuple[str, ...]:
     (FLASH-125M at 8K on an H100: 251,796 tokens/s in 68.1 GiB against 306,794 in 6.7);
     unrolled it was the fastest (380,789 in 37.2 GiB; the GPT 271,791 in 15.0 GiB against
     257K keeping attention and the matmuls: docs/benchmarks.md)."""
-    unrolled = not model.get("scan_layers", True) or model.get("scan_unroll", 1) >= model.num_layers
     stack_allows = model.get("remat_group", 1) == 1 and not model.get("offload_layer_inputs", False)
-    return (("none",) if unrolled and stack_allows else ()) + AUTO_REMAT
+    return (("none",) if stack_unrolled(model) and stack_allows else ()) + AUTO_REMAT
 
 
 def resolve_remat(
