@@ -60,6 +60,27 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
+# The memory tests read XLA's buffer assignment on the CPU; on a GPU each cuBLAS call's 32 MiB
+# workspace is part of a program's temp size, which hides the growth they measure.
+cpu_memory_analysis = pytest.mark.skipif(
+    jax.default_backend() == "gpu",
+    reason="measures the CPU's buffer assignment (a GPU adds cuBLAS workspaces)",
+)
+
+
+@pytest.fixture(autouse=True)
+def fp32_matmuls_are_fp32(request):
+    """The suite's fp32 comparisons hold its tolerances with fp32 matmuls. A GPU multiplies
+    fp32 in TF32 by default (about 1e-3 relative error): there every test but the GPU ones
+    (marked gpu, which set their own precisions) runs at jax's highest matmul precision. On a
+    CPU it changes nothing."""
+    if request.node.get_closest_marker("gpu") or jax.default_backend() != "gpu":
+        yield
+        return
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.fixture
 def no_compilation_cache():
     """Compiles as if no cache existed, for a test that counts XLA's compilations (jax reads

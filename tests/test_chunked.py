@@ -5,7 +5,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import cpu_memory_analysis, rel_err
 
 from bpt.ops import blockwise_cross_entropy, blockwise_ffn, cross_entropy
 from bpt.ops.chunked import logsumexp_argmax
@@ -107,6 +107,7 @@ def test_blockwise_cross_entropy_runs_the_head_three_times():
     assert dots(jaxpr.jaxpr.eqns) == 3
 
 
+@cpu_memory_analysis
 def test_blockwise_cross_entropy_never_builds_full_logits():
     hidden = jax.ShapeDtypeStruct((1, 4096, 64), jnp.float32)
     weight = jax.ShapeDtypeStruct((64, 4096), jnp.float32)

@@ -192,6 +192,18 @@ def test_bad_arguments_are_clear_errors(key, change, message):
         decode_partial(q[..., :12], k[..., :12], v[..., :12], last_visible_slot(jnp.array([3]), 2))
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_the_kernel_inside_a_jitted_program_equals_the_reference(key, splits):
+    """Two sequences of 128 and 80 slots over 1, 2 or 4 tiles, the tile table computed in the
+    same program as the kernel: on an H100 these read a damaged table (NaN, wrong values or an
+    illegal address) until the kernel's computed operands were kept alive past it."""
+    q, k, v = caches(key, 2, 4, 2, 1)
+    lengths = jnp.array([MAX_LEN, 80])
+    last = last_visible_slot(jnp.array([MAX_LEN - 1]), 2, lengths)
+    expected = decode(q, k, v, jnp.array([MAX_LEN - 1]), lengths=lengths, impl="reference")
+    assert rel_err(kernel(q, k, v, last, num_splits=splits).out, expected) < 1e-5
+
+
 def test_a_cache_of_any_multiple_of_16_slots_takes_the_kernel(key, monkeypatch):
     """The kernel's default block halves until it divides the cache (80 slots: blocks of 16);
     a length no block divides is a clear error, and auto then takes split_kv on a GPU."""

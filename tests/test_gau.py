@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, rel_err, saved_and_grads, tree_rel_err
+from conftest import REPO, cpu_memory_analysis, rel_err, saved_and_grads, tree_rel_err
 
 from bpt.config import base_config, model_config
 from bpt.models import FLASH, FLASHConfig, GPTConfig, make_model
@@ -148,6 +148,18 @@ def test_mixed_chunk_from_an_initial_state_with_documents(key):
     assert_continues(qk, v, cot, split=split, seg=seg, chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
 
 
+def test_kernel_tiles_below_16_are_an_error_on_a_gpu():
+    """Triton's dots take tiles of 16 or more: smaller ones gave wrong bf16 outputs on an
+    H100, so off interpret mode they are a clear error naming the settings."""
+    from bpt.ops.kernels.gau import config_for
+
+    sizes = dict(batch=2, chunk=32, value_dim=64, quad_scale=1 / 32, lin_scale=1 / 64)
+    with pytest.raises(ValueError, match=r"block_q=8, state_rows=8 below 16"):
+        config_for(jnp.bfloat16, **sizes, block_q=8, state_rows=8, interpret=False)
+    assert config_for(jnp.bfloat16, **sizes, block_q=8, state_rows=8, interpret=True).block_q == 8
+    assert config_for(jnp.bfloat16, **sizes, interpret=False).block_q == 32
+
+
 def test_the_kernels_continue_from_an_initial_state(key):
     """The Pallas path (interpret mode) started from the linear sum of the tokens before the
     sequence (as the devices after the first run it, bpt.parallel.gau): the states' kernel
@@ -156,7 +168,8 @@ def test_the_kernels_continue_from_an_initial_state(key):
     g, t = 16, 64
     qk, v = gau_inputs(key, t=t, s=16, e=32)
     cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - 2 * g, v.shape[-1]))
-    options = dict(block_q=8, block_e=16, state_block_e=16, state_rows=8)  # chunks in two pieces
+    # interpret mode on every backend: Triton's tiles are 16 or more; chunks in two pieces
+    options = dict(block_q=8, block_e=16, state_block_e=16, state_rows=8, interpret=True)
     pallas = dict(impl="pallas", kernel_options=options)
     kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
     assert_continues(qk, v, cot, split=2 * g, options=pallas, **kwargs)
@@ -209,7 +222,7 @@ def test_pallas_kernels_equal_the_reference_in_interpret_mode(key, extras, quadr
     kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / t, segment_ids=seg)
     bias_full = table[relative_buckets(dist)] if extras else None
     bias = table[relative_buckets(dist[:g, :g])] if extras else None
-    options = dict(block_q=8, block_e=32, state_block_e=16, state_rows=8, quadratic=quadratic)
+    options = dict(block_q=8, block_e=32, state_block_e=16, state_rows=8, quadratic=quadratic, interpret=True)
     kernel = dict(impl="pallas", kernel_options=options, bias=bias)
     out, grads = mixed_chunk_grads(mixed_chunk_attention, qk, v, cot, **kwargs, **kernel)
     ref_out, ref_grads = mixed_chunk_grads(mixed_chunk_reference, qk, v, cot, bias=bias_full, **kwargs)
@@ -448,6 +461,7 @@ def test_ragged_prompts_in_chunks_decode_like_one_at_a_time(attention, key):
         np.testing.assert_array_equal(tokens[:3], text[len(prompt) :])
 
 
+@cpu_memory_analysis
 def test_training_memory_grows_linearly_with_the_sequence():
     def temp(attention, seq_len):
         cfg = small_flash(

@@ -247,6 +247,12 @@ def decode_partial(
         interpret=interpret,
         name="bpt_decode",
     )(table, jnp.asarray(layer, jnp.int32).reshape(1), q_rows, last_rows, k_cache, v_cache, *scales)
+    # The operands this program computes (the tile table, the queries' and the slots' rows)
+    # stay alive past the kernel. Without this, on an H100 (jax 0.11.2) a jitted call with
+    # some tile counts (batch 2 with num_splits 1, 2 or 4) read a damaged table: NaN or wrong
+    # outputs, or an illegal address, while the same kernel called alone was exact. The
+    # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases.
+    out, lse, table, _, _ = lax.optimization_barrier((out, lse, table, q_rows, last_rows))
     merged, merged_lse = _merge(table, out, lse, b)
     # Back to [b, q_len, h, d] and [b, h, q_len].
     merged = merged[:, :, : q_len * group].reshape(b, hk, q_len, group, d)

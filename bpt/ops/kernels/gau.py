@@ -46,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 Array = jax.Array
+MIN_TILE = 16  # the smallest M, N and K of a Triton dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,12 @@ def config_for(
             raise ValueError(
                 f"kernel_options: {name}={getattr(cfg, name)} does not divide the value width {value_dim}"
             )
+    small = [n for n in ("block_q", "block_e", "state_block_e", "state_rows") if getattr(cfg, n) < MIN_TILE]
+    if small and not cfg.interpret:
+        raise ValueError(
+            f"kernel_options: {', '.join(f'{n}={getattr(cfg, n)}' for n in small)} below {MIN_TILE}, the "
+            "smallest tile Triton's dot takes on a GPU (smaller ones gave wrong bf16 results on an H100)"
+        )
     if chunk % cfg.state_rows or cfg.state_rows & (cfg.state_rows - 1):
         raise ValueError(
             f"kernel_options: state_rows={cfg.state_rows} must be a power of two dividing chunk_size={chunk}"
