@@ -49,10 +49,7 @@ class AgenticConfig(GPTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("obs_dim", "act_dim", "max_timestep"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+        self.check_positive("obs_dim", "act_dim", "max_timestep")
         if not self.return_scale > 0:
             raise ValueError(f"model.return_scale must be > 0; got {self.return_scale!r}")
 

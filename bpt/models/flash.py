@@ -121,7 +121,7 @@ class FLASHConfig(LMConfigMixin):
                     f"unknown model.{name} {getattr(self, name)!r} for FLASH; allowed: {', '.join(options)}"
                 )
         check_policy(self.remat_layer, "model.remat_layer")
-        for name in (
+        self.check_positive(
             "vocab_size",
             "num_layers",
             "d_model",
@@ -131,10 +131,7 @@ class FLASHConfig(LMConfigMixin):
             "loss_chunk_size",
             "relative_buckets",
             "relative_max_distance",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+        )
         for name in ("expansion", "rope_theta", "layer_norm_epsilon"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name} must be > 0; got {getattr(self, name)!r}")

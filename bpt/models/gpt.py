@@ -153,7 +153,7 @@ class GPTConfig(LMConfigMixin):
         resolve_decode_impl(self.decode_impl, "model.decode_impl")
         for name in ("remat_layer", "remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
-        for name in (
+        self.check_positive(
             "vocab_size",
             "num_layers",
             "d_model",
@@ -162,10 +162,7 @@ class GPTConfig(LMConfigMixin):
             "q_chunk_size",
             "kv_chunk_size",
             "loss_chunk_size",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+        )
         for name in ("num_kv_heads", "head_dim", "mlp_hidden"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

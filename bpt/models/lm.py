@@ -65,20 +65,16 @@ class LMConfigMixin:
 
         return policy_with_offload
 
+    def check_positive(self, *names: str) -> None:
+        """Raises ValueError naming the first of these fields that is not a positive integer."""
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+
     def check_stack(self) -> None:
         """The layer stack's settings (raises ValueError naming the first that cannot work)."""
-        if (
-            isinstance(self.scan_unroll, bool)
-            or not isinstance(self.scan_unroll, int)
-            or self.scan_unroll < 1
-        ):
-            raise ValueError(f"model.scan_unroll must be a positive integer; got {self.scan_unroll!r}")
-        if (
-            isinstance(self.remat_group, bool)
-            or not isinstance(self.remat_group, int)
-            or self.remat_group < 1
-        ):
-            raise ValueError(f"model.remat_group must be a positive integer; got {self.remat_group!r}")
+        self.check_positive("scan_unroll", "remat_group")
         if self.remat_group > 1:
             if self.num_layers % self.remat_group:
                 raise ValueError(
