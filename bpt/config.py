@@ -322,22 +322,54 @@ def own_fields(family: str) -> list[dataclasses.Field]:
     return [field for field in dataclasses.fields(FAMILIES[family]) if field.name not in gpt]
 
 
-def flash_config(size: str) -> ConfigDict:
+def flash_config(size: str, d_model: int = 0) -> ConfigDict:
     """FLASH matched to the GPT of a size by parameter count: twice the layers (a GAU with
     expansion 2 has about half a transformer layer's weights), otherwise paper_config's
     settings (bf16 compute, 8K context, the layer stack unrolled at UNROLLED_SIZES, with the
     remat auto chooses) except the remat of a scanned stack: nothing_saveable, the fastest
     policy for FLASH in a loop over layers on an H100 (at 125M and 8K: 295K tokens/s against
     289K keeping the attention's results or the matmuls' outputs, in 6.6 GiB against 20-30;
-    docs/benchmarks.md), so nothing is compiled to choose it."""
+    docs/benchmarks.md), so nothing is compiled to choose it.
+
+    d_model: a wider, shallower FLASH, with the depth whose parameter count (at GPT-2's
+    vocabulary) comes closest to the GPT's. Fewer, wider layers make fewer elementwise passes
+    for the same matmul FLOPs: faster steps, for somewhat higher loss (docs/benchmarks.md,
+    "Depth and width at matched parameters")."""
     c = paper_config(size)
     c.model.family = "flash"
-    c.model.num_layers *= 2
-    if c.model.scan_unroll > 1:  # paper_config unrolled this size: the whole (doubled) stack
+    if d_model:
+        c.model.num_layers = matched_depth(size, c, d_model)
+        c.model.d_model = d_model
+    else:
+        c.model.num_layers *= 2
+    if c.model.scan_unroll > 1:  # paper_config unrolled this size: the whole (FLASH) stack
         c.model.scan_unroll = c.model.num_layers
     else:
         c.model.remat_layer = "nothing_saveable"
     return c
+
+
+def matched_depth(size: str, flash: ConfigDict, d_model: int) -> int:
+    """The number of layers of width d_model whose FLASH (flash.model's other settings) has
+    the parameter count, at GPT-2's vocabulary, closest to paper_config(size)'s GPT."""
+    from bpt.train.probe import GPT2_VOCAB
+
+    if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model <= 0:
+        raise ValueError(f"flash_config: d_model must be a positive integer; got {d_model!r}")
+
+    def params(model: ConfigDict, **fields) -> int:
+        model = model.copy_and_resolve_references()
+        model.update(fields)
+        return model_config(model, vocab_size=GPT2_VOCAB, seq_len=flash.data.seq_len).num_params()
+
+    def at_depth(layers: int) -> int:
+        return params(flash.model, d_model=d_model, num_layers=layers)
+
+    target = params(paper_config(size).model)
+    layers = 1
+    while at_depth(layers + 1) <= target:
+        layers += 1
+    return min((layers, layers + 1), key=lambda n: abs(at_depth(n) - target))
 
 
 def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int, **from_data) -> GPTConfig | FLASHConfig:

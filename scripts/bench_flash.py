@@ -3,6 +3,8 @@ quality.
 
     python scripts/bench_flash.py --out results/flash                       # all four parts
     python scripts/bench_flash.py --parts speed --contexts 1024,8192,65536
+    python scripts/bench_flash.py --parts speed --contexts 8192 --gpt configs/gpt_125m.py,configs/gpt_125m.py \
+        --flash configs/flash_125m.py,configs/flash_125m_wide.py
     python scripts/bench_flash.py --parts quality --steps 1000 --seq_len 8192 --set data.tokenizer=gpt2
 
 flops: each config's model FLOPs per token at each context, the count its MFU uses
@@ -13,7 +15,8 @@ FLASH's speed-up per step at equal MFU.
 speed: one real training step (median of --repeats after a warm-up, each model in a fresh
 process) at each context, --tokens_per_step tokens a step (batch = tokens / context), for
 every pair of --gpt and --flash configs (matched by parameter count: configs/flash_*.py
-have twice the GPT's layers). Reported: tokens/s, MFU by each family's own FLOP count, and
+have twice the GPT's layers, flash_125m_wide.py fewer and wider ones; a GPT listed in
+several pairs runs once). Reported: tokens/s, MFU by each family's own FLOP count, and
 FLASH's speed-up per step.
 
 max_context: the longest context whose compiled step (batch 1) fits the device, found by
@@ -277,6 +280,12 @@ def pairs(args) -> list[tuple[str, str]]:
     return list(zip(args.gpt, args.flash))
 
 
+def run_configs(args) -> list[str]:
+    """Every config of the pairs once, in order: a GPT compared with several FLASH configs
+    (--gpt A,A --flash B,C) is measured and trained once."""
+    return list(dict.fromkeys(path for pair in pairs(args) for path in pair))
+
+
 def tables(args, flops, speed, longest, quality, equal_loss) -> str:
     out = []
     if flops:
@@ -504,7 +513,7 @@ def main() -> None:
     args.quality_families = parse_choices(parser, args.quality_families, ("gpt", "flash"), "family")
     if set(args.quality_families) != {"gpt", "flash"} and not args.quality_dir:
         parser.error("--quality_families reads the other family's runs back from --quality_dir: give it")
-    configs = [c for pair in pairs(args) for c in pair]
+    configs = run_configs(args)
     flops = flops_part(args, configs) if "flops" in parts else []
     speed = speed_part(args, configs) if "speed" in parts else []
     longest = max_context_part(args, configs) if "max_context" in parts else []

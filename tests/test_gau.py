@@ -526,6 +526,32 @@ def test_family_config_and_counts():
         assert abs(scales.mean() - mean) < 0.01 and 0.005 < scales.std() < 0.04
 
 
+def test_a_wider_flash_takes_the_depth_that_matches_the_gpt_by_parameters():
+    from bpt.config import flash_config, load_config_file, paper_config
+    from bpt.train.probe import GPT2_VOCAB
+
+    def params(c, **fields):
+        model = c.model.copy_and_resolve_references()
+        model.update(fields)
+        return model_config(model, vocab_size=GPT2_VOCAB, seq_len=c.data.seq_len).num_params()
+
+    gpt = params(paper_config("125m"))
+    for d_model in (768, 1024, 1280):
+        c = flash_config("125m", d_model=d_model)
+        n = c.model.num_layers
+        assert (c.model.family, c.model.d_model, c.model.scan_unroll) == ("flash", d_model, n)
+        misses = [abs(params(c, num_layers=layers) - gpt) for layers in (n - 1, n, n + 1)]
+        assert misses[1] == min(misses) and misses[1] < 0.05 * gpt, (d_model, n, misses)
+    wide = load_config_file(REPO / "configs" / "flash_125m_wide.py")
+    assert (wide.model.d_model, wide.model.num_layers) == (1280, 6)
+    assert abs(params(wide) / gpt - 1) < 0.01
+    looped = flash_config("350m", d_model=1280)  # a size paper_config does not unroll keeps the loop
+    assert (looped.model.scan_unroll, looped.model.remat_layer) == (1, "nothing_saveable")
+    for bad in (-128, True, "1024"):
+        with pytest.raises(ValueError, match="flash_config: d_model must be a positive integer"):
+            flash_config("125m", d_model=bad)
+
+
 def test_flash_tiny_trains_through_the_loop_and_the_loss_falls(tmp_path):
     from bpt.config import load_config_file
     from bpt.train.loop import evaluate_checkpoint, train

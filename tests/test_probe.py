@@ -281,6 +281,13 @@ def test_flash_script_counts_each_familys_flops_at_each_context():
     ratio = per["gpt_125m", 8192] / per["flash_125m", 8192]
     assert f"| 8K | gpt_125m | {per['gpt_125m', 8192] / 1e9:.3f} | flash_125m |" in table
     assert table.splitlines()[-1].endswith(f"| {ratio:.2f} |") and 1.3 < ratio < 1.5
+    wide = str(ROOT / "configs/flash_125m_wide.py")  # one GPT against two FLASH shapes: run once
+    args = argparse.Namespace(gpt=[gpt, gpt], flash=[flash, wide], contexts=[8192], set=[])
+    assert bench.run_configs(args) == [gpt, flash, wide]
+    rows = bench.flops_part(args, bench.run_configs(args))
+    table = bench.tables(args, rows, [], [], [], []).splitlines()
+    assert table[-2].startswith("| 8K | gpt_125m |") and table[-1].startswith("| 8K | gpt_125m |")
+    assert "| flash_125m_wide |" in table[-1]
 
 
 def test_flash_script_time_to_equal_loss():
