@@ -14,6 +14,7 @@ from pathlib import Path
 from ml_collections import ConfigDict, config_dict
 
 from bpt.models import FAMILIES, AgenticConfig, FLASHConfig, GPTConfig
+from bpt.models.lm import check_positive_int
 from bpt.train.optimizer import check_state_dtype
 
 # The BPT paper's Table 1 sizes, plus GPT-2's 125M and 350M and a tiny one for CPUs.
@@ -351,25 +352,21 @@ def flash_config(size: str, d_model: int = 0) -> ConfigDict:
 
 def matched_depth(size: str, flash: ConfigDict, d_model: int) -> int:
     """The number of layers of width d_model whose FLASH (flash.model's other settings) has
-    the parameter count, at GPT-2's vocabulary, closest to paper_config(size)'s GPT."""
+    the parameter count, at GPT-2's vocabulary, closest to paper_config(size)'s GPT. A
+    FLASH's count is affine in its depth (the embedding and final norm, then the same
+    weights per layer), so two depths give the line."""
     from bpt.train.probe import GPT2_VOCAB
 
-    if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model <= 0:
-        raise ValueError(f"flash_config: d_model must be a positive integer; got {d_model!r}")
+    check_positive_int(d_model, "flash_config: d_model")
 
     def params(model: ConfigDict, **fields) -> int:
         model = model.copy_and_resolve_references()
         model.update(fields)
         return model_config(model, vocab_size=GPT2_VOCAB, seq_len=flash.data.seq_len).num_params()
 
-    def at_depth(layers: int) -> int:
-        return params(flash.model, d_model=d_model, num_layers=layers)
-
+    one, two = (params(flash.model, d_model=d_model, num_layers=n) for n in (1, 2))
     target = params(paper_config(size).model)
-    layers = 1
-    while at_depth(layers + 1) <= target:
-        layers += 1
-    return min((layers, layers + 1), key=lambda n: abs(at_depth(n) - target))
+    return max(1, 1 + round((target - one) / (two - one)))
 
 
 def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int, **from_data) -> GPTConfig | FLASHConfig:
@@ -491,9 +488,7 @@ def check_config(c: ConfigDict) -> None:
 
     def positive(section: ConfigDict, prefix: str, *names: str):
         for name in names:
-            value = section[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{prefix}.{name} must be a positive integer; got {value!r}")
+            check_positive_int(section[name], f"{prefix}.{name}")
 
     from bpt.models.hf import EXTEND_METHODS
 

@@ -314,6 +314,7 @@ def test_parameters_carry_logical_axis_names():
         ("remat_group", 3, "model.remat_group=3 must divide model.num_layers=2"),
         ("remat_group", 0, "model.remat_group must be a positive integer"),
         ("scan_unroll", 0, "model.scan_unroll must be a positive integer; got 0"),
+        ("head_dim", 0, "model.head_dim must be a positive integer or None; got 0"),
         ("loss_impl", "blockwise", "unknown model.loss_impl 'blockwise'; allowed: auto, chunked, full"),
         ("offload_layer_inputs", True, "offload_layer_inputs needs model.remat_layer other than 'none'"),
     ],

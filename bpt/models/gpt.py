@@ -163,10 +163,7 @@ class GPTConfig(LMConfigMixin):
             "kv_chunk_size",
             "loss_chunk_size",
         )
-        for name in ("num_kv_heads", "head_dim", "mlp_hidden"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"model.{name} must be a positive integer or None; got {value!r}")
+        self.check_positive("num_kv_heads", "head_dim", "mlp_hidden", optional=True)
         for name in ("mlp_ratio", "rope_theta", "layer_norm_epsilon"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name} must be > 0; got {getattr(self, name)!r}")

@@ -41,6 +41,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOSS_IMPLS = ("auto", "chunked", "full")
 
 
+def check_positive_int(value, name: str, *, optional: bool = False) -> None:
+    """Raises ValueError unless value is a positive integer (bools are not), or None where
+    optional; name is the setting as the user writes it."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}; got {value!r}")
+
+
 class LMConfigMixin:
     """Properties every family's config derives the same way from the shared fields."""
 
@@ -65,12 +74,11 @@ class LMConfigMixin:
 
         return policy_with_offload
 
-    def check_positive(self, *names: str) -> None:
-        """Raises ValueError naming the first of these fields that is not a positive integer."""
+    def check_positive(self, *names: str, optional: bool = False) -> None:
+        """Raises ValueError naming the first of these fields that is not a positive integer
+        (or None, where optional)."""
         for name in names:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+            check_positive_int(getattr(self, name), f"model.{name}", optional=optional)
 
     def check_stack(self) -> None:
         """The layer stack's settings (raises ValueError naming the first that cannot work)."""
