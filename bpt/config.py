@@ -45,6 +45,7 @@ RANGES = (
     ("train.memory_fraction", (0.0, False), (1.0, True)),
     ("train.warmup_steps", (0, True), None),
     ("train.eval_every", (0, True), None),
+    ("train.checkpoint_every", (0, True), None),
     ("train.eval_batches", (0, True), None),
     ("train.eval_by_position", (0, True), None),
     ("train.sample_tokens", (0, True), None),
@@ -152,6 +153,7 @@ def base_config(size: str = "small") -> ConfigDict:
     # [N, 2N), [2N, 4N), ... as bpt-eval --by_position), to follow how a run learns to use
     # its context; each range is one more pass over the evaluation batches.
     c.train.eval_by_position = 0
+    # 0: no checkpoints at all (a measurement; the run cannot be resumed or evaluated)
     c.train.checkpoint_every = 1000
     c.train.keep_checkpoints = 3  # the newest K checkpoints are kept
     c.train.async_checkpoints = True
@@ -512,7 +514,6 @@ def check_config(c: ConfigDict) -> None:
         "batch_size",
         "grad_accum_steps",
         "log_every",
-        "checkpoint_every",
         "keep_checkpoints",
     )
     positive(c.model, "model", "q_chunk_size", "kv_chunk_size", "loss_chunk_size")

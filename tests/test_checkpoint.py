@@ -185,11 +185,11 @@ def test_a_read_error_once_is_retried_and_a_lasting_one_stops_without_moving_any
     real = Checkpoints._read
     failures = {"left": 1}
 
-    def flaky(self, step, state):
+    def flaky(self, step, state, vocab_size=None):
         if failures["left"]:
             failures["left"] -= 1
             raise OSError(5, "Input/output error")
-        return real(self, step, state)
+        return real(self, step, state, vocab_size)
 
     monkeypatch.setattr(Checkpoints, "_read", flaky)
     with Checkpoints(ckpt) as checkpoints:
@@ -210,7 +210,7 @@ def test_a_checkpoint_of_another_model_or_optimizer_stops_the_run_naming_what_di
     c = run_config(steps=12)
     c.model.d_model = 64
     with pytest.raises(
-        ModelMismatch, match=r"parameters of another shape.*\['embedding'\] \[9, 128\] vs \[9, 64\]"
+        ModelMismatch, match=r"parameters of another shape.*\['embedding'\] \[128, 128\] vs \[128, 64\]"
     ):
         train(c, run8)
     c = run_config(steps=12)
@@ -284,3 +284,49 @@ def test_params_only_init_resizes_a_learned_position_table(tmp_path):
         else:  # interpolated: the first and last rows are the saved ones
             np.testing.assert_array_equal(resized[[0, -1]], table[[0, -1]])
         np.testing.assert_array_equal(np.asarray(params["embedding"]), np.asarray(base.params["embedding"]))
+
+
+def test_a_run_saved_before_the_vocabulary_was_padded_still_restores_and_resumes(tmp_path, monkeypatch):
+    """A checkpoint whose embedding and head hold the 9 tokens unpadded (model.vocab_multiple
+    did not exist: config.json lacks it) evaluates, resumes with the padded model (its
+    optimizer moments padded too) to the losses an unpadded run logs, and loads as
+    params_from; another vocabulary still stops the run."""
+    c = run_config(steps=8)
+    c.model.tie_embeddings = False
+    c.model.vocab_multiple = 1
+    train(c, tmp_path / "straight")
+    old = tmp_path / "old"
+    original = interrupt_at(monkeypatch, 4)  # the same schedule as the straight run's
+    last = train(c, old)
+    monkeypatch.setattr(CopyTask, "train_batch", original)
+    assert last["step"] == 4
+    saved = json.loads((old / "config.json").read_text())
+    del saved["model"]["vocab_multiple"]  # as a run from before the setting reads
+    (old / "config.json").write_text(json.dumps(saved))
+
+    assert evaluate_checkpoint(old)["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
+    resumed = run_config(steps=8)
+    resumed.model.tie_embeddings = False  # vocab_multiple: the default, 128
+    train(resumed, old)
+    for step in range(5, 9):
+        assert losses(old)[step] == pytest.approx(losses(tmp_path / "straight")[step], rel=1e-5), step
+    with Checkpoints(old / "checkpoints", read_only=True) as checkpoints:
+        model = GPT(model_config(resumed.model, vocab_size=9, seq_len=64))
+        state, _ = checkpoints.restore_latest(create_state(resumed, model, jax.random.PRNGKey(0)), vocab_size=9)
+    assert state.params["embedding"].shape == (128, 128) and state.params["lm_head"].shape == (128, 128)
+
+    like = create_state(resumed, model, jax.random.PRNGKey(0)).params
+    params = load_params(tmp_path / "straight", like, vocab_size=9)
+    assert params["embedding"].shape == (128, 128) and not np.asarray(params["embedding"][9:]).any()
+    with pytest.raises(ModelMismatch, match="past the model's 5 tokens are not zeros: it was trained with another vocabulary"):
+        small = run_config(steps=8)
+        small.model.vocab_size, small.model.tie_embeddings = 5, False
+        five = GPT(model_config(small.model, vocab_size=5, seq_len=64))
+        load_params(tmp_path / "straight", create_state(small, five, jax.random.PRNGKey(0)).params, vocab_size=5)
+
+
+def test_checkpoint_every_zero_trains_without_checkpoints(tmp_path):
+    c = run_config(steps=3)
+    c.train.checkpoint_every = 0
+    last = train(c, tmp_path)
+    assert last["step"] == 3 and not (tmp_path / "checkpoints").exists()

@@ -3,9 +3,12 @@ run that never starts, README commands that run as written, and the run's bookke
 (one compile on resume, strict JSON, a finished run, a step too large for the device)."""
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -172,3 +175,52 @@ def test_running_out_of_memory_during_a_step_reads_as_the_preflight_message(tmp_
         MemoryError, match="the train step ran out of memory on the .*; to fit, try .*data.seq_len"
     ):
         train(copy_config(steps=2), tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork")  # jax's warning: this test process imported it; bpt's supervisor does not
+def test_a_crash_no_python_error_reports_is_one_sentence_with_the_phase(capsys):
+    """A child killed by a signal (a segmentation fault inside XLA's compiler, say): the
+    supervising bpt command says what died, in which phase, and what to try."""
+    from bpt.cli.common import supervise
+
+    crash = (
+        "import os, signal; from bpt.train import phases; "
+        "phases.enter('compiling the train step', 'try mesh.context_head_groups=1'); "
+        "os.kill(os.getpid(), signal.SIGSEGV)"
+    )
+    code = supervise([sys.executable, "-c", crash], "bpt-train")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 128 + 11 and len(err) == 1, err
+    assert err[0] == (
+        "bpt-train: error: the process died of a segmentation fault (SIGSEGV) while compiling the train "
+        "step, with no Python error to report; try mesh.context_head_groups=1"
+    )
+    assert supervise([sys.executable, "-c", "raise SystemExit(3)"], "bpt-train") == 3  # exits pass through
+
+
+def test_a_signal_to_the_supervisor_reaches_the_child_once(tmp_path):
+    """Ctrl-C at a terminal reaches the process group of the command: the child runs in a
+    group of its own, so it gets the signal once, from the supervisor (its StopRequest
+    would take a second Ctrl-C as 'abort now')."""
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import signal, sys, time, pathlib\n"
+        "seen = []\n"
+        "signal.signal(signal.SIGINT, lambda *a: seen.append(1))\n"
+        f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text('1')\n"
+        "while not seen: time.sleep(0.05)\n"
+        "time.sleep(0.5)\n"
+        "print(len(seen)); sys.exit(0)\n"
+    )
+    parent = (
+        "import sys; from bpt.cli.common import supervise; "
+        f"sys.exit(supervise([sys.executable, {str(child)!r}], 'bpt-train'))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    for _ in range(200):
+        if (tmp_path / "ready").exists():
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # the whole foreground group, as a terminal does
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.strip() == "1", out

@@ -488,17 +488,18 @@ def test_family_config_and_counts():
     assert isinstance(cfg, FLASHConfig) and cfg.max_seq_len == 128
     model = make_model(cfg)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
-    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params() + cfg.vocab_padding_params
     biased = FLASHConfig(
         vocab_size=50, num_layers=2, d_model=32, position_embedding="relative_bias", norm="layer_norm"
     )
     params = nn.meta.unbox(FLASH(biased).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
-    assert sum(x.size for x in jax.tree.leaves(params)) == biased.num_params()
+    assert sum(x.size for x in jax.tree.leaves(params)) == biased.num_params() + biased.vocab_padding_params
     plain = dataclasses.replace(biased, use_bias=False)  # model.use_bias=False: no b_u, b_v, b_z, b_o
     params = nn.meta.unbox(FLASH(plain).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
     names = {path[-1].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
     assert not names & {"b_u", "b_v", "b_z", "b_o"} and {"w_u", "ln_bias", "relative_bias"} <= names, names
-    assert sum(x.size for x in jax.tree.leaves(params)) == plain.num_params() < biased.num_params()
+    held = plain.num_params() + plain.vocab_padding_params
+    assert sum(x.size for x in jax.tree.leaves(params)) == held and plain.num_params() < biased.num_params()
     # FLOPs: FLASH's own count, growing with the chunk, not with the sequence (mixed_chunk)
     assert train_flops_per_token(cfg, 128) == train_flops_per_token(cfg, 4096) == cfg.train_flops_per_token(1)
     quad = FLASHConfig(vocab_size=50, num_layers=2, d_model=32, attention="quadratic")

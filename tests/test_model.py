@@ -98,6 +98,39 @@ def test_modes_agree_with_segment_ids_and_other_impls(batch, key):
         assert tree_rel_err(grads, expected[2]) < TOL, (mode, impl)
 
 
+@pytest.mark.parametrize(
+    "mode,tie", [("blockwise_parallel", True), ("blockwise_parallel", False), ("memory_efficient", False)]
+)
+def test_a_padded_vocabulary_is_the_unpadded_model(key, mode, tie):
+    """model.vocab_multiple=128 holds 128 embedding rows (and head columns) for 97 tokens:
+    the same initial parameters in the first 97, zeros after; the same logits (97 of them:
+    padded ids are never sampled), loss and gradients (zero on the padding), with the chunked
+    loss and with full logits."""
+    from bpt.models.lm import fit_vocab
+
+    padded = dataclasses.replace(BASE, attention_mode=mode, tie_embeddings=tie)
+    plain = dataclasses.replace(padded, vocab_multiple=1)
+    assert (padded.padded_vocab, plain.padded_vocab) == (128, 97)
+    params = init_params(padded, jax.random.PRNGKey(3))
+    plain_params = init_params(plain, jax.random.PRNGKey(3))
+    assert tree_rel_err(fit_vocab(params, 97), plain_params) == 0.0
+    assert not np.asarray(params["embedding"][97:]).any()
+    tokens = jax.random.randint(key, (2, 64), 0, 97)
+    targets = jnp.roll(tokens, -1, axis=1)
+    logits, loss, grads = forward(padded, params, tokens, targets)
+    logits0, loss0, grads0 = forward(plain, plain_params, tokens, targets)
+    assert logits.shape == (2, 64, 97) and rel_err(logits, logits0) < TOL
+    assert rel_err(loss, loss0) < TOL
+    assert tree_rel_err(fit_vocab(grads, 97), grads0) < TOL
+    assert not np.asarray(grads["embedding"][97:]).any()
+    assert tie or not np.asarray(grads["lm_head"][:, 97:]).any()
+
+
+def test_vocab_multiple_is_checked():
+    with pytest.raises(ValueError, match="model.vocab_multiple must be a positive integer; got 0"):
+        dataclasses.replace(BASE, vocab_multiple=0)
+
+
 def test_scanned_and_unscanned_layers_agree(batch):
     tokens, targets, params = batch
     cfg = dataclasses.replace(BASE, attention_mode="blockwise_parallel")
@@ -299,7 +332,8 @@ def test_parameters_carry_logical_axis_names():
         len(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     )
     params = nn.meta.unbox(boxed)
-    assert sum(x.size for x in jax.tree.leaves(params)) == BASE.num_params()
+    held = BASE.num_params() + BASE.vocab_padding_params  # padding rows are held, not counted
+    assert sum(x.size for x in jax.tree.leaves(params)) == held
 
 
 @pytest.mark.parametrize(

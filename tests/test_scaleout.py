@@ -160,3 +160,30 @@ def test_scaling_table_compares_sequence_setups_with_one_gpu_at_their_context(tm
         "four.json",
         "one.json",
     ]
+
+
+def test_check_gpus_runs_bpt_train_on_each_mesh_with_one_devices_losses(tmp_path):
+    """scripts/check_gpus.py on two simulated devices: real bpt-train runs, the one-device
+    reference and tensor parallelism (the copy task's odd vocabulary, padded), their losses
+    compared; a second call resumes (runs nothing) and the report is rebuilt; a losses row
+    that differs fails."""
+    out = tmp_path / "check"
+    argv = [sys.executable, str(REPO / "scripts" / "check_gpus.py"), "--out", str(out), "--cpu_devices", "2"]
+    done = subprocess.run([*argv, "--rows", "losses: 1 GPU,losses: tensor"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    state = json.loads((out / "results.json").read_text())
+    rows = {r["name"]: r for r in state["results"]}
+    assert rows["losses: 1 GPU"]["status"] == "pass" and rows["losses: 1 GPU"]["gpus"] == 1
+    assert rows["losses: tensor"]["status"] == "pass" and rows["losses: tensor"]["gpus"] == 2
+    assert rows["losses: tensor"]["loss_rel_diff"] <= 1e-4 and len(rows["losses: tensor"]["losses"]) == 4
+    assert "| losses: tensor | 2 | 256 |" in done.stdout and "pass |" in done.stdout
+    assert rows["losses: tensor"]["command"].startswith("bpt-train --config configs/tiny.py")
+
+    again = subprocess.run([*argv, "--rows", "losses: tensor"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "losses: tensor ..." not in again.stdout  # done rows are kept
+
+    check = load_script("check_gpus")
+    state["results"][1]["losses"][2] *= 1.01
+    state["results"][1]["status"] = "pass"
+    check.check_losses(state["results"])
+    assert state["results"][1]["status"] == "fail" and "losses differ from one GPU's" in state["results"][1]["error"]

@@ -5,17 +5,38 @@ A command is a module with `define_flags()` (returning its flag holders) and
 setting, a missing file, a model that does not fit the device) ends the command with one
 sentence on stderr and exit status 1; `--debug` (or BPT_DEBUG=1) shows the traceback
 instead.
+
+A command that compiles a model (its module sets SUPERVISED = True: bpt-train, bpt-eval,
+bpt-sample) runs its work in a child process that this one watches (supervise): a crash that
+no Python error reports (a segmentation fault or failed check inside XLA, the host's
+out-of-memory killer) still ends in one sentence that says what the run was doing and what to
+try (bpt.train.phases). BPT_NO_SUPERVISOR=1 runs the work in this process.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 from types import ModuleType
 
 from absl import app, flags, logging
 
 DEBUG_ENV = "BPT_DEBUG"
+CHILD_ENV = "BPT_SUPERVISED"  # set in the child a supervising process starts
+NO_SUPERVISOR_ENV = "BPT_NO_SUPERVISOR"
+# Signals a supervising process passes on to its child (which stops as it would alone).
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CRASHES = {
+    signal.SIGSEGV: "a segmentation fault",
+    signal.SIGABRT: "an abort (a failed check inside XLA or CUDA; its message is above)",
+    signal.SIGBUS: "a bus error",
+    signal.SIGILL: "an illegal instruction",
+    signal.SIGFPE: "a floating-point exception",
+    signal.SIGKILL: "SIGKILL (the host's out-of-memory killer, or kill -9)",
+}
 MEMORY_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 HELP_FLAGS = {"--help", "-help", "-h", "--helpshort", "--helpfull", "-?"}
 
@@ -37,6 +58,8 @@ def run_command(module: ModuleType) -> None:
     failure prints `<command>: error: <message>` and exits with status 1."""
     name = getattr(module.__spec__, "name", None) or module.__name__  # __main__ under python -m
     command = "bpt-" + name.rsplit(".", 1)[-1].replace("_", "-")  # as its console script
+    if _supervises(module):
+        sys.exit(supervise([sys.executable, "-m", name, *sys.argv[1:]], command))
     try:
         main_module = sys.modules.get("__main__")
         if main_module is not None and main_module is not module:
@@ -60,6 +83,75 @@ def run_command(module: ModuleType) -> None:
         print(f"{command}: error: {message}", file=sys.stderr)
         print(f"({command} --debug, or {DEBUG_ENV}=1, shows the traceback)", file=sys.stderr)
         sys.exit(1)
+
+
+def _supervises(module: ModuleType) -> bool:
+    return (
+        getattr(module, "SUPERVISED", False)
+        and os.environ.get(CHILD_ENV) != "1"
+        and os.environ.get(NO_SUPERVISOR_ENV, "") in ("", "0")
+        and not HELP_FLAGS & set(sys.argv[1:])
+    )
+
+
+def supervise(argv: list[str], command: str) -> int:
+    """Runs argv in a child process and returns its exit status. The child gets its own
+    process group, so a Ctrl-C at the terminal reaches it once, through this process (which
+    passes SIGINT, SIGTERM and SIGHUP on), and it dies with this one. If a signal this
+    process did not pass on kills it, the crash is said in one sentence on stderr: the
+    signal, the phase the child last entered (bpt.train.phases) and its hint."""
+    from bpt.train import phases
+
+    with tempfile.TemporaryDirectory(prefix="bpt-") as folder:
+        phase_file = os.path.join(folder, "phase.json")
+        env = dict(os.environ, **{CHILD_ENV: "1", phases.PHASE_ENV: phase_file})
+        child = subprocess.Popen(argv, env=env, preexec_fn=_child_setup)
+        forwarded = set()
+
+        def forward(signum, frame):
+            forwarded.add(signum)
+            child.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+        try:
+            code = child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if code >= 0:
+            return code
+        sig = -code
+        if sig in forwarded:  # stopped as asked
+            return 128 + sig
+        state = phases.read(phase_file)
+        print(f"{command}: error: {crash_message(sig, state)}", file=sys.stderr, flush=True)
+        return 128 + sig
+
+
+def crash_message(sig: int, state: dict) -> str:
+    """One sentence for a child killed by signal sig in the phase state (phases.read)."""
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    what = CRASHES.get(sig, name)
+    phase = state.get("phase")
+    where = f" while {phase}" if phase else ""
+    hint = state.get("hint") or "run it again with --debug for the whole output"
+    return f"the process died of {what} ({name}){where}, with no Python error to report; {hint}"
+
+
+def _child_setup() -> None:
+    """In the child, before it runs: a process group of its own, and SIGTERM when its parent
+    dies (Linux), so that no orphan keeps the GPUs."""
+    os.setpgrp()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def _main(module: ModuleType, holders, argv: list[str]) -> None:

@@ -23,6 +23,8 @@ from absl import flags
 
 from bpt.cli import common
 
+SUPERVISED = True  # run in a watched child process (common.supervise): a crash is still one sentence
+
 
 def define_flags() -> SimpleNamespace:
     return SimpleNamespace(

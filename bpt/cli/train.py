@@ -17,6 +17,8 @@ from absl import flags
 
 from bpt.cli import common
 
+SUPERVISED = True  # run in a watched child process (common.supervise): a crash is still one sentence
+
 
 def define_flags() -> SimpleNamespace:
     return SimpleNamespace(
@@ -44,12 +46,16 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
     print("bpt-train: starting", flush=True)
     config = f.config.value
     common.set_memory_fraction(config.train.memory_fraction)  # before jax creates its backend
-    from bpt.parallel.distributed import initialize
+    from bpt.parallel.distributed import initialize, shutdown
 
-    initialize(f.coordinator.value, f.num_processes.value, f.process_id.value)  # before jax sees devices
+    joined = initialize(f.coordinator.value, f.num_processes.value, f.process_id.value)  # before jax sees devices
     from bpt.train.loop import train  # after flag parsing: keeps --help fast
 
-    train(config, f.workdir.value)
+    try:
+        train(config, f.workdir.value)
+    finally:
+        if joined:  # every process leaves together: none finds the coordinator gone
+            shutdown()
 
 
 def run() -> None:

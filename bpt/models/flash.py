@@ -93,6 +93,9 @@ class FLASHConfig(LMConfigMixin):
     relative_max_distance: int = 128
     max_seq_len: int = 2048  # n in the 1/n scaling: the training context
     tie_embeddings: bool = True
+    # The embedding holds vocab_size rounded up to a multiple of this (padded_vocab; nanoGPT's
+    # 50,304 for GPT-2), so that mesh.tensor can split it; padded ids are never predicted.
+    vocab_multiple: int = 128
     dropout: float = 0.0
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -123,6 +126,7 @@ class FLASHConfig(LMConfigMixin):
         check_policy(self.remat_layer, "model.remat_layer")
         self.check_positive(
             "vocab_size",
+            "vocab_multiple",
             "num_layers",
             "d_model",
             "chunk_size",
@@ -178,7 +182,8 @@ class FLASHConfig(LMConfigMixin):
         return 1.0 / self.max_seq_len
 
     def num_params(self, *, embeddings: bool = True) -> int:
-        """Parameter count (weights and biases), computed from the shapes alone."""
+        """Parameter count (weights and biases), computed from the shapes alone; the
+        vocabulary's padding rows (padded_vocab) are not counted: nothing reads them."""
         d, e, s = self.d_model, self.hidden_dim, self.qk_dim
         norm = 1 if self.norm == "scale_norm" else 2 * d
         bias = self.relative_buckets if self.position_embedding == "relative_bias" else 0

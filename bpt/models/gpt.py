@@ -101,6 +101,9 @@ class GPTConfig(LMConfigMixin):
     position_embedding: str = "rotary"
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
+    # The embedding holds vocab_size rounded up to a multiple of this (padded_vocab; nanoGPT's
+    # 50,304 for GPT-2), so that mesh.tensor can split it; padded ids are never predicted.
+    vocab_multiple: int = 128
     dropout: float = 0.0
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
@@ -155,6 +158,7 @@ class GPTConfig(LMConfigMixin):
             check_policy(getattr(self, name), f"model.{name}")
         self.check_positive(
             "vocab_size",
+            "vocab_multiple",
             "num_layers",
             "d_model",
             "num_heads",
@@ -207,7 +211,8 @@ class GPTConfig(LMConfigMixin):
         return self.loss_impl == "chunked"
 
     def num_params(self, *, embeddings: bool = True) -> int:
-        """Parameter count (weights and biases), computed from the shapes alone."""
+        """Parameter count (weights and biases), computed from the shapes alone; the
+        vocabulary's padding rows (padded_vocab) are not counted: nothing reads them."""
         d, h, kv, hd, f = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head, self.mlp_dim
         norm = d if self.rms_norm else 2 * d
         attn = d * h * hd + 2 * d * kv * hd + h * hd * d
@@ -365,9 +370,14 @@ class Block(Layer):
         if cfg.attention_mode == "vanilla":
             impl = "reference"
         elif impl == "auto":
+            # Chosen by what each device computes: its thresholds were measured on one device.
+            local = (
+                (q, k)
+                if self.parallel is None
+                else tuple(jax.ShapeDtypeStruct(self.parallel.local_shape(x.shape), x.dtype) for x in (q, k))
+            )
             impl = select_impl(
-                q,
-                k,
+                *local,
                 causal=True,
                 segment_ids=segment_ids,
                 q_chunk_size=cfg.q_chunk_size,

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from bpt.models.gpt import GPTConfig
+from bpt.models.lm import fit_vocab
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -305,7 +306,7 @@ def load_hf_gpt2(
         if "lm_head.weight" not in tensors:
             raise HFFormatError(f"{path} sets tie_word_embeddings=false but has no tensor 'lm_head.weight'")
         params["lm_head"] = take("lm_head.weight", (v, d)).T
-    return cfg, _cast(params, dtype)
+    return cfg, _cast(fit_vocab(params, cfg.padded_vocab), dtype)
 
 
 def load_hf_llama(path: str | Path, *, dtype=np.float32, **overrides) -> tuple[GPTConfig, dict]:
@@ -354,7 +355,7 @@ def load_hf_llama(path: str | Path, *, dtype=np.float32, **overrides) -> tuple[G
         if "lm_head.weight" not in tensors:
             raise HFFormatError(f"{path} sets tie_word_embeddings=false but has no tensor 'lm_head.weight'")
         params["lm_head"] = take("lm_head.weight", (v, d)).T
-    return cfg, _cast(params, dtype)
+    return cfg, _cast(fit_vocab(params, cfg.padded_vocab), dtype)
 
 
 EXTEND_METHODS = ("interpolate", "tile")
@@ -458,6 +459,7 @@ def save_hf_gpt2(cfg: GPTConfig, params: dict, out: str | Path, *, eot_id: int |
     out = Path(out)
     config = hf_config(cfg, eot_id)
     d = cfg.d_model
+    params = fit_vocab(params, cfg.vocab_size)  # the padded rows stay behind
     tensors = {
         "transformer.wte.weight": params["embedding"],
         "transformer.wpe.weight": params["position_embedding"],

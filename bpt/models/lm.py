@@ -29,6 +29,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy
 from bpt.ops.remat import POLICIES
@@ -52,6 +53,21 @@ def check_positive_int(value, name: str, *, optional: bool = False) -> None:
 
 class LMConfigMixin:
     """Properties every family's config derives the same way from the shared fields."""
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding (and columns of an untied LM head): vocab_size rounded up to
+        a multiple of vocab_multiple, so that tensor parallelism can split the vocabulary
+        (GPT-2's 50,257 and the byte tokenizer's 257 are odd) and the head's matmul runs on
+        aligned rows. The padded ids are never predicted: their logits are masked out of the
+        loss and cut from the logits the model returns."""
+        multiple = self.vocab_multiple
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def vocab_padding_params(self) -> int:
+        """Parameters the padding rows hold (zeros; num_params does not count them)."""
+        return (self.padded_vocab - self.vocab_size) * self.d_model * (1 if self.tie_embeddings else 2)
 
     @property
     def layer_policy(self):
@@ -100,6 +116,51 @@ class LMConfigMixin:
                 "model.offload_layer_inputs needs model.remat_layer other than 'none' and "
                 f"model.remat_group=1; got remat_layer={self.remat_layer!r}, remat_group={self.remat_group}"
             )
+
+
+# The parameters whose vocabulary axis is padded (padded_vocab), and that axis.
+VOCAB_AXES = {"embedding": 0, "lm_head": 1}
+
+
+def vocab_axis(path: str) -> int | None:
+    """The vocabulary axis of the parameter at a keystr path ("['embedding']", or an optimizer
+    moment's "...['lm_head']"), or None for every other parameter."""
+    for name, axis in VOCAB_AXES.items():
+        if path.endswith(f"['{name}']"):
+            return axis
+    return None
+
+
+def resize_vocab(x, rows: int, axis: int):
+    """x with its vocabulary axis cut or padded with zeros to `rows` (NumPy or JAX arrays)."""
+    if x.shape[axis] >= rows:
+        return x[(slice(None),) * axis + (slice(0, rows),)]
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, rows - x.shape[axis])
+    return (jnp if isinstance(x, jax.Array) else np).pad(x, widths)
+
+
+def fit_vocab(params: dict, rows: int) -> dict:
+    """A model's parameter dict with its embedding rows (and an untied head's columns) padded
+    with zeros or cut to `rows`: a checkpoint of one vocabulary padding into a model of
+    another (the rows past the vocabulary are zeros, so either way is exact)."""
+    return {
+        name: resize_vocab(value, rows, VOCAB_AXES[name]) if name in VOCAB_AXES else value
+        for name, value in params.items()
+    }
+
+
+def padded_init(init, vocab: int, axis: int):
+    """An initializer that draws the first `vocab` entries of `axis` as init would for that
+    size and leaves the padding zeros: a padded model starts from the parameters of the
+    unpadded one, and its padded rows stay zero (nothing reads or predicts them)."""
+
+    def initialize(key, shape, dtype=jnp.float32):
+        real = list(shape)
+        real[axis] = vocab
+        return resize_vocab(init(key, tuple(real), dtype), shape[axis], axis)
+
+    return initialize
 
 
 def stack_unrolled(model) -> bool:
@@ -293,7 +354,11 @@ class CausalLM(nn.Module):
         cfg = self.config
         par = None if decode else self.parallel
         embedding = logical_param(
-            self, "embedding", (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), nn.initializers.normal(0.02)
+            self,
+            "embedding",
+            (cfg.padded_vocab, cfg.d_model),
+            ("vocab", "embed"),
+            padded_init(nn.initializers.normal(0.02), cfg.vocab_size, 0),
         )
         if par is not None:  # gathered over the FSDP axes once, as FSDP gathers every weight
             embedding = jax.lax.with_sharding_constraint(embedding, par.sharding("tensor", None))
@@ -410,15 +475,17 @@ class CausalLM(nn.Module):
             head = logical_param(
                 self,
                 "lm_head",
-                (cfg.d_model, cfg.vocab_size),
+                (cfg.d_model, cfg.padded_vocab),
                 ("embed", "vocab"),
-                nn.initializers.normal(0.02),
+                padded_init(nn.initializers.normal(0.02), cfg.vocab_size, 1),
             )
         if par is not None:
             x = jax.lax.with_sharding_constraint(x, par.activations())
             head = jax.lax.with_sharding_constraint(head, par.sharding(None, "tensor"))
         if targets is not None and cfg.chunked_loss:  # the final norm, chunk by chunk too
-            loss = functools.partial(blockwise_cross_entropy, chunk_size=cfg.loss_chunk_size, norm=norm)
+            loss = functools.partial(
+                blockwise_cross_entropy, chunk_size=cfg.loss_chunk_size, norm=norm, vocab_size=cfg.vocab_size
+            )
             if par is not None:  # each device over its own tokens, where it can
 
                 def local(x, targets, mask, weights):
@@ -436,6 +503,10 @@ class CausalLM(nn.Module):
         logits = jnp.einsum(
             "bsd,dv->bsv", x, head.astype(jnp.dtype(cfg.dtype)), preferred_element_type=jnp.float32
         )
-        if targets is None:
+        if targets is None:  # the vocabulary's logits: padded ids are never sampled
+            logits = logits[..., : cfg.vocab_size]
             return logits if perm is None else from_layout(logits, perm)
+        if cfg.padded_vocab != cfg.vocab_size:
+            ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+            logits = jnp.where(ids < cfg.vocab_size, logits, -jnp.inf)
         return cross_entropy(logits, targets, loss_mask)

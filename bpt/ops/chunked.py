@@ -226,6 +226,7 @@ def blockwise_cross_entropy(
     norm_params: PyTree = None,
     shards: int = 1,
     reduce: Callable[[Array], Array] | None = None,
+    vocab_size: int | None = None,
 ) -> CrossEntropy:
     """LM head matmul and cross-entropy per chunk; [seq, vocab] logits never exist at once.
 
@@ -252,6 +253,8 @@ def blockwise_cross_entropy(
       reduce: applied to the [nll_sum, count, correct_sum] sums before the mean (inside
         shard_map: their lax.psum over the devices, so that each device's chunk loop
         covers its own tokens and the result is the whole batch's).
+      vocab_size: the real vocabulary, where weight's columns past it are padding (a
+        model's padded_vocab): their logits are masked out. None: every column is a token.
     Returns:
       CrossEntropy(loss, num_tokens, accuracy), equal to
       cross_entropy(norm(norm_params, hidden) @ weight, ...).
@@ -260,7 +263,10 @@ def blockwise_cross_entropy(
     if hidden.shape[1] % shards:
         raise ValueError(f"sequence length {hidden.shape[1]} does not split into {shards} shards")
     chunk_size = resolve_chunk_size(chunk_size, hidden.shape[1] // shards, "chunk_size")
-    chunking = (chunk_size, shards)
+    vocab = weight.shape[-1] if vocab_size is None else vocab_size
+    if not 0 < vocab <= weight.shape[-1]:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {weight.shape[-1]}] (the head's columns)")
+    chunking = (chunk_size, shards, vocab)
     sums = _chunked_loss_sums(chunking, norm, hidden, weight, norm_params, targets, mask)
     return _finish(sums if reduce is None else reduce(sums))
 
@@ -310,9 +316,9 @@ def _head_chunk(norm, hidden, weight, norm_params, targets, mask, *, vocab: int,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _chunked_loss_sums(chunking, norm, hidden, weight, norm_params, targets, mask):
     """[nll_sum, count, correct_sum] over the whole sequence, one chunk at a time; chunking is
-    (chunk_size, shards)."""
+    (chunk_size, shards, vocabulary size: the head's columns past it are masked out)."""
     w = _aligned_head(weight, hidden.dtype)
-    vocab = weight.shape[-1]
+    chunking, vocab = chunking[:2], chunking[2]
 
     def step(_, chunk):
         h, t, m = chunk
@@ -325,7 +331,7 @@ def _chunked_loss_sums(chunking, norm, hidden, weight, norm_params, targets, mas
 
 def _chunked_loss_sums_fwd(chunking, norm, hidden, weight, norm_params, targets, mask):
     w = _aligned_head(weight, hidden.dtype)
-    vocab = weight.shape[-1]
+    chunking, vocab = chunking[:2], chunking[2]
 
     def step(carry, chunk):
         dw, dnorm = carry
@@ -336,7 +342,7 @@ def _chunked_loss_sums_fwd(chunking, norm, hidden, weight, norm_params, targets,
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (w, norm_params))
     chunks = jax.tree.map(lambda x: to_chunks(x, *chunking), (hidden, targets, mask))
     (dw, dnorm), (sums, dh) = jax.lax.scan(step, zeros, chunks)
-    dw = dw[:, :vocab]
+    dw = dw[:, : weight.shape[-1]]
     dtypes = jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), (weight, norm_params))  # empty: only dtypes
     return sums.sum(axis=0), (from_chunks(dh, chunking[1]), dw, dnorm, dtypes)
 

@@ -39,3 +39,10 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
         jax.distributed.initialize()
         return True
     return False
+
+
+def shutdown() -> None:
+    """Leaves the distributed runtime. Every process waits there for the others, so process
+    0, which serves the coordination, exits last: without it the others' heartbeats found
+    its port closed ("coordination_service ... Connection refused" at the end of a run)."""
+    jax.distributed.shutdown()

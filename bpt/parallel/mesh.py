@@ -113,6 +113,12 @@ class Parallelism:
     def batch_shards(self) -> int:
         return math.prod(self.size(a) for a in BATCH_AXES)
 
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The part of a [batch, seq, heads, ...] activation one device holds: the batch over
+        data x fsdp, the tokens over sequence, the heads over tensor (each rounded up)."""
+        divisors = (self.batch_shards, self.sequence, self.size("tensor"))
+        return tuple(-(-n // d) for n, d in zip(shape, divisors)) + tuple(shape[3:])
+
     def sharding(self, *spec) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec(*spec))
 
@@ -183,7 +189,7 @@ def logical_to_spec(
 
 def _hint(name: str) -> str:
     return {
-        "vocab": " (or set model.vocab_size to a multiple of mesh.tensor)",
+        "vocab": " (the embedding holds model.vocab_size rounded up to model.vocab_multiple: make that a multiple of mesh.tensor)",
         "heads": " (model.num_heads)",
         "kv_heads": " (model.num_kv_heads)",
         "embed": " (model.d_model)",

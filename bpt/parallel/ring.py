@@ -360,25 +360,29 @@ def _attend_bwd(s: _Settings, residuals, d_out):
 
 
 def _in_head_groups(groups: int, fn, args, arg_axes, results, result_axes):
-    """fn(*args) computed for `groups` slices of the heads at a time, one after another: each
-    arg is sliced along its heads axis (arg_axes) and each result (ShapeDtypeStructs) filled
-    in along its own (result_axes). A loop, so that one group's temporaries (the visiting
-    shard, its dK/dV sums in flight) are all that is live: memory a group is 1/groups."""
+    """fn(*args) computed for `groups` slices of the heads, one group after another: each arg
+    is sliced along its heads axis (arg_axes) and the groups' results (ShapeDtypeStructs)
+    joined along their own (result_axes). One group's temporaries (the visiting shard, its
+    dK/dV sums in flight) are all that is live: memory a group is 1/groups.
+
+    The groups are unrolled, each group's inputs passed through an optimization barrier with
+    the previous group's results, so that XLA runs them in order. A lax.fori_loop over the
+    groups made XLA's GPU compiler crash (a segmentation fault, jax 0.11.2) with two sequence
+    shards, where the loop's body holds the ring's transfers directly
+    (scripts/repro_ring_segfault.py; docs/notes/multi_gpu.md)."""
     if groups == 1:
         return fn(*args)
-
-    def piece(x, axis, g):
-        size = x.shape[axis] // groups
-        return lax.dynamic_slice_in_dim(x, g * size, size, axis)
-
-    def body(g, filled):
-        parts = fn(*(piece(x, axis, g) for x, axis in zip(args, arg_axes)))
-        return tuple(
-            lax.dynamic_update_slice_in_dim(r, p.astype(r.dtype), g * p.shape[axis], axis)
-            for r, p, axis in zip(filled, parts, result_axes)
+    filled = tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+    for g in range(groups):
+        if g:  # group g's inputs become available only once group g - 1's results are in
+            filled, args = lax.optimization_barrier((filled, args))
+        piece = (lax.slice_in_dim(x, g * x.shape[a] // groups, (g + 1) * x.shape[a] // groups, axis=a)
+                 for x, a in zip(args, arg_axes))  # fmt: skip
+        filled = tuple(
+            lax.dynamic_update_slice_in_dim(r, p.astype(r.dtype), g * p.shape[a], a)
+            for r, p, a in zip(filled, fn(*piece), result_axes)
         )
-
-    return lax.fori_loop(0, groups, body, tuple(jnp.zeros(r.shape, r.dtype) for r in results))
+    return filled
 
 
 def _forward(s: _Settings, q, k, v, *, q_seg, kv_seg):

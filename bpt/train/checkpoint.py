@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from flax.training.train_state import TrainState
+
+from bpt.models.lm import resize_vocab, vocab_axis
 
 ITEMS = ("params", "opt_state", "meta")
 UNFINISHED = "*.orbax-checkpoint-tmp*"  # how Orbax names a save that has not been renamed into place
@@ -100,8 +103,71 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
+def vocab_resizes(saved: dict, expected: dict, vocab_size: int | None) -> dict[str, list[int]]:
+    """{path: saved shape} of the arrays that differ from expected only in the vocabulary axis
+    of the embedding or LM head (and their optimizer moments), with both sizes at least
+    vocab_size: a checkpoint written before the vocabulary was padded, or with another
+    model.vocab_multiple (fit_vocab_arrays refuses to cut rows that are not zeros). Empty
+    without vocab_size."""
+    if vocab_size is None:
+        return {}
+    resizes = {}
+    for path, shape in expected.items():
+        old, axis = saved.get(path), vocab_axis(path)
+        if old is None or old == shape or axis is None or len(old) != len(shape):
+            continue
+        others = [i for i in range(len(shape)) if i != axis]
+        if all(old[i] == shape[i] for i in others) and min(old[axis], shape[axis]) >= vocab_size:
+            resizes[path] = old
+    return resizes
+
+
+def _saved_target(like, shapes: dict[str, list[int]]):
+    """The restore target of a tree shaped like `like`, except that the arrays at the paths in
+    shapes are read at those (saved) shapes, replicated over like's mesh."""
+
+    def target(path, x):
+        key = jax.tree_util.keystr(path)
+        if key not in shapes:
+            return ocp.utils.to_shape_dtype_struct(x)
+        sharding = x.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        return jax.ShapeDtypeStruct(tuple(shapes[key]), x.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(target, like)
+
+
+def fit_vocab_arrays(tree, like, resizes: dict[str, list[int]], vocab_size: int):
+    """tree with the arrays at the paths in resizes (vocab_resizes) padded or cut to like's
+    vocabulary size and placed as like's are. Their rows past vocab_size must be zeros (a
+    padding); others belong to another vocabulary, and stop the restore."""
+    if not resizes:
+        return tree
+
+    def fit(path, x, like_x):
+        key = jax.tree_util.keystr(path)
+        if key not in resizes:
+            return x
+        axis = vocab_axis(key)
+        beyond = x[(slice(None),) * axis + (slice(vocab_size, None),)]
+        if beyond.size and bool(jnp.any(beyond != 0)):
+            raise ModelMismatch(
+                f"the checkpoint's {key} holds {x.shape[axis]} rows and those past the model's {vocab_size} "
+                "tokens are not zeros: it was trained with another vocabulary (model.vocab_size, data.tokenizer)"
+            )
+        return jax.device_put(resize_vocab(x, like_x.shape[axis], axis), like_x.sharding)
+
+    return jax.tree_util.tree_map_with_path(fit, tree, like)
+
+
 class ModelMismatch(ValueError):
     """A checkpoint's parameters or optimizer state do not fit the configured model."""
+
+
+class _Restored(NamedTuple):
+    params: object
+    opt_state: object
 
 
 class CheckpointError(RuntimeError):
@@ -182,30 +248,38 @@ class Checkpoints:
         print(f"warning: the checkpoint at step {step} is damaged ({reason}); moved to {damaged}", flush=True)
         self._open()
 
-    def _read(self, step: int, state: TrainState):
+    def _read(self, step: int, state: TrainState, vocab_size: int | None = None):
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         if meta is None:
             raise FileNotFoundError(f"the checkpoint at step {step} has no meta record")
+        resizes = {}
         for name, tree in (("param_shapes", state.params), ("opt_state_shapes", state.opt_state)):
             saved, expected = meta.get(name), param_shapes(tree)
-            if saved is not None and saved != expected:
+            resizes[name] = vocab_resizes(saved or {}, expected, vocab_size)
+            if saved is not None and {**saved, **{k: expected[k] for k in resizes[name]}} != expected:
                 what = "parameters" if name == "param_shapes" else "optimizer state"
                 raise ModelMismatch(
                     f"the checkpoint at {self.directory / str(step)} holds {what} of another shape than "
                     f"the configured run ({describe_difference(saved, expected)}); start a new workdir, or "
                     "load only its parameters with config.init.params_from"
                 )
+
+        shapes = (resizes["param_shapes"], resizes["opt_state_shapes"])
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(_abstract(state.params)),
-                opt_state=ocp.args.StandardRestore(_abstract(state.opt_state)),
+                params=ocp.args.StandardRestore(_saved_target(state.params, shapes[0])),
+                opt_state=ocp.args.StandardRestore(_saved_target(state.opt_state, shapes[1])),
             ),
         )
-        return restored, meta
+        params = fit_vocab_arrays(restored.params, state.params, shapes[0], vocab_size)
+        opt_state = fit_vocab_arrays(restored.opt_state, state.opt_state, shapes[1], vocab_size)
+        return _Restored(params, opt_state), meta
 
-    def restore_latest(self, state: TrainState) -> tuple[TrainState, dict] | None:
+    def restore_latest(self, state: TrainState, *, vocab_size: int | None = None) -> tuple[TrainState, dict] | None:
         """The newest checkpoint that loads, restored into state's structure; None if none.
+        vocab_size: the model's vocabulary, where a checkpoint whose embedding holds another
+        padding of it may be read (vocab_resizes); None: every shape must match.
 
         A read that fails is tried once more (a passing I/O error heals); what still fails is
         damage (set aside, the previous checkpoint tried) or an error that stops the run.
@@ -213,7 +287,7 @@ class Checkpoints:
         for step in reversed(self.steps()):
             for attempt in (1, 2):
                 try:
-                    restored, meta = self._read(step, state)
+                    restored, meta = self._read(step, state, vocab_size)
                     break
                 except ModelMismatch:
                     raise
@@ -257,13 +331,17 @@ class Checkpoints:
         self.close()
 
 
-def load_params(path: str | Path, like, *, extend_positions: str = "interpolate"):
+def load_params(
+    path: str | Path, like, *, extend_positions: str = "interpolate", vocab_size: int | None = None
+):
     """Parameters of a saved run for fine-tuning, cast to the dtypes of `like`.
 
     path: a run's workdir, its checkpoints folder, or one <step> folder in it. A learned
     position table shorter than like's (a model fine-tuned at a longer context than it was
     trained or imported at) grows by extend_positions (bpt.models.hf.extend_positions); a
-    longer one keeps its first rows (a shorter context than the checkpoint's).
+    longer one keeps its first rows (a shorter context than the checkpoint's). vocab_size:
+    the model's vocabulary, where an embedding of another padding of it is fitted to like's
+    (vocab_resizes).
     """
     path = Path(path).expanduser().absolute()
     if (path / "checkpoints").is_dir():
@@ -277,44 +355,40 @@ def load_params(path: str | Path, like, *, extend_positions: str = "interpolate"
         if not steps:
             raise FileNotFoundError(f"no checkpoint found under config.init.params_from={str(path)!r}")
         step_dir = path / str(steps[-1])
-    target = _abstract(like)
-    positions = _saved_positions(step_dir)
+    saved = _saved_shapes(step_dir)
+    resizes = vocab_resizes(saved, param_shapes(like), vocab_size)
+    shapes = dict(resizes)
+    positions = saved.get("['position_embedding']")
     resize = (
         isinstance(like, dict)
         and "position_embedding" in like
         and positions is not None
-        and positions != like["position_embedding"].shape[0]
+        and positions[0] != like["position_embedding"].shape[0]
     )
     if resize:
-        table = like["position_embedding"]
-        target = {
-            **target,
-            "position_embedding": jax.ShapeDtypeStruct(
-                (positions, *table.shape[1:]), table.dtype, sharding=table.sharding
-            ),
-        }
+        shapes["['position_embedding']"] = positions  # read at its saved length, resized below
     with ocp.StandardCheckpointer() as checkpointer:
         try:
-            params = checkpointer.restore(step_dir / "params", target)
+            params = checkpointer.restore(step_dir / "params", _saved_target(like, shapes))
         except ValueError as error:
             raise ModelMismatch(
                 f"the parameters at {step_dir} do not fit the configured model: {str(error)[:500]}"
             ) from error
+    params = fit_vocab_arrays(params, like, resizes, vocab_size)
     if resize:
         from bpt.models.hf import extend_positions as extend
 
         table = like["position_embedding"]
-        saved = np.asarray(jax.device_get(params["position_embedding"]))
-        resized = extend(saved, table.shape[0], extend_positions)  # longer: its first rows
+        saved_table = np.asarray(jax.device_get(params["position_embedding"]))
+        resized = extend(saved_table, table.shape[0], extend_positions)  # longer: its first rows
         params = {**params, "position_embedding": jax.device_put(resized.astype(table.dtype), table.sharding)}
     return params
 
 
-def _saved_positions(step_dir: Path) -> int | None:
-    """Rows of the learned position table a checkpoint holds, from its meta record."""
+def _saved_shapes(step_dir: Path) -> dict[str, list[int]]:
+    """{array path: shape} of a checkpoint's parameters, from its meta record ({} if none)."""
     try:
         meta = json.loads((step_dir / "meta" / "metadata").read_text())
     except (OSError, ValueError):
-        return None
-    shape = meta.get("param_shapes", {}).get("['position_embedding']")
-    return shape[0] if shape else None
+        return {}
+    return meta.get("param_shapes", {}) or {}

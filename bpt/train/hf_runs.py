@@ -14,6 +14,7 @@ from ml_collections import ConfigDict
 from bpt.config import check_config, model_config
 from bpt.models.gpt import GPT
 from bpt.models.hf import SHAPE_FIELDS, hf_positions, load_hf, read_hf_config, save_hf_gpt2
+from bpt.models.lm import fit_vocab
 from bpt.train.checkpoint import Checkpoints
 from bpt.train.state import create_state
 
@@ -77,6 +78,7 @@ def import_run(
 
     model = GPT(model_config(c.model, vocab_size=cfg.vocab_size, seq_len=seq_len))
     state = create_state(c, model, jax.random.PRNGKey(c.seed))
+    params = fit_vocab(params, model.config.padded_vocab)  # the run's model.vocab_multiple
     loaded = jax.tree.map(
         lambda x, like: jax.device_put(x.astype(like.dtype), like.sharding), params, state.params
     )

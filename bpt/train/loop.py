@@ -21,6 +21,7 @@ from bpt.data.datasets import Prefetcher, make_dataset, put_batch
 from bpt.models import make_model
 from bpt.models.lm import CausalLM
 from bpt.sample import generate
+from bpt.train import phases
 from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.optimizer import learning_rate_schedule
@@ -179,6 +180,8 @@ def setup(config: ConfigDict, *, training: bool = False) -> tuple[object, Causal
     parallel = make_parallelism(config)
     dataset = make_dataset(config.data, config.seed)
     fields = getattr(dataset, "model_fields", {})  # what the data says of the model (AT's shapes)
+    if training and config.model.remat_layer == "auto":
+        phases.enter("choosing model.remat_layer=auto (compiling its candidates' steps)", compile_hint(config))
     model_settings = resolve_remat(config, vocab_size=dataset.vocab_size).model if training else config.model
     model = make_model(
         model_config(model_settings, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len, **fields),
@@ -267,7 +270,7 @@ def restore_run(workdir: str | Path, mesh: dict | None = None):
         config.mesh.update(data=-1, fsdp=1, sequence=1, tensor=1)
     dataset, model, state = setup(config)
     with Checkpoints(workdir / "checkpoints", read_only=True) as checkpoints:
-        restored = checkpoints.restore_latest(state)
+        restored = checkpoints.restore_latest(state, vocab_size=getattr(model.config, "vocab_size", None))
     if restored is None:
         damaged = "; ".join(f"step {step}: {reason}" for step, reason in checkpoints.damaged)
         raise FileNotFoundError(
@@ -288,6 +291,26 @@ def preflight(config: ConfigDict, train_step, state: TrainState, batch: dict, rn
     need = StepMemory.of(compiled).peak
     if need > budget:
         raise MemoryError(out_of_memory_message(config, need, budget))
+
+
+def compile_hint(config: ConfigDict) -> str:
+    """What to try when XLA's compiler crashes on a run's step (bpt.train.phases)."""
+    m, mesh = config.model, config.mesh
+    tries = []
+    if mesh.sequence > 1:
+        other = "all_gather" if mesh.context_parallel == "ring" else "ring"
+        tries.append(f"mesh.context_parallel={other}")
+        if mesh.get("context_head_groups", 0) != 1:
+            tries.append("mesh.context_head_groups=1")
+    if m.attention_impl in ("auto", "pallas", "cudnn"):
+        tries.append("model.attention_impl=blockwise")
+    if m.remat_layer == "auto":
+        tries.append("model.remat_layer=nothing_saveable")
+    tries = f"; try {' or '.join(tries)}" if tries else ""
+    return (
+        "nothing in the workdir was written or changed; this is a crash inside XLA's compiler, not a "
+        f"setting out of range{tries}, and please report it with the command"
+    )
 
 
 def out_of_memory_message(config: ConfigDict, need: int | None = None, budget: int | None = None) -> str:
@@ -321,6 +344,17 @@ def out_of_memory_message(config: ConfigDict, need: int | None = None, budget: i
     else:
         what = f"ran out of memory on the {device}{pool}"
     return f"the train step {what}; to fit, try {', '.join(hints)}"
+
+
+def resume_hint(checkpoints: Checkpoints, saved: int | None = None) -> str:
+    """What a run that dies while training keeps (bpt.train.phases)."""
+    steps = checkpoints.steps() if saved is None else [saved]
+    if not steps:
+        return "no checkpoint was saved yet: the same command starts the run again"
+    return (
+        f"the checkpoint of step {steps[-1]} (or the one before, if that save was cut short) is intact, "
+        "and the same command resumes from it"
+    )
 
 
 def _latest_metrics(path: Path, last_step: int) -> tuple[dict, int]:
@@ -376,7 +410,8 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     with Checkpoints(
         workdir / "checkpoints", keep=tc.keep_checkpoints, async_save=tc.async_checkpoints
     ) as checkpoints:
-        restored = checkpoints.restore_latest(state)
+        vocab_size = getattr(model.config, "vocab_size", None)  # another padding of it restores
+        restored = checkpoints.restore_latest(state, vocab_size=vocab_size)
         if restored is not None:
             state, _ = restored
             say(f"resuming from the checkpoint at step {int(state.step)}")
@@ -384,7 +419,10 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
             say(f"no checkpoint of {workdir} loads: the run starts again from step 0")
         if restored is None and config.init.params_from:
             params = load_params(
-                config.init.params_from, state.params, extend_positions=config.init.extend_positions
+                config.init.params_from,
+                state.params,
+                extend_positions=config.init.extend_positions,
+                vocab_size=vocab_size,
             )
             state = state.replace(params=params)
             say(f"parameters loaded from {config.init.params_from}")
@@ -401,6 +439,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         train_step, eval_fn, batch_sharding = jit_steps(config, model, shardings_of(state))
         step_rng = jax.random.fold_in(rng, 1)
         say("compiling the train step ...", flush=True)
+        phases.enter("compiling the train step", compile_hint(config))
         first = put_batch(dataset.train_batch(start, tc.batch_size), batch_sharding)
         try:
             preflight(config, train_step, state, first, jax.random.fold_in(step_rng, start))
@@ -443,6 +482,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         eval_host = dataset.eval_batches(tc.eval_batches, tc.batch_size)
         reporter = Reporter(config, workdir, eval_host, bar, model, eval_fn, batch_sharding)
         reporter.start_timer(start)  # preflight compiled the step: even a one-step run is timed
+        phases.enter("training", resume_hint(checkpoints))
 
         pending, last, done = [], {}, start
         with StopRequest() as stop:
@@ -463,16 +503,18 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
                     bar.update(1)
                     stopping = stop.requested  # read once: a signal may arrive at any moment
                     final = done == tc.steps or stopping
-                    save_now = final or done % tc.checkpoint_every == 0
-                    if save_now or done % tc.log_every == 0:
+                    save_now = tc.checkpoint_every > 0 and (final or done % tc.checkpoint_every == 0)
+                    if save_now or final or done % tc.log_every == 0:
                         # Logging checks the loss for NaN, so it always precedes a save.
                         last = reporter.log(pending, done, state, evaluate_now=final)
                         pending = []
                         if save_now:
                             checkpoints.save(state, {**meta, "data_step": done})
+                            phases.enter("training", resume_hint(checkpoints, done))
                         reporter.start_timer(done)  # evaluation and saving are not training time
                     if stopping:
-                        say(f"\nstopped after step {done}; its checkpoint is saved")
+                        saved = "its checkpoint is saved" if tc.checkpoint_every else "train.checkpoint_every=0: no checkpoint"
+                        say(f"\nstopped after step {done}; {saved}")
                         break
             finally:
                 batches.close()

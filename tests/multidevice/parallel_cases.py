@@ -114,19 +114,25 @@ def test_ring_over_a_mesh_with_batch_and_head_axes(key):
     assert_equals_reference(fn, q, k, v, cot, causal=True, segment_ids=None)
 
 
-@pytest.mark.parametrize("strategy,layout", [(ring_attention, "zigzag"), (all_gather_attention, "striped")])
-def test_heads_in_groups_equal_the_reference(key, strategy, layout):
+@pytest.mark.parametrize(
+    "strategy,layout,shards",
+    [(ring_attention, "zigzag", 4), (all_gather_attention, "striped", 4), (ring_attention, "zigzag", 2)],
+)
+def test_heads_in_groups_equal_the_reference(key, strategy, layout, shards):
+    """Two shards too: their ring has no loop over hops, the form whose group loop crashed
+    XLA's GPU compiler (scripts/repro_ring_segfault.py)."""
     q, k, v, cot = qkv(key, heads=8, kv_heads=4)  # two query heads a key/value head, 2 groups of 2
     fn = lambda q, k, v: strategy(  # noqa: E731
-        q, k, v, mesh=sequence_mesh(4), layout=layout, q_chunk_size=4, kv_chunk_size=4, head_groups=2
+        q, k, v, mesh=sequence_mesh(shards), layout=layout, q_chunk_size=4, kv_chunk_size=4, head_groups=2
     )
     assert_equals_reference(fn, q, k, v, cot, causal=True, segment_ids=None)
 
 
 def test_heads_in_groups_shrink_what_the_ring_holds(key):
     """One group's key/value shard and dK/dV sums in flight at a time: the backward's compiled
-    memory falls with the group count (measured on CPU: 61, 37 and 24 bytes a local q element
-    for 1, 4 and 16 groups at 16K tokens a device)."""
+    memory falls with the group count (on CPU, jax 0.10.2: 63.8 MiB with one group, 52.3 with
+    four; 48.5 when the groups were a lax.fori_loop, which crashed XLA's GPU compiler inside
+    the layer loop: scripts/repro_ring_segfault.py)."""
     x = jax.ShapeDtypeStruct((1, 4 * 2048, 8, 32), jnp.float32)
 
     def temp(groups):
@@ -145,7 +151,7 @@ def test_heads_in_groups_shrink_what_the_ring_holds(key):
         )
 
     one, four = temp(1), temp(4)
-    assert four < 0.8 * one, (one, four)
+    assert four < 0.85 * one, (one, four)
 
 
 @pytest.mark.parametrize(
@@ -250,6 +256,36 @@ MESHES = [
     ("blockwise_parallel", dict(fsdp=2, sequence=4, context_parallel="all_gather", load_balance="striped")),
     ("memory_efficient", dict(data=2, sequence=2, tensor=2)),
 ]
+
+
+def test_tensor_parallelism_splits_an_odd_vocabulary_padded():
+    """The byte tokenizer's 257 tokens, padded to model.vocab_multiple (128: 384 rows), split
+    over mesh.tensor=2 with the losses of one device; without the padding, a clear error."""
+    c, one = tiny_config(tensor=2, data=4), tiny_config()
+    c.model.vocab_size = one.model.vocab_size = 257
+    np.testing.assert_allclose(losses(c)[0], losses_on_one_device(one), rtol=1e-4)
+    c.model.vocab_multiple = 1
+    with pytest.raises(ValueError, match="vocab size 257, which mesh.tensor=2 cannot split.*model.vocab_multiple"):
+        losses(c)
+
+
+def test_auto_chooses_the_attention_from_what_each_device_holds(monkeypatch):
+    """attention_impl=auto reads the shapes one device computes (its thresholds were
+    measured on one device): with the batch over mesh.data=8, a batch of 8 is one sequence
+    a device, and with the heads over mesh.tensor=2 half the heads."""
+    import bpt.models.gpt as gpt
+
+    seen = []
+    real = gpt.select_impl
+    monkeypatch.setattr(gpt, "select_impl", lambda q, k, **kw: seen.append(q.shape) or real(q, k, **kw))
+    for mesh, expected in ((dict(data=8), (1, 64, 4, 32)), (dict(data=4, tensor=2), (2, 64, 2, 32))):
+        c = tiny_config(**mesh)
+        c.model.attention_impl = "auto"
+        dataset, model, state = setup(c)
+        seen.clear()  # (initializing runs the model on one token, on no mesh)
+        batch = put_batch(dataset.train_batch(0, c.train.batch_size), None)
+        jax.eval_shape(lambda p, b: model.apply({"params": p}, b["tokens"], targets=b["targets"]), state.params, batch)
+        assert seen and set(seen) == {expected}, (mesh, seen)
 
 
 def striped(cache, shards: int):
@@ -481,9 +517,13 @@ def test_bad_mesh_settings_are_clear_errors(mesh, message):
 
 
 def test_vocab_that_tensor_parallelism_cannot_split_names_the_setting():
+    """17 tokens padded to 128 rows split over tensor=2; unpadded (vocab_multiple=1) they do
+    not, and the error names the setting to change."""
     c = tiny_config(tensor=2, data=-1)
     c.model.vocab_size = 17
-    with pytest.raises(ValueError, match="model.vocab_size to a multiple of mesh.tensor"):
+    setup(c)
+    c.model.vocab_multiple = 1
+    with pytest.raises(ValueError, match="model.vocab_multiple: make that a multiple of mesh.tensor"):
         setup(c)
 
 
@@ -537,6 +577,8 @@ def test_two_processes_train_as_one(tmp_path):
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-3000:]
+        # every process leaves the runtime together (bpt.parallel.distributed.shutdown)
+        assert "Connection refused" not in out and "coordination_service" not in out, out[-3000:]
     one = launch(tmp_path / "one", 4)
     out = one.communicate(timeout=600)[0]
     assert one.returncode == 0, out[-3000:]
