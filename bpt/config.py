@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 from pathlib import Path
 
 from ml_collections import ConfigDict, config_dict
@@ -538,6 +539,8 @@ def check_config(c: ConfigDict) -> None:
     for key, low, high in RANGES:
         section, name = key.split(".")
         value = c[section][name]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number; got {value!r}")
         low_ok = low is None or (value >= low[0] if low[1] else value > low[0])
         high_ok = high is None or (value <= high[0] if high[1] else value < high[0])
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low_ok and high_ok):

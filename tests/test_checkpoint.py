@@ -330,3 +330,67 @@ def test_checkpoint_every_zero_trains_without_checkpoints(tmp_path):
     c.train.checkpoint_every = 0
     last = train(c, tmp_path)
     assert last["step"] == 3 and not (tmp_path / "checkpoints").exists()
+
+
+def folder_bytes(workdir):
+    return {str(p.relative_to(workdir)): p.read_bytes() for p in sorted(workdir.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_that_fails_before_its_first_checkpoint_leaves_the_run_as_it_was(tmp_path):
+    """Resuming with a learning rate that blows up stops at a non-finite loss before the next
+    checkpoint: config.json still describes the checkpoints, and no file of the folder
+    changed (metrics.jsonl included); an infinite learning rate is refused at once."""
+    c = run_config(steps=8)
+    train(c, tmp_path)
+    before = folder_bytes(tmp_path)
+    c = run_config(steps=12)
+    c.train.learning_rate = 1e30
+    c.train.checkpoint_every = 100  # the only save would be at the end, after the blow-up
+    with pytest.raises(FloatingPointError, match="non-finite|gave loss"):
+        train(c, tmp_path)
+    assert folder_bytes(tmp_path) == before
+    c.train.learning_rate = float("inf")
+    with pytest.raises(ValueError, match="train.learning_rate must be a finite number; got inf"):
+        train(c, tmp_path)
+    assert folder_bytes(tmp_path) == before
+
+
+def test_resuming_with_other_settings_says_each_change_and_keeps_their_history(tmp_path, capsys):
+    c = run_config(steps=4)
+    train(c, tmp_path)
+    c = run_config(steps=8)
+    c.train.learning_rate = 5e-4
+    train(c, tmp_path)
+    out = capsys.readouterr().out
+    assert "resuming with changed settings: train.steps 4 -> 8, train.learning_rate 0.003 -> 0.0005" in out
+    history = [json.loads(line) for line in (tmp_path / "settings_history.jsonl").read_text().splitlines()]
+    assert history[0]["step"] == 0 and history[0]["settings"] == "config.json"
+    assert history[1]["step"] == 4 and history[1]["changed"] == {
+        "train.steps": [4, 8],
+        "train.learning_rate": [0.003, 0.0005],
+    }
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["learning_rate"] == 5e-4
+
+
+def test_a_run_stopped_between_two_rows_logs_the_uninterrupted_rows_after_resuming(tmp_path, monkeypatch):
+    """Rows every 4 steps; Ctrl-C after step 6 writes a row for steps 5-6 (marked stopped)
+    and keeps their metrics in the checkpoint; the resumed run logs the row of step 8 over
+    steps 5-8, and metrics.jsonl then has the straight run's rows and losses, as does a run
+    that saves every 3 steps."""
+    c = run_config(steps=12)
+    c.train.log_every = 4
+    train(c, tmp_path / "straight")
+    original = interrupt_at(monkeypatch, 6)
+    train(c, tmp_path / "resumed")
+    monkeypatch.setattr(CopyTask, "train_batch", original)
+    rows = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 6] and rows[1]["stopped"] is True
+    train(c, tmp_path / "resumed")
+    read = lambda run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    c.train.checkpoint_every = 3  # saves between rows change no row either
+    train(c, tmp_path / "every3")
+    straight, resumed, every3 = read("straight"), read("resumed"), read("every3")
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [r["step"] for r in every3] == [4, 8, 12]
+    for a, b, d in zip(resumed, straight, every3):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["accuracy"] == pytest.approx(b["accuracy"])
+        assert d["loss"] == pytest.approx(b["loss"], rel=1e-6)

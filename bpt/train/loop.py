@@ -26,6 +26,7 @@ from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.optimizer import learning_rate_schedule
 from bpt.train.probe import StepMemory, is_out_of_memory, memory_budget, resolve_remat
+from bpt.train.run_files import METRICS, RunFiles, describe_changes, latest_metrics
 from bpt.train.state import create_state, jit_steps, make_parallelism
 
 
@@ -52,11 +53,14 @@ class Reporter:
         model: CausalLM,
         eval_fn,
         batch_sharding=None,
+        *,
+        held: bool = False,
     ):
+        """held: keep the rows in memory until writer.release() (bpt.train.run_files)."""
         self.config, self.eval_host, self.bar = config, eval_host, bar
         self.batch_sharding = batch_sharding
         self.eval_data = [put_batch(b, batch_sharding) for b in eval_host]
-        self.writer = MetricsWriter(workdir) if jax.process_index() == 0 else None
+        self.writer = MetricsWriter(workdir, held=held) if jax.process_index() == 0 else None
         self.schedule = learning_rate_schedule(config.train)
         self.eval_fn = eval_fn
         self.perplexity = model.language_model
@@ -73,12 +77,9 @@ class Reporter:
         again after each evaluation and checkpoint, which are not training time."""
         self.timer = (time.perf_counter(), step)
 
-    def log(self, pending: list[dict], step: int, state: TrainState, *, evaluate_now: bool) -> dict:
-        fetched = jax.device_get(pending)  # waits for the steps: only now is the time right
-        tokens_per_sec = step_seconds = None
-        if self.timer is not None and step > self.timer[1]:
-            step_seconds = (time.perf_counter() - self.timer[0]) / (step - self.timer[1])
-            tokens_per_sec = self.tokens_per_step / step_seconds
+    def finite(self, fetched: list[dict], step: int) -> list[dict]:
+        """The steps (host metrics, the last one step) with a finite loss and gradient; a
+        non-finite one stops the run (unless train.skip_nonfinite), before it is saved."""
         finite = [m for m in fetched if m["finite"]]
         if len(finite) < len(fetched) and not self.config.train.skip_nonfinite:
             index = next(i for i, m in enumerate(fetched) if not m["finite"])
@@ -93,6 +94,19 @@ class Reporter:
                 f"all {len(fetched)} steps up to step {step} had a non-finite loss or gradient "
                 "and were skipped: the run is not training; lower train.learning_rate or check the data"
             )
+        return finite
+
+    def log(
+        self, pending: list[dict], step: int, state: TrainState, *, evaluate_now: bool, stopped: bool = False
+    ) -> dict:
+        """One row over the pending steps' metrics; stopped: a row between two logged steps
+        (a Ctrl-C), which a resumed run replaces by the whole window's."""
+        fetched = jax.device_get(pending)  # waits for the steps: only now is the time right
+        tokens_per_sec = step_seconds = None
+        if self.timer is not None and step > self.timer[1]:
+            step_seconds = (time.perf_counter() - self.timer[0]) / (step - self.timer[1])
+            tokens_per_sec = self.tokens_per_step / step_seconds
+        finite = self.finite(fetched, step)
         loss = float(np.mean([m["loss"] for m in finite]))
         record = {
             "step": step,
@@ -104,6 +118,8 @@ class Reporter:
             "step_seconds": step_seconds,
             "flops_per_token": self.flops_per_token,
         }
+        if stopped:
+            record["stopped"] = True
         if tokens_per_sec and self.peak_flops:
             record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
         peak_memory = peak_memory_bytes(self.device)
@@ -357,40 +373,15 @@ def resume_hint(checkpoints: Checkpoints, saved: int | None = None) -> str:
     )
 
 
-def _latest_metrics(path: Path, last_step: int) -> tuple[dict, int]:
-    """(the last row of metrics.jsonl at or before last_step, rows dropped): rows past
-    last_step (logged after the checkpoint the run resumes from, or by a run that restarts)
-    are removed, so the file never holds two rows for one step."""
-    if not path.is_file():
-        return {}, 0
-    kept, dropped, last = [], 0, {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line cut short by a crash
-            dropped += 1
-            continue
-        if record.get("step", 0) <= last_step:
-            kept.append(line)
-            last = record
-        else:
-            dropped += 1
-    if dropped:
-        temporary = path.with_suffix(".jsonl.tmp")
-        temporary.write_text("".join(line + "\n" for line in kept))
-        temporary.replace(path)
-    return last, dropped
-
-
 def train(config: ConfigDict, workdir: str | Path) -> dict:
     """Trains config's model on config's data; returns the last logged metrics.
 
     A workdir that holds checkpoints is resumed from the latest good one: the run then logs
-    exactly what an uninterrupted run would have logged after that step. Nothing is written
-    to workdir until the config, the data, the checkpoint and the step's memory have passed
-    their checks.
+    what an uninterrupted run would have logged after that step (a run stopped between two
+    logged steps keeps the steps it had in its checkpoint, and their row is logged whole
+    again), and each setting that differs from the run's config.json is said. Nothing in
+    workdir changes until the config, the data, the checkpoint and the step's memory have
+    passed their checks and the first new checkpoint is saved (bpt.train.run_files).
     """
     workdir = Path(workdir)
     tc = config.train
@@ -400,132 +391,194 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         raise FileNotFoundError(f"config.init.params_from={source!r} does not exist")
     say("preparing the run: config, data, model ...", flush=True)
     dataset, model, state = setup(config, training=True)
-    rng = jax.random.PRNGKey(config.seed)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     say(
         f"model: {num_params / 1e6:.2f}M parameters, {model.config.summary}; "
-        f"data: {config.data.name}, seq_len={config.data.seq_len}"
+        f"data: {config.data.name}, seq_len={config.data.seq_len}; {mesh_summary(model)}"
     )
 
     with Checkpoints(
         workdir / "checkpoints", keep=tc.keep_checkpoints, async_save=tc.async_checkpoints
     ) as checkpoints:
-        vocab_size = getattr(model.config, "vocab_size", None)  # another padding of it restores
-        restored = checkpoints.restore_latest(state, vocab_size=vocab_size)
-        if restored is not None:
-            state, _ = restored
-            say(f"resuming from the checkpoint at step {int(state.step)}")
-        elif checkpoints.damaged:
-            say(f"no checkpoint of {workdir} loads: the run starts again from step 0")
-        if restored is None and config.init.params_from:
-            params = load_params(
-                config.init.params_from,
-                state.params,
-                extend_positions=config.init.extend_positions,
-                vocab_size=vocab_size,
-            )
-            state = state.replace(params=params)
-            say(f"parameters loaded from {config.init.params_from}")
+        state, window = _restore(config, workdir, model, state, checkpoints)
         start = int(state.step)
+        files = RunFiles(workdir, config, start, writer=jax.process_index() == 0)
+        if files.changes and start:
+            say(f"resuming with changed settings: {describe_changes(files.changes)}")
         if start >= tc.steps:
-            last, _ = _latest_metrics(workdir / "metrics.jsonl", start)
             say(
                 f"the run in {workdir} is already at step {start} of train.steps={tc.steps}; raise "
                 "train.steps to train it further (bpt-eval and bpt-sample read it as it is)"
             )
-            return last
-        meta = {"config": json.loads(config.to_json_best_effort()), "seed": config.seed}
-
+            return latest_metrics(workdir / METRICS, start, write=False)[0]
         train_step, eval_fn, batch_sharding = jit_steps(config, model, shardings_of(state))
-        step_rng = jax.random.fold_in(rng, 1)
-        say("compiling the train step ...", flush=True)
-        phases.enter("compiling the train step", compile_hint(config))
-        first = put_batch(dataset.train_batch(start, tc.batch_size), batch_sharding)
+        compile_first_step(config, model, dataset, train_step, state, batch_sharding, start)
+        last, state = _loop(
+            config, workdir, dataset, model, state, checkpoints, files, (train_step, eval_fn, batch_sharding), window
+        )
+    if last:
+        _finish(config, workdir, dataset, model, state, last)
+    return last
+
+
+def mesh_summary(model: CausalLM) -> str:
+    """The devices a run uses, in a few words ("mesh: data 2 x sequence 2", "one device")."""
+    if model.parallel is None:
+        return f"one device ({jax.devices()[0].device_kind})"
+    mesh = model.parallel.mesh
+    sizes = " x ".join(f"{name} {mesh.shape[name]}" for name in mesh.axis_names if mesh.shape[name] > 1)
+    return f"mesh: {sizes} ({mesh.size} {jax.devices()[0].device_kind})"
+
+
+def _restore(config: ConfigDict, workdir: Path, model, state: TrainState, checkpoints: Checkpoints):
+    """(state, the logged window it was stopped in): the latest checkpoint's, or state with
+    init.params_from's parameters, or state as it is."""
+    vocab_size = getattr(model.config, "vocab_size", None)  # another padding of it restores
+    restored = checkpoints.restore_latest(state, vocab_size=vocab_size)
+    if restored is not None:
+        state, meta = restored
+        say(f"resuming from the checkpoint at step {int(state.step)}")
+        return state, meta.get("log_window", [])
+    if checkpoints.damaged:
+        say(f"no checkpoint of {workdir} loads: the run starts again from step 0")
+    if config.init.params_from:
+        params = load_params(
+            config.init.params_from,
+            state.params,
+            extend_positions=config.init.extend_positions,
+            vocab_size=vocab_size,
+        )
+        state = state.replace(params=params)
+        say(f"parameters loaded from {config.init.params_from}")
+    return state, []
+
+
+def compile_first_step(config, model, dataset, train_step, state, batch_sharding, start: int) -> None:
+    """Compiles the train step (the loop's first call reuses it) and checks that it fits the
+    device; a failure names the setting to change."""
+    say("compiling the train step ...", flush=True)
+    phases.enter("compiling the train step", compile_hint(config))
+    first = put_batch(dataset.train_batch(start, config.train.batch_size), batch_sharding)
+    rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), 1), start)
+    try:
+        preflight(config, train_step, state, first, rng)
+    except Exception as error:
+        if is_out_of_memory(error):
+            raise MemoryError(out_of_memory_message(config)) from error
+        if "cudnn" in str(error).lower() and "model.attention_impl" not in str(error):
+            line = (str(error).strip().splitlines() or [""])[0][:200]
+            raise ValueError(
+                f"cuDNN failed to compile this run's attention ({line}); with "
+                f"model.attention_impl={model.config.attention_impl!r} it was chosen for you: set "
+                "model.attention_impl=pallas or blockwise"
+            ) from error
+        raise
+
+
+def _commit(files: RunFiles, reporter: Reporter, checkpoints: Checkpoints | None) -> None:
+    """The run's first checkpoint is saved (or it ends without one): its config.json, history
+    and metrics go to the folder now (bpt.train.run_files)."""
+    if files.committed:
+        return
+    if checkpoints is not None:
+        checkpoints.wait()  # config.json describes a checkpoint on disk, not one in flight
+    dropped = files.commit()
+    if dropped:
+        say(f"\nmetrics.jsonl: {dropped} rows past step {files.start} removed (they are logged again)")
+    if reporter.writer is not None:
+        reporter.writer.release()
+
+
+def _loop(config, workdir, dataset, model, state, checkpoints, files: RunFiles, steps, window: list) -> tuple:
+    """The training loop from state's step to train.steps (or a Ctrl-C): (last logged
+    metrics, state)."""
+    tc = config.train
+    train_step, eval_fn, batch_sharding = steps
+    start = int(state.step)
+    step_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+    meta = {"config": json.loads(config.to_json_best_effort()), "seed": config.seed}
+    batches = iter(
+        Prefetcher(
+            lambda s: dataset.train_batch(s, tc.batch_size),
+            range(start, tc.steps),
+            depth=config.data.prefetch,
+            sharding=batch_sharding,
+        )
+    )
+    bar = tqdm(  # counted by hand: a Ctrl-C leaves the loop with the bar on the last step
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        initial=start,
+        total=tc.steps,
+        disable=jax.process_index() != 0,
+    )
+    eval_host = dataset.eval_batches(tc.eval_batches, tc.batch_size)
+    reporter = Reporter(config, workdir, eval_host, bar, model, eval_fn, batch_sharding, held=True)
+    reporter.start_timer(start)  # preflight compiled the step: even a one-step run is timed
+    phases.enter("training", resume_hint(checkpoints))
+    # The steps logged since the last row: a run stopped between two rows saved them.
+    pending, last, done = list(window), {}, start
+    with StopRequest() as stop:
         try:
-            preflight(config, train_step, state, first, jax.random.fold_in(step_rng, start))
-        except Exception as error:
-            if is_out_of_memory(error):
-                raise MemoryError(out_of_memory_message(config)) from error
-            if "cudnn" in str(error).lower() and "model.attention_impl" not in str(error):
-                first = (str(error).strip().splitlines() or [""])[0][:200]
-                raise ValueError(
-                    f"cuDNN failed to compile this run's attention ({first}); with "
-                    f"model.attention_impl={model.config.attention_impl!r} it was chosen for you: set "
-                    "model.attention_impl=pallas or blockwise"
-                ) from error
-            raise
-        del first
-
-        # Every check has passed: only now does the run write anything.
-        if jax.process_index() == 0:
-            workdir.mkdir(parents=True, exist_ok=True)
-            (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-            _, dropped = _latest_metrics(workdir / "metrics.jsonl", start)
-            if dropped:
-                say(f"metrics.jsonl: {dropped} rows past step {start} removed (they are logged again)")
-        batches = iter(
-            Prefetcher(
-                lambda s: dataset.train_batch(s, tc.batch_size),
-                range(start, tc.steps),
-                depth=config.data.prefetch,
-                sharding=batch_sharding,
-            )
-        )
-        bar = tqdm(  # counted by hand: a Ctrl-C leaves the loop with the bar on the last step
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            initial=start,
-            total=tc.steps,
-            disable=jax.process_index() != 0,
-        )
-        eval_host = dataset.eval_batches(tc.eval_batches, tc.batch_size)
-        reporter = Reporter(config, workdir, eval_host, bar, model, eval_fn, batch_sharding)
-        reporter.start_timer(start)  # preflight compiled the step: even a one-step run is timed
-        phases.enter("training", resume_hint(checkpoints))
-
-        pending, last, done = [], {}, start
-        with StopRequest() as stop:
-            try:
-                for step, batch in batches:
-                    try:
-                        state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
-                        if pending:
-                            # One step in flight at most: the bar and a Ctrl-C see the step the
-                            # device is on, not one the host queued far ahead of it.
-                            jax.block_until_ready(pending[-1])
-                    except Exception as error:
-                        if is_out_of_memory(error):
-                            raise MemoryError(out_of_memory_message(config)) from error
-                        raise
-                    pending.append(metrics)
-                    done = step + 1
-                    bar.update(1)
-                    stopping = stop.requested  # read once: a signal may arrive at any moment
-                    final = done == tc.steps or stopping
-                    save_now = tc.checkpoint_every > 0 and (final or done % tc.checkpoint_every == 0)
-                    if save_now or final or done % tc.log_every == 0:
-                        # Logging checks the loss for NaN, so it always precedes a save.
-                        last = reporter.log(pending, done, state, evaluate_now=final)
+            for step, batch in batches:
+                try:
+                    state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
+                    if pending:
+                        # One step in flight at most: the bar and a Ctrl-C see the step the
+                        # device is on, not one the host queued far ahead of it.
+                        jax.block_until_ready(pending[-1])
+                except Exception as error:
+                    if is_out_of_memory(error):
+                        raise MemoryError(out_of_memory_message(config)) from error
+                    raise
+                pending.append(metrics)
+                done = step + 1
+                bar.update(1)
+                stopping = stop.requested  # read once: a signal may arrive at any moment
+                final = done == tc.steps or stopping
+                save_now = tc.checkpoint_every > 0 and (final or done % tc.checkpoint_every == 0)
+                log_now = final or done % tc.log_every == 0
+                if save_now or log_now:
+                    # The steps since the last row, which a resumed run logs with the rest of
+                    # their window: where a save or a stop falls between two rows.
+                    between = done % tc.log_every != 0 and done != tc.steps
+                    held = [_host_metrics(m) for m in pending] if between else []
+                    if log_now:  # (checks the loss for NaN, as a save needs)
+                        last = reporter.log(pending, done, state, evaluate_now=final, stopped=between)
                         pending = []
-                        if save_now:
-                            checkpoints.save(state, {**meta, "data_step": done})
-                            phases.enter("training", resume_hint(checkpoints, done))
-                        reporter.start_timer(done)  # evaluation and saving are not training time
-                    if stopping:
-                        saved = "its checkpoint is saved" if tc.checkpoint_every else "train.checkpoint_every=0: no checkpoint"
-                        say(f"\nstopped after step {done}; {saved}")
-                        break
-            finally:
-                batches.close()
-                bar.close()
-                reporter.close()
-    if not last:
-        return last
+                    else:  # a save between two rows: the window goes on after it
+                        reporter.finite(held, done)
+                        pending = held
+                    if save_now:
+                        checkpoints.save(state, {**meta, "data_step": done, "log_window": held})
+                        _commit(files, reporter, checkpoints)
+                        phases.enter("training", resume_hint(checkpoints, done))
+                    reporter.start_timer(done)  # evaluation and saving are not training time
+                if stopping:
+                    saved = "its checkpoint is saved" if tc.checkpoint_every else "train.checkpoint_every=0: no checkpoint"
+                    say(f"\nstopped after step {done}; {saved}")
+                    break
+            _commit(files, reporter, None)  # a run without checkpoints: once it ends
+        finally:
+            batches.close()
+            bar.close()
+            reporter.close()
+    return last, state
 
+
+def _host_metrics(metrics: dict) -> dict:
+    """A step's metrics as plain numbers, for a checkpoint's JSON record."""
+    keys = ("loss", "accuracy", "grad_norm", "finite", "skipped_steps")
+    return {k: np.asarray(jax.device_get(metrics[k])).item() for k in keys}
+
+
+def _finish(config: ConfigDict, workdir: Path, dataset, model, state: TrainState, last: dict) -> None:
+    """The closing summary, and a sample from the trained model."""
+    tc = config.train
     summary = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float))
     say(f"step {last['step']}: {summary}")
-    say(f"metrics: {workdir / 'metrics.jsonl'}; checkpoints: {workdir / 'checkpoints'}")
+    say(f"metrics: {workdir / METRICS}; checkpoints: {workdir / 'checkpoints'}")
     tokenizer = getattr(dataset, "tokenizer", None)
     if tc.sample_tokens and tokenizer is not None:
         new = generate(
@@ -534,7 +587,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
             tokenizer.encode(tc.sample_prompt),
             num_tokens=tc.sample_tokens,
             max_len=config.data.seq_len,
-            rng=jax.random.fold_in(rng, 2),
+            rng=jax.random.fold_in(jax.random.PRNGKey(config.seed), 2),
             temperature=tc.sample_temperature,
             top_k=tc.sample_top_k,
             top_p=tc.sample_top_p,
@@ -543,4 +596,3 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         if jax.process_index() == 0:
             (workdir / "sample.txt").write_text(text)
         say(f"--- sample ---\n{text}\n--------------")
-    return last

@@ -55,16 +55,27 @@ def strict_json(record: dict) -> str:
 
 
 class MetricsWriter:
-    """One JSON object per logged step in <workdir>/metrics.jsonl, and TensorBoard scalars."""
+    """One JSON object per logged step in <workdir>/metrics.jsonl, and TensorBoard scalars.
 
-    def __init__(self, workdir: Path):
-        from tensorboardX import SummaryWriter
+    held=True keeps the records in memory until release() (a starting run writes nothing
+    to its folder before its first checkpoint: bpt.train.run_files); the TensorBoard writer,
+    which creates its event file at once, is made at the first real write."""
 
-        self.path = workdir / "metrics.jsonl"
-        self.tensorboard = SummaryWriter(str(workdir / "tensorboard"))
+    def __init__(self, workdir: Path, *, held: bool = False):
+        self.workdir = Path(workdir)
+        self.path = self.workdir / "metrics.jsonl"
+        self.tensorboard = None
+        self.held = [] if held else None
 
     def write(self, record: dict) -> None:
         record = {k: _plain(v) for k, v in record.items()}
+        if self.held is not None:
+            self.held.append(record)
+            return
+        if self.tensorboard is None:
+            from tensorboardX import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(self.workdir / "tensorboard"))
         with open(self.path, "a") as f:
             f.write(strict_json(record) + "\n")
         for key, value in record.items():
@@ -72,8 +83,15 @@ class MetricsWriter:
                 self.tensorboard.add_scalar(key, value, record["step"])
         self.tensorboard.flush()
 
+    def release(self) -> None:
+        """Writes the held records and every later one straight through."""
+        held, self.held = self.held or [], None
+        for record in held:
+            self.write(record)
+
     def close(self) -> None:
-        self.tensorboard.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def _plain(value):
