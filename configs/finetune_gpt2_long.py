@@ -42,7 +42,10 @@ def get_config(imported: str = "runs/gpt2"):
     if saved.is_file():  # (absent, e.g. while listing configs: a missing run is reported at start)
         run = json.loads(saved.read_text())
         c.model.update({k: run["model"][k] for k in SHAPE if k in run["model"]})
-        c.data.tokenizer = run["data"]["tokenizer"]
+        tokenizer = run["data"]["tokenizer"]
+        if (Path(imported) / tokenizer).exists():  # the imported run's own copy, by its relative path
+            tokenizer = str(Path(imported) / tokenizer)
+        c.data.tokenizer = tokenizer
     c.model.max_seq_len = None  # data.seq_len: the table grows to the context
     c.init.params_from = imported
     c.init.extend_positions = "interpolate"

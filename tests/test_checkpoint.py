@@ -394,3 +394,18 @@ def test_a_run_stopped_between_two_rows_logs_the_uninterrupted_rows_after_resumi
     for a, b, d in zip(resumed, straight, every3):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["accuracy"] == pytest.approx(b["accuracy"])
         assert d["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_a_damaged_checkpoint_is_one_line_in_the_commands_output(run8):
+    """Orbax's background reads of a damaged checkpoint leave an exception in each of their
+    coroutines (hundreds of "Exception ignored in" lines); bpt-eval says one line about it."""
+    import subprocess
+    import sys
+
+    truncate(largest_file(run8 / "checkpoints" / "8" / "params"))
+    done = subprocess.run(
+        [sys.executable, "-m", "bpt.cli.eval", "--workdir", str(run8)], capture_output=True, text=True, timeout=600
+    )
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 0 and "Exception ignored" not in done.stderr and "Traceback" not in done.stderr
+    assert len(lines) == 2 and "checkpoint at step 8 is damaged" in lines[0] and '"step": 4' in lines[1], lines

@@ -224,3 +224,68 @@ def test_a_signal_to_the_supervisor_reaches_the_child_once(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # the whole foreground group, as a terminal does
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out.strip() == "1", out
+
+
+def test_a_run_keeps_its_tokenizer_when_the_original_is_retrained(tmp_path):
+    """bpt-train-tokenizer refuses to replace a tokenizer without --overwrite; a run trained
+    with it keeps its own copy, so bpt-eval gives the same loss after the original is
+    retrained, and resuming with the retrained one is refused."""
+    from test_data import PLAYS, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", PLAYS)
+    tok = tmp_path / "tok"
+    assert command("train_tokenizer", "--source", str(corpus), "--vocab_size", "300", "--out", str(tok)).returncode == 0
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    flags = [f"--config.data.tokenizer={tok}", "--config.data.name=text", f"--config.data.path={corpus}",
+             f"--config.data.cache_dir={cache}", "--config.data.seq_len=32", "--config.model.q_chunk_size=16",
+             "--config.model.kv_chunk_size=16", "--config.model.loss_chunk_size=16", "--config.train.batch_size=4",
+             "--config.train.log_every=2", "--config.train.eval_batches=1", "--config.train.sample_tokens=0"]  # fmt: skip
+    trained = command("train", "--config", "configs/tiny.py", "--workdir", str(run), "--config.train.steps=2", *flags, cwd=REPO)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert (run / "tokenizer" / "tokenizer.json").is_file()
+    before = json.loads(command("eval", "--workdir", str(run)).stdout)["eval_loss"]
+
+    again = command("train_tokenizer", "--source", str(corpus), "--vocab_size", "350", "--out", str(tok))
+    assert again.returncode == 1 and "already exists; choose another --out or pass --overwrite" in again.stderr
+    again = command("train_tokenizer", "--source", str(corpus), "--vocab_size", "350", "--out", str(tok), "--overwrite")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(command("eval", "--workdir", str(run)).stdout)["eval_loss"] == pytest.approx(before, rel=1e-6)
+    resumed = command("train", "--config", "configs/tiny.py", "--workdir", str(run), "--config.train.steps=4", *flags, cwd=REPO)
+    assert resumed.returncode == 1 and "is not the tokenizer this run was trained with" in resumed.stderr
+
+
+def test_ctrl_c_outside_the_training_loop_is_one_line(tmp_path):
+    """A Ctrl-C while a command compiles (or a second one while it trains) ends it with one
+    line and status 130, not a traceback (--debug keeps the traceback)."""
+    script = (
+        "import sys, types\n"
+        "from bpt.cli import common\n"
+        "m = types.ModuleType('bpt.cli.train')\n"
+        "m.define_flags = lambda: None\n"
+        "def main(f, argv):\n"
+        "    raise KeyboardInterrupt\n"
+        "m.main = main\n"
+        "common.run_command(m)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "bpt-train: interrupted (Ctrl-C); nothing after the last checkpoint was kept"
+    debug = subprocess.run([sys.executable, "-c", script, "--debug"], capture_output=True, text=True, timeout=120)
+    assert "Traceback" in debug.stderr and "KeyboardInterrupt" in debug.stderr
+
+
+def test_small_things_a_user_meets(tmp_path):
+    """An integer setting takes 1e3; --top_p's help says (0, 1]; a --workdir that holds
+    files but no run (a data folder) is refused before anything is written."""
+    c = copy_config(steps=2)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="holds prepared data, not a bpt run; give a new or empty folder"):
+        train(c, data)
+    assert [p.name for p in data.iterdir()] == ["manifest.json"]
+    done = command("train", "--workdir", str(tmp_path / "run"), "--config.train.steps=1e0", "--config.data.name=copy",
+                   "--config.train.sample_tokens=0", "--config.train.eval_batches=0", cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 1
+    assert "(0, 1]" in command("sample", "--help").stdout and "[0.0, 1.0]" not in command("sample", "--help").stdout

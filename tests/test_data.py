@@ -504,3 +504,14 @@ def test_python_corpus_takes_the_interpreters_sources_in_order_within_the_budget
     assert detect_kind(str(out)) == "text" and len(read_text_documents(out)) <= len(files)
     with pytest.raises(SystemExit):
         corpus.main([str(out)])
+
+
+def test_an_empty_corpus_file_and_a_file_that_is_no_tokenizer_are_clear_errors(tmp_path):
+    from bpt.data.sources import open_corpus
+
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="data.path='.*empty.jsonl': the file is empty"):
+        open_corpus("hf", str(tmp_path / "empty.jsonl"))
+    (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n')
+    with pytest.raises(ValueError, match="is not a tokenizers file .*give a tokenizer.json"):
+        load_tokenizer(str(tmp_path / "docs.jsonl"))

@@ -236,3 +236,45 @@ def test_import_sample_eval_finetune_at_a_longer_context_and_export(tmp_path):
     jax.tree.map(
         np.testing.assert_array_equal, load_hf_gpt2(tmp_path / "back")[1], load_hf_gpt2(tmp_path / "gpt2")[1]
     )
+
+    # A run's folder is self-contained: moved, it samples with its own tokenizer.
+    moved = tmp_path / "moved"
+    run.rename(moved)
+    assert "Friends" in command("sample", "--workdir", str(moved), "--prompt", "Friends", "--num_tokens", "8")
+    # Export never writes over a bpt run, and over another folder only with --overwrite.
+    for out, sentence in ((moved, "holds a bpt run"), (tmp_path / "long", "holds a bpt run"),
+                          (tmp_path / "back", "already exists; choose another --out or pass --overwrite")):  # fmt: skip
+        before = sorted(p.name for p in out.iterdir())
+        refused = subprocess.run(
+            [sys.executable, "-m", "bpt.cli.export_hf", "--workdir", str(moved), "--out", str(out)],
+            capture_output=True, text=True, cwd=tmp_path,
+        )  # fmt: skip
+        assert refused.returncode == 1 and sentence in refused.stderr, refused.stderr
+        assert sorted(p.name for p in out.iterdir()) == before
+    command("export_hf", "--workdir", str(moved), "--out", str(tmp_path / "back"), "--overwrite")
+
+
+def test_a_folder_without_a_tokenizer_imports_only_with_one_of_its_size(tmp_path):
+    """No tokenizer files: data.tokenizer must have the model's vocabulary (the default,
+    bytes, has 257 tokens), or samples would drop the ids it cannot decode."""
+    from bpt.config import base_config
+    from bpt.train.hf_runs import import_run
+
+    write_gpt2_folder(tmp_path / "g50", vocab_size=50, n_positions=16)
+    with pytest.raises(ValueError, match="has no tokenizer files and its model has 50 tokens, but data.tokenizer='byte' has 257"):
+        import_run(tmp_path / "g50", tmp_path / "run50", base_config())
+    assert not (tmp_path / "run50").exists()
+    write_gpt2_folder(tmp_path / "g257", vocab_size=257, n_positions=16)
+    import_run(tmp_path / "g257", tmp_path / "run257", base_config())
+    assert (tmp_path / "run257" / "config.json").is_file()
+
+
+def test_exporting_a_flash_run_says_what_export_writes(tmp_path):
+    from bpt.train.hf_runs import export_run
+
+    run = tmp_path / "flash"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": {"family": "flash"}, "data": {}, "train": {}}))
+    with pytest.raises(ValueError, match="writes GPT-2 folders, from runs of model.family='gpt'; .* model.family='flash' run"):
+        export_run(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -58,6 +58,8 @@ def run_command(module: ModuleType) -> None:
     failure prints `<command>: error: <message>` and exits with status 1."""
     name = getattr(module.__spec__, "name", None) or module.__name__  # __main__ under python -m
     command = "bpt-" + name.rsplit(".", 1)[-1].replace("_", "-")  # as its console script
+    if _debug():
+        os.environ[DEBUG_ENV] = "1"  # the library's own quieting (bpt.train.checkpoint) stands down too
     if _supervises(module):
         sys.exit(supervise([sys.executable, "-m", name, *sys.argv[1:]], command))
     try:
@@ -73,7 +75,12 @@ def run_command(module: ModuleType) -> None:
             sys.exit(0)  # absl ends --help with status 1: asking for help is no failure
         raise
     except KeyboardInterrupt:
-        raise
+        if _debug():
+            raise
+        # (a Ctrl-C while compiling, or a second one while training: a run's folder changes only
+        # at a checkpoint, so it keeps its last one)
+        print(f"\n{command}: interrupted (Ctrl-C); nothing after the last checkpoint was kept", file=sys.stderr)
+        sys.exit(130)
     except Exception as error:  # noqa: BLE001  (every failure becomes one sentence)
         if _debug():
             raise
@@ -220,6 +227,25 @@ def precheck_config_flags(argv: list[str], default_path: str) -> None:
             overrides.append(arg.split("config.", 1)[1].split("=", 1)[0])
     config = load_config_file(path)
     check_keys(config, overrides)
+    argv[:] = [_integral(config, arg) for arg in argv]
+
+
+def _integral(config, arg: str) -> str:
+    """--config.<key>=1e3 for an integer setting as --config.<key>=1000 (ml_collections
+    reads integers by int(), which takes no exponent); any other argument as it is."""
+    if not arg.startswith(("--config.", "-config.")) or "=" not in arg:
+        return arg
+    flag, value = arg.split("=", 1)
+    node = config
+    for part in flag.split("config.", 1)[1].split("."):
+        node = node.get(part) if hasattr(node, "get") else None
+    if isinstance(node, bool) or not isinstance(node, int):
+        return arg
+    try:
+        number = float(value)
+    except ValueError:
+        return arg
+    return f"{flag}={int(number)}" if number.is_integer() and not value.strip().lstrip("-").isdigit() else arg
 
 
 def define_config_flag(help_text: str):

@@ -21,13 +21,16 @@ def define_flags() -> SimpleNamespace:
     return SimpleNamespace(
         workdir=flags.DEFINE_string("workdir", None, "The run to export.", required=True),
         out=flags.DEFINE_string("out", None, "The Hugging Face folder to write.", required=True),
+        overwrite=flags.DEFINE_bool(
+            "overwrite", False, "Replace the files of a Hugging Face folder already at --out (never a bpt run's)."
+        ),
     )
 
 
 def main(f: SimpleNamespace, argv: list[str]) -> None:
     from bpt.train.hf_runs import export_run
 
-    out = export_run(f.workdir.value, f.out.value)
+    out = export_run(f.workdir.value, f.out.value, overwrite=f.overwrite.value)
     print(f"wrote {out}")
 
 

@@ -45,9 +45,7 @@ def define_flags() -> SimpleNamespace:
         top_p=flags.DEFINE_float(
             "top_p",
             1.0,
-            "Keep the most likely tokens up to this probability mass (0, 1].",
-            lower_bound=0.0,
-            upper_bound=1.0,
+            "Keep the most likely tokens up to this probability mass: in (0, 1]; 1 keeps all.",
         ),
         max_len=flags.DEFINE_integer(
             "max_len", 0, "Context of one decoding window (0: the run's data.seq_len).", lower_bound=0
@@ -75,7 +73,7 @@ def define_flags() -> SimpleNamespace:
 
 
 def main(f: SimpleNamespace, argv: list[str]) -> None:
-    if f.top_p.value <= 0.0:
+    if not 0.0 < f.top_p.value <= 1.0:
         raise ValueError(f"--top_p must be in (0, 1]; got {f.top_p.value}")
     texts = list(f.prompt.value or [])
     for path in f.prompt_file.value or []:

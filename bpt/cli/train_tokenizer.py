@@ -32,13 +32,22 @@ def define_flags() -> SimpleNamespace:
         max_docs=flags.DEFINE_integer(
             "max_documents", 0, "Train on at most this many documents (0: all).", lower_bound=0
         ),
+        overwrite=flags.DEFINE_bool(
+            "overwrite", False, "Replace a tokenizer already at --out (runs trained with it keep their own copy)."
+        ),
         corpus=define_corpus_flags(),
     )
 
 
 def main(f: SimpleNamespace, argv: list[str]) -> None:
+    from pathlib import Path
+
     from bpt.data.tokenizers import train_bpe_tokenizer
 
+    out = Path(f.out.value)
+    target = out if out.suffix == ".json" else out / "tokenizer.json"
+    if target.exists() and not f.overwrite.value:
+        raise FileExistsError(f"{target} already exists; choose another --out or pass --overwrite")
     print(f"reading {f.source.value} ...", flush=True)
     corpus = open_source(f.corpus, f.source.value)
     texts, count = iter(corpus.train), len(corpus.train)

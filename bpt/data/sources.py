@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -159,6 +160,9 @@ def _local_data_files(path: Path) -> tuple[str, list[str]] | None:
         return None
     if not files:
         raise FileNotFoundError(f"no {'/'.join(_LOCAL_BUILDERS)} files at data.path={str(path)!r}")
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if len(empty) == len(files):
+        raise ValueError(f"data.path={str(path)!r}: {'the file is' if len(files) == 1 else 'every file is'} empty")
     builders = {_LOCAL_BUILDERS.get(Path(f).suffix) for f in files}
     if None in builders or len(builders) != 1:
         raise ValueError(

@@ -16,6 +16,7 @@ train_bpe_tokenizer trains a byte-level BPE tokenizer on local text with `tokeni
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -86,10 +87,15 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError as e:
             raise ImportError("loading a tokenizer by path needs the tokenizers package") from e
-        if path.is_file():
-            self._tok = Tokenizer.from_file(str(path))
-        elif (path / "tokenizer.json").is_file():
-            self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        if path.is_file() or (path / "tokenizer.json").is_file():
+            file = path if path.is_file() else path / "tokenizer.json"
+            try:
+                self._tok = Tokenizer.from_file(str(file))
+            except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception)
+                raise ValueError(
+                    f"data.tokenizer={str(path)!r} is not a tokenizers file ({e}); give a tokenizer.json "
+                    "(bpt-train-tokenizer writes one), a saved Hugging Face tokenizer folder, 'byte' or 'gpt2'"
+                ) from None
         elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
             from tokenizers import ByteLevelBPETokenizer
 
@@ -126,6 +132,18 @@ class HFTokenizer:
         if self._tok is not None:
             return self._tok.decode(ids, skip_special_tokens=True)
         return self._hf.decode(ids, skip_special_tokens=True)
+
+
+def vocabulary_digest(tokenizer: Tokenizer) -> str:
+    """What a tokenizer maps text to, as a short string: equal for two tokenizers that encode
+    alike (a copy of a tokenizer.json and its original), different once it is retrained."""
+    if not isinstance(tokenizer, HFTokenizer):
+        return tokenizer.spec  # bytes, or a named tiktoken encoding: fixed
+    if tokenizer._tok is not None:
+        text = tokenizer._tok.to_str()
+    else:
+        text = json.dumps(sorted(tokenizer._hf.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _load_transformers(path: Path):

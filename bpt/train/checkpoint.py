@@ -18,7 +18,9 @@ Restoring tells three failures apart:
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -161,6 +163,29 @@ def fit_vocab_arrays(tree, like, resizes: dict[str, list[int]], vocab_size: int)
     return jax.tree_util.tree_map_with_path(fit, tree, like)
 
 
+# What Orbax's and TensorStore's background reads leave behind when a checkpoint's files are
+# damaged: one "Exception ignored in: <coroutine ...>" block per array (hundreds of lines),
+# after the failed read itself has been reported, as a damaged checkpoint, in one line.
+_LEFTOVER_MARKERS = ("_read_array_index_and_device_put", "Event loop is closed", "TensorStore(")
+
+
+def _quiet_leftovers(unraisable) -> None:
+    text = f"{unraisable.object!r} {unraisable.exc_value!r}"
+    if any(marker in text for marker in _LEFTOVER_MARKERS):
+        return
+    _quiet_leftovers.previous(unraisable)
+
+
+def quiet_failed_reads() -> None:
+    """Drops, for this process, the exceptions a failed checkpoint read leaves in Orbax's
+    coroutines (Python prints each as "Exception ignored in ..."); every other one is
+    printed as before, and BPT_DEBUG=1 (--debug) keeps them all."""
+    if os.environ.get("BPT_DEBUG", "") not in ("", "0") or sys.unraisablehook is _quiet_leftovers:
+        return
+    _quiet_leftovers.previous = sys.unraisablehook
+    sys.unraisablehook = _quiet_leftovers
+
+
 class ModelMismatch(ValueError):
     """A checkpoint's parameters or optimizer state do not fit the configured model."""
 
@@ -284,6 +309,7 @@ class Checkpoints:
         A read that fails is tried once more (a passing I/O error heals); what still fails is
         damage (set aside, the previous checkpoint tried) or an error that stops the run.
         """
+        quiet_failed_reads()
         for step in reversed(self.steps()):
             for attempt in (1, 2):
                 try:

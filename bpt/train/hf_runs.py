@@ -68,11 +68,22 @@ def import_run(
     check_config(c)
 
     tokenizer_dir = workdir / "tokenizer"
+    has_tokenizer = any((path / name).is_file() for name in ("tokenizer.json", "vocab.json"))
+    if not has_tokenizer and c.data.name not in ("copy", "exorl"):  # (those read no text)
+        from bpt.data.tokenizers import load_tokenizer
+
+        tokens = load_tokenizer(c.data.tokenizer).vocab_size
+        if tokens != cfg.vocab_size:
+            raise ValueError(
+                f"{path} has no tokenizer files and its model has {cfg.vocab_size} tokens, but "
+                f"data.tokenizer={c.data.tokenizer!r} has {tokens}: pass --config.data.tokenizer=<the "
+                "tokenizer it was trained with>"
+            )
     if overwrite and workdir.exists():
         shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
         shutil.rmtree(tokenizer_dir, ignore_errors=True)
     if copy_tokenizer(path, tokenizer_dir) is not None:
-        c.data.tokenizer = str(tokenizer_dir)
+        c.data.tokenizer = "tokenizer"  # the run's own copy: read relative to the run's folder
     else:
         print(f"note: {path} has no tokenizer files; the run keeps data.tokenizer={c.data.tokenizer!r}")
 
@@ -95,10 +106,43 @@ def import_run(
     return workdir
 
 
-def export_run(workdir: str | Path, out: str | Path) -> Path:
-    """The latest checkpoint of a GPT-2-shaped run as a Hugging Face GPT-2 folder at out."""
+def is_run(path: Path) -> bool:
+    """Whether a folder holds a bpt run (its checkpoints, or a bpt config.json)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        return True
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"model", "data", "train"} <= saved.keys()
+
+
+def check_export_target(workdir: Path, out: Path, *, overwrite: bool) -> None:
+    """Raises FileExistsError unless out may be written: never a bpt run (a Hugging Face
+    config.json would replace the run's own), and an existing folder only with overwrite."""
+    if out.resolve() == Path(workdir).resolve() or is_run(out):
+        raise FileExistsError(
+            f"{out} holds a bpt run; bpt-export-hf never writes over one: choose another --out"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out} already exists; choose another --out or pass --overwrite")
+
+
+def export_run(workdir: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """The latest checkpoint of a GPT-2-shaped run as a Hugging Face GPT-2 folder at out
+    (an existing folder only with overwrite, and never a bpt run)."""
     from bpt.train.loop import restore_run
 
+    out = Path(out)
+    check_export_target(Path(workdir), out, overwrite=overwrite)
+    saved = json.loads((Path(workdir) / "config.json").read_text()) if (Path(workdir) / "config.json").is_file() else {}
+    family = saved.get("model", {}).get("family", "gpt")
+    if family != "gpt":
+        raise ValueError(
+            f"bpt-export-hf writes GPT-2 folders, from runs of model.family='gpt'; {workdir} is a "
+            f"model.family={family!r} run"
+        )
     config, dataset, model, state = restore_run(workdir)
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), state.params)
     tokenizer = getattr(dataset, "tokenizer", None)

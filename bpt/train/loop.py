@@ -26,7 +26,15 @@ from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.optimizer import learning_rate_schedule
 from bpt.train.probe import StepMemory, is_out_of_memory, memory_budget, resolve_remat
-from bpt.train.run_files import METRICS, RunFiles, describe_changes, latest_metrics
+from bpt.train.run_files import (
+    METRICS,
+    TOKENIZER,
+    RunFiles,
+    check_tokenizer,
+    check_workdir,
+    describe_changes,
+    latest_metrics,
+)
 from bpt.train.state import create_state, jit_steps, make_parallelism
 
 
@@ -277,6 +285,9 @@ def restore_run(workdir: str | Path, mesh: dict | None = None):
     config = base_config()  # today's defaults under the saved settings: older runs still load
     config.update(json.loads(config_path.read_text()))
     config.data.verify_checksums = False  # training checked them; sizes are still checked
+    if (workdir / TOKENIZER / "tokenizer.json").is_file() and config.data.name != "prepared":
+        # The run's own copy: the one it was trained with, wherever the folder now is.
+        config.data.tokenizer = str(workdir / TOKENIZER)
     config.mesh.update(mesh or {})
     sizes = [config.mesh[name] for name in ("data", "fsdp", "sequence", "tensor")]
     if -1 not in sizes and math.prod(sizes) != jax.device_count():
@@ -285,6 +296,7 @@ def restore_run(workdir: str | Path, mesh: dict | None = None):
         say(f"the run's mesh {sizes} does not fit {jax.device_count()} devices; using data parallelism")
         config.mesh.update(data=-1, fsdp=1, sequence=1, tensor=1)
     dataset, model, state = setup(config)
+    check_tokenizer(workdir, getattr(dataset, "tokenizer", None), f"the prepared data at {config.data.path}'s tokenizer")
     with Checkpoints(workdir / "checkpoints", read_only=True) as checkpoints:
         restored = checkpoints.restore_latest(state, vocab_size=getattr(model.config, "vocab_size", None))
     if restored is None:
@@ -384,6 +396,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     passed their checks and the first new checkpoint is saved (bpt.train.run_files).
     """
     workdir = Path(workdir)
+    check_workdir(workdir)
     tc = config.train
     source = config.init.params_from
     if source and not Path(source).expanduser().exists() and not (workdir / "checkpoints").is_dir():
@@ -402,7 +415,9 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     ) as checkpoints:
         state, window = _restore(config, workdir, model, state, checkpoints)
         start = int(state.step)
-        files = RunFiles(workdir, config, start, writer=jax.process_index() == 0)
+        tokenizer = getattr(dataset, "tokenizer", None)
+        check_tokenizer(workdir, tokenizer, f"data.tokenizer={config.data.tokenizer!r}")
+        files = RunFiles(workdir, config, start, writer=jax.process_index() == 0, tokenizer=tokenizer)
         if files.changes and start:
             say(f"resuming with changed settings: {describe_changes(files.changes)}")
         if start >= tc.steps:
@@ -515,6 +530,11 @@ def _loop(config, workdir, dataset, model, state, checkpoints, files: RunFiles, 
     )
     eval_host = dataset.eval_batches(tc.eval_batches, tc.batch_size)
     reporter = Reporter(config, workdir, eval_host, bar, model, eval_fn, batch_sharding, held=True)
+    if files.new:
+        _commit(files, reporter, None)  # nothing to lose: its metrics are followed from the start
+    elif tc.checkpoint_every:
+        first = min(tc.steps, (start // tc.checkpoint_every + 1) * tc.checkpoint_every)
+        say(f"metrics.jsonl and config.json are updated at the first new checkpoint (step {first})")
     reporter.start_timer(start)  # preflight compiled the step: even a one-step run is timed
     phases.enter("training", resume_hint(checkpoints))
     # The steps logged since the last row: a run stopped between two rows saved them.

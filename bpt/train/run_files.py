@@ -4,12 +4,18 @@
     settings_history.jsonl  one line each time a run starts or resumes with other settings:
                             the step, the date, and each setting that changed (old, new)
     metrics.jsonl           one line per logged step (bpt.train.metrics.MetricsWriter)
+    tokenizer/              the run's own copy of a tokenizer read from a path (data.tokenizer,
+                            or a prepared folder's): the run is evaluated and sampled with it
+                            wherever the folder is moved or copied, and a run resumed with
+                            another tokenizer under the same path is refused
 
-A run that starts or resumes changes none of them until its first new checkpoint is on disk
-(or, with train.checkpoint_every=0, until it ends): a run refused by a check, or one that
-fails before that checkpoint, leaves the folder byte for byte as it was, and config.json
-never describes settings that no checkpoint was trained with. RunFiles holds what is to be
-written until then (commit).
+A run that resumes (its folder holds a run already) changes none of them until its first new
+checkpoint is on disk (or, with train.checkpoint_every=0, until it ends): a run refused by a
+check, or one that fails before that checkpoint, leaves the folder byte for byte as it was,
+and config.json never describes settings that no checkpoint was trained with. RunFiles holds
+what is to be written until then (commit). A new run (an empty or new folder) has nothing to
+lose: it writes them as soon as its checks have passed, so that its metrics can be followed
+from the first step.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 CONFIG = "config.json"
+TOKENIZER = "tokenizer"
 HISTORY = "settings_history.jsonl"
 METRICS = "metrics.jsonl"
 
@@ -84,6 +91,60 @@ def latest_metrics(path: Path, last_step: int, *, write: bool = True) -> tuple[d
     return last, dropped
 
 
+# Files that make a folder something other than a run: prepared data (bpt-prepare-data), a
+# Hugging Face model or tokenizer, ExoRL episodes.
+FOREIGN = {
+    "manifest.json": "prepared data",
+    "model.safetensors": "a Hugging Face model",
+    "model.safetensors.index.json": "a Hugging Face model",
+    "tokenizer.json": "a tokenizer",
+    "vocab.json": "a tokenizer",
+}
+
+
+def check_workdir(workdir: Path) -> None:
+    """Raises FileExistsError for a --workdir that is a file, or a folder of data, a model or
+    a tokenizer rather than a run: a run would mix its files into it."""
+    workdir = Path(workdir)
+    if not workdir.exists():
+        return
+    if not workdir.is_dir():
+        raise FileExistsError(f"--workdir {workdir} is a file; give a folder for the run")
+    names = {p.name for p in workdir.iterdir()}
+    saved = read_config(workdir) if CONFIG in names else None
+    foreign = sorted(FOREIGN[n] for n in names & FOREIGN.keys())
+    if saved is not None and not {"model", "data", "train"} <= saved.keys():
+        foreign.append("a config.json that is not a bpt run's")
+    if any(n.endswith(".npz") for n in names) and "checkpoints" not in names:
+        foreign.append("ExoRL episodes")
+    if foreign:
+        raise FileExistsError(
+            f"--workdir {workdir} holds {foreign[0]}, not a bpt run; give a new or empty folder for the run"
+        )
+
+
+def own_tokenizer(workdir: Path):
+    """The run's copy of its tokenizer (None if it keeps none: bytes, tiktoken, no data)."""
+    from bpt.data.tokenizers import load_tokenizer
+
+    folder = Path(workdir) / TOKENIZER
+    return load_tokenizer(str(folder)) if (folder / "tokenizer.json").is_file() else None
+
+
+def check_tokenizer(workdir: Path, tokenizer, setting: str) -> None:
+    """Raises ValueError if the run keeps a tokenizer and `tokenizer` encodes otherwise."""
+    from bpt.data.tokenizers import vocabulary_digest
+
+    own = own_tokenizer(workdir)
+    if own is None or tokenizer is None or vocabulary_digest(own) == vocabulary_digest(tokenizer):
+        return
+    raise ValueError(
+        f"{setting} is not the tokenizer this run was trained with (its vocabulary differs from the "
+        f"run's copy, {Path(workdir) / TOKENIZER}); set data.tokenizer={Path(workdir) / TOKENIZER} to go on "
+        "with the run's own, or start a new workdir"
+    )
+
+
 class RunFiles:
     """What a starting (or resuming) run will write to its folder once it has a checkpoint.
 
@@ -92,12 +153,20 @@ class RunFiles:
     the metrics.jsonl cut back to start; it is called once, after the first new checkpoint.
     """
 
-    def __init__(self, workdir: str | Path, config: ConfigDict, start: int, *, writer: bool = True):
+    def __init__(
+        self, workdir: str | Path, config: ConfigDict, start: int, *, writer: bool = True, tokenizer=None
+    ):
+        """tokenizer: the run's data's, kept as its own copy (tokenizer/) at the first commit."""
         self.workdir = Path(workdir)
+        self.tokenizer = tokenizer
         self.config, self.start, self.writer = config, start, writer
         self.saved = read_config(self.workdir)
         self.changes = setting_changes(self.saved, config) if self.saved is not None else {}
         self.committed = False
+        # Nothing of a run there yet: no settings, metrics or checkpoints to keep as they are.
+        self.new = self.saved is None and not any(
+            (self.workdir / name).exists() for name in (METRICS, "checkpoints", HISTORY)
+        )
 
     def commit(self) -> int:
         """Writes config.json and the history line, and cuts metrics.jsonl back to the
@@ -108,6 +177,11 @@ class RunFiles:
         if not self.writer:
             return 0
         self.workdir.mkdir(parents=True, exist_ok=True)
+        save = getattr(self.tokenizer, "save", None)
+        folder = self.workdir / TOKENIZER
+        if save is not None and not (folder / "tokenizer.json").is_file():
+            folder.mkdir(exist_ok=True)
+            save(folder / "tokenizer.json")
         temporary = self.workdir / (CONFIG + ".tmp")
         temporary.write_text(self.config.to_json_best_effort(indent=2))
         temporary.replace(self.workdir / CONFIG)
