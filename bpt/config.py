@@ -289,13 +289,17 @@ def paper_config(size: str) -> ConfigDict:
 BASELINES = ("at", "dt", "bc")
 
 
-def agentic_config(task: str = "walker_walk", trajectories: int = 4, baseline: str = "at") -> ConfigDict:
+def agentic_config(
+    task: str = "walker_walk", trajectories: int = 4, baseline: str = "at", episode_length: int = 0
+) -> ConfigDict:
     """The paper's RL experiment (its Table 6): the Agentic Transformer, 3 layers, 1 head,
     embedding 128, ReLU, dropout 0.1, AdamW at 1e-4 (weight decay 1e-4, gradient clip 0.25),
     batch 64, on chains of `trajectories` ExoRL trajectories of the task. baseline "dt":
     Decision Transformer (chains of one trajectory); "bc": BC-10% (one trajectory, the best
     10% of them, no returns or rewards read). Warmup: a tenth of the steps (Table 6 lists
-    1e5 warmup steps, for longer runs than these)."""
+    1e5 warmup steps, for longer runs than these). episode_length: steps a trajectory
+    (data.seq_len follows); 0: the suite's 1000 (jaco's 250), as ExoRL's data has them;
+    shorter episodes (bpt-collect-exorl --time_limit) are padded to it, which the data says."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {', '.join(BASELINES)}; got {baseline!r}")
     c = base_config("tiny")
@@ -304,7 +308,10 @@ def agentic_config(task: str = "walker_walk", trajectories: int = 4, baseline: s
     c.data.name = "exorl"
     c.data.path = "data/exorl"
     c.data.task = task
-    if task.startswith("jaco_"):  # bpt.rl.jaco's episodes are shorter than the suite's
+    if episode_length:
+        check_positive_int(episode_length, "agentic_config: episode_length")
+        c.data.episode_length = episode_length
+    elif task.startswith("jaco_"):  # bpt.rl.jaco's episodes are shorter than the suite's
         from bpt.rl.jaco import EPISODE_STEPS
 
         c.data.episode_length = EPISODE_STEPS

@@ -193,9 +193,8 @@ def test_bpt_train_and_bpt_eval_rl_on_collected_episodes(tmp_path):
 
     collect("cartpole", 8, tmp_path / "exorl", time_limit=0.25, progress=False)
     c = override(
-        load_config_file("configs/rl/at.py:cartpole_swingup,2"),
-        f"data.path={tmp_path / 'exorl'}", "data.episode_length=25", "data.seq_len=200",
-        "model.q_chunk_size=50", "model.kv_chunk_size=50", "model.loss_chunk_size=50", "train.steps=20",
+        load_config_file("configs/rl/at.py:cartpole_swingup,2,25"),  # episodes of 25 steps
+        f"data.path={tmp_path / 'exorl'}", "model.q_chunk_size=50", "model.kv_chunk_size=50", "model.loss_chunk_size=50", "train.steps=20",
         "train.batch_size=4", "train.eval_every=10", "train.eval_batches=1", "train.checkpoint_every=10",
         "train.log_every=10", "train.warmup_steps=2", "train.learning_rate=1e-3",
     )  # fmt: skip
@@ -253,3 +252,20 @@ def test_jaco_configs_follow_its_episode_length():
     assert (dt.data.episode_length, dt.data.seq_len) == (250, 1000)
     check_config(at32)
     assert load_config_file("configs/rl/at.py:walker_walk,32").data.seq_len == 128000
+
+
+def test_episodes_shorter_than_the_configs_are_padded_and_the_data_says_so(tmp_path, capsys):
+    from bpt.config import load_config_file
+    from bpt.rl.collect import collect
+    from bpt.rl.data import ExoRLDataset
+
+    collect("cartpole", 4, tmp_path / "exorl", time_limit=0.25, progress=False)  # 25 steps
+    c = load_config_file("configs/rl/at.py:cartpole_swingup,2,50")
+    assert (c.data.episode_length, c.data.seq_len) == (50, 4 * 2 * 50)
+    c.data.path = str(tmp_path / "exorl")
+    ExoRLDataset(c.data, 0)
+    out = capsys.readouterr().out
+    assert "have at most 25 steps; each trajectory is padded to data.episode_length=50" in out
+    assert "configs/rl/at.py:cartpole_swingup,2,25" in out
+    cpu = load_config_file("configs/rl/at_cpu.py")
+    assert (cpu.data.episode_length, cpu.data.seq_len, cpu.train.steps) == (100, 800, 200)

@@ -83,6 +83,12 @@ class ExoRLDataset:
         longest = max(len(t.rewards) for _, t in episodes)
         if longest > self.length:
             raise ValueError(f"the episodes have up to {longest} steps; data.episode_length is {self.length}")
+        if longest < self.length and progress and process_index == 0:
+            print(
+                f"note: the episodes of {data.path} have at most {longest} steps; each trajectory is padded "
+                f"to data.episode_length={self.length} (chains of {data.seq_len} tokens, the padding masked). "
+                f"For chains of the data's length: configs/rl/at.py:{data.task},{self.n},{longest}"
+            )
         fraction = VAL_FRACTION if data.val_fraction is None else data.val_fraction
         held = min(len(episodes) - 1, max(1, int(round(fraction * len(episodes))))) if len(episodes) > 1 else 0
         self.train = [t for _, t in episodes[: len(episodes) - held]]
