@@ -569,7 +569,7 @@ def _loop(config, workdir, dataset, model, state, checkpoints, files: RunFiles, 
                         pending = []
                     else:  # a save between two rows: the window goes on after it
                         reporter.finite(held, done)
-                        pending = held
+                        pending = list(held)  # (held itself goes into the save, written later)
                     if save_now:
                         checkpoints.save(state, {**meta, "data_step": done, "log_window": held})
                         _commit(files, reporter, checkpoints)
