@@ -413,11 +413,14 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     with Checkpoints(
         workdir / "checkpoints", keep=tc.keep_checkpoints, async_save=tc.async_checkpoints
     ) as checkpoints:
-        state, window = _restore(config, workdir, model, state, checkpoints)
+        state, window, resumed = _restore(config, workdir, model, state, checkpoints)
         start = int(state.step)
         tokenizer = getattr(dataset, "tokenizer", None)
-        check_tokenizer(workdir, tokenizer, f"data.tokenizer={config.data.tokenizer!r}")
-        files = RunFiles(workdir, config, start, writer=jax.process_index() == 0, tokenizer=tokenizer)
+        if resumed:  # its checkpoints were trained with the run's own copy
+            check_tokenizer(workdir, tokenizer, f"data.tokenizer={config.data.tokenizer!r}")
+        files = RunFiles(
+            workdir, config, start, writer=jax.process_index() == 0, tokenizer=tokenizer, resumed=resumed
+        )
         if files.changes and start:
             say(f"resuming with changed settings: {describe_changes(files.changes)}")
         if start >= tc.steps:
@@ -446,14 +449,14 @@ def mesh_summary(model: CausalLM) -> str:
 
 
 def _restore(config: ConfigDict, workdir: Path, model, state: TrainState, checkpoints: Checkpoints):
-    """(state, the logged window it was stopped in): the latest checkpoint's, or state with
-    init.params_from's parameters, or state as it is."""
+    """(state, the logged window it was stopped in, whether a checkpoint was restored): the
+    latest checkpoint's, or state with init.params_from's parameters, or state as it is."""
     vocab_size = getattr(model.config, "vocab_size", None)  # another padding of it restores
     restored = checkpoints.restore_latest(state, vocab_size=vocab_size)
     if restored is not None:
         state, meta = restored
         say(f"resuming from the checkpoint at step {int(state.step)}")
-        return state, meta.get("log_window", [])
+        return state, meta.get("log_window", []), True
     if checkpoints.damaged:
         say(f"no checkpoint of {workdir} loads: the run starts again from step 0")
     if config.init.params_from:
@@ -465,7 +468,7 @@ def _restore(config: ConfigDict, workdir: Path, model, state: TrainState, checkp
         )
         state = state.replace(params=params)
         say(f"parameters loaded from {config.init.params_from}")
-    return state, []
+    return state, [], False
 
 
 def compile_first_step(config, model, dataset, train_step, state, batch_sharding, start: int) -> None:

@@ -154,11 +154,19 @@ class RunFiles:
     """
 
     def __init__(
-        self, workdir: str | Path, config: ConfigDict, start: int, *, writer: bool = True, tokenizer=None
+        self,
+        workdir: str | Path,
+        config: ConfigDict,
+        start: int,
+        *,
+        writer: bool = True,
+        tokenizer=None,
+        resumed: bool = False,
     ):
-        """tokenizer: the run's data's, kept as its own copy (tokenizer/) at the first commit."""
+        """tokenizer: the run's data's, kept as its own copy (tokenizer/) at the first commit
+        (a resumed run keeps the copy it has)."""
         self.workdir = Path(workdir)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.resumed = tokenizer, resumed
         self.config, self.start, self.writer = config, start, writer
         self.saved = read_config(self.workdir)
         self.changes = setting_changes(self.saved, config) if self.saved is not None else {}
@@ -179,7 +187,7 @@ class RunFiles:
         self.workdir.mkdir(parents=True, exist_ok=True)
         save = getattr(self.tokenizer, "save", None)
         folder = self.workdir / TOKENIZER
-        if save is not None and not (folder / "tokenizer.json").is_file():
+        if save is not None and not (self.resumed and (folder / "tokenizer.json").is_file()):
             folder.mkdir(exist_ok=True)
             save(folder / "tokenizer.json")
         temporary = self.workdir / (CONFIG + ".tmp")
