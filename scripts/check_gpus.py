@@ -157,8 +157,9 @@ def longest(row: Row, n: int, env: dict, out: Path, timeout: int, small: bool) -
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0 or not record.exists():
         return 0, last_line(done.stdout + done.stderr)
-    found = [r for r in json.loads(record.read_text())["records"] if r.get("summary")]
-    tried = [r for r in json.loads(record.read_text())["records"] if "seq_len" in r]
+    records = json.loads(record.read_text())["records"]
+    found = [r for r in records if r.get("summary")]
+    tried = [r for r in records if "seq_len" in r]
     return (found[0]["longest"] if found else 0), f"{len(tried)} compiles"
 
 

@@ -134,7 +134,6 @@ def _toy(case: str, tokens: int):
 def _bpt(case: str, tokens: int):
     import jax
     import jax.numpy as jnp
-    from jax import lax
 
     from bpt.parallel import ring
 
@@ -149,7 +148,6 @@ def _bpt(case: str, tokens: int):
         return out(q, k, v, mesh=mesh, head_groups=groups).astype(jnp.float32).sum()
 
     x = jax.ShapeDtypeStruct((1, tokens, 16, 128), jnp.bfloat16)
-    del lax
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x)
 
 

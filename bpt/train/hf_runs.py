@@ -16,6 +16,7 @@ from bpt.models.gpt import GPT
 from bpt.models.hf import SHAPE_FIELDS, hf_positions, load_hf, read_hf_config, save_hf_gpt2
 from bpt.models.lm import fit_vocab
 from bpt.train.checkpoint import Checkpoints
+from bpt.train.run_files import is_run, read_config
 from bpt.train.state import create_state
 
 TOKENIZER_FILES = (
@@ -27,11 +28,16 @@ TOKENIZER_FILES = (
 )
 
 
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a folder holds Hugging Face tokenizer files (a tokenizer.json or a vocab.json)."""
+    return any((Path(folder) / name).is_file() for name in ("tokenizer.json", "vocab.json"))
+
+
 def copy_tokenizer(source: Path, target: Path) -> Path | None:
     """Copies the Hugging Face tokenizer files of folder source into target; None if it has none."""
-    files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
-    if not any(f.name in ("tokenizer.json", "vocab.json") for f in files):
+    if not has_tokenizer(source):
         return None
+    files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
     target.mkdir(parents=True, exist_ok=True)
     for f in files:
         shutil.copy2(f, target / f.name)
@@ -68,8 +74,7 @@ def import_run(
     check_config(c)
 
     tokenizer_dir = workdir / "tokenizer"
-    has_tokenizer = any((path / name).is_file() for name in ("tokenizer.json", "vocab.json"))
-    if not has_tokenizer and c.data.name not in ("copy", "exorl"):  # (those read no text)
+    if not has_tokenizer(path) and c.data.name not in ("copy", "exorl"):  # (those read no text)
         from bpt.data.tokenizers import load_tokenizer
 
         tokens = load_tokenizer(c.data.tokenizer).vocab_size
@@ -106,18 +111,6 @@ def import_run(
     return workdir
 
 
-def is_run(path: Path) -> bool:
-    """Whether a folder holds a bpt run (its checkpoints, or a bpt config.json)."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir():
-        return True
-    try:
-        saved = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and {"model", "data", "train"} <= saved.keys()
-
-
 def check_export_target(workdir: Path, out: Path, *, overwrite: bool) -> None:
     """Raises FileExistsError unless out may be written: never a bpt run (a Hugging Face
     config.json would replace the run's own), and an existing folder only with overwrite."""
@@ -136,8 +129,7 @@ def export_run(workdir: str | Path, out: str | Path, *, overwrite: bool = False)
 
     out = Path(out)
     check_export_target(Path(workdir), out, overwrite=overwrite)
-    saved = json.loads((Path(workdir) / "config.json").read_text()) if (Path(workdir) / "config.json").is_file() else {}
-    family = saved.get("model", {}).get("family", "gpt")
+    family = (read_config(Path(workdir)) or {}).get("model", {}).get("family", "gpt")
     if family != "gpt":
         raise ValueError(
             f"bpt-export-hf writes GPT-2 folders, from runs of model.family='gpt'; {workdir} is a "

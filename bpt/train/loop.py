@@ -86,8 +86,8 @@ class Reporter:
         self.timer = (time.perf_counter(), step)
 
     def finite(self, fetched: list[dict], step: int) -> list[dict]:
-        """The steps (host metrics, the last one step) with a finite loss and gradient; a
-        non-finite one stops the run (unless train.skip_nonfinite), before it is saved."""
+        """The steps with a finite loss and gradient, of host metrics whose last step is
+        `step`; a non-finite one stops the run (unless train.skip_nonfinite) before it is saved."""
         finite = [m for m in fetched if m["finite"]]
         if len(finite) < len(fetched) and not self.config.train.skip_nonfinite:
             index = next(i for i, m in enumerate(fetched) if not m["finite"])
@@ -568,7 +568,8 @@ def _loop(config, workdir, dataset, model, state, checkpoints, files: RunFiles, 
                     between = done % tc.log_every != 0 and done != tc.steps
                     held = [_host_metrics(m) for m in pending] if between else []
                     if log_now:  # (checks the loss for NaN, as a save needs)
-                        last = reporter.log(pending, done, state, evaluate_now=final, stopped=between)
+                        rows = held if between else pending  # (between: fetched already)
+                        last = reporter.log(rows, done, state, evaluate_now=final, stopped=between)
                         pending = []
                     else:  # a save between two rows: the window goes on after it
                         reporter.finite(held, done)

@@ -102,6 +102,18 @@ FOREIGN = {
 }
 
 
+def is_run(path: Path) -> bool:
+    """Whether a folder holds a bpt run (its checkpoints, or a bpt config.json)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        return True
+    try:
+        saved = read_config(path)
+    except ValueError:  # a config.json that is not JSON: not a run's
+        return False
+    return isinstance(saved, dict) and {"model", "data", "train"} <= saved.keys()
+
+
 def check_workdir(workdir: Path) -> None:
     """Raises FileExistsError for a --workdir that is a file, or a folder of data, a model or
     a tokenizer rather than a run: a run would mix its files into it."""
@@ -111,9 +123,8 @@ def check_workdir(workdir: Path) -> None:
     if not workdir.is_dir():
         raise FileExistsError(f"--workdir {workdir} is a file; give a folder for the run")
     names = {p.name for p in workdir.iterdir()}
-    saved = read_config(workdir) if CONFIG in names else None
     foreign = sorted(FOREIGN[n] for n in names & FOREIGN.keys())
-    if saved is not None and not {"model", "data", "train"} <= saved.keys():
+    if CONFIG in names and not is_run(workdir):
         foreign.append("a config.json that is not a bpt run's")
     if any(n.endswith(".npz") for n in names) and "checkpoints" not in names:
         foreign.append("ExoRL episodes")
