@@ -263,7 +263,7 @@ def get_config() -> ConfigDict:
 # Sizes whose layer stack runs unrolled by default (model.scan_unroll = num_layers: the
 # parameters stay stacked, the loop has one iteration): at 125M and 8K on an H100 the step
 # with no layer remat ran 13% (GPT) and 22% (FLASH) faster than the looped stack with the
-# remat it had, and compiled in about a minute (docs/benchmarks.md). Larger sizes
+# remat it had, and compiled in about a minute (docs/notes/flash.md). Larger sizes
 # keep the loop: their unrolled steps were not measured, take longer to compile, and the
 # no-remat step does not fit at 8K.
 UNROLLED_SIZES = ("125m",)
@@ -340,11 +340,11 @@ def flash_config(size: str, d_model: int = 0) -> ConfigDict:
     remat auto chooses) except the remat of a scanned stack: nothing_saveable, the fastest
     policy for FLASH in a loop over layers on an H100 (at 125M and 8K: 295K tokens/s against
     289K keeping the attention's results or the matmuls' outputs, in 6.6 GiB against 20-30;
-    docs/benchmarks.md), so nothing is compiled to choose it.
+    docs/notes/flash.md), so nothing is compiled to choose it.
 
     d_model: a wider, shallower FLASH, with the depth whose parameter count (at GPT-2's
     vocabulary) comes closest to the GPT's. Fewer, wider layers make fewer elementwise passes
-    for the same matmul FLOPs: faster steps, for somewhat higher loss (docs/benchmarks.md,
+    for the same matmul FLOPs: faster steps, for somewhat higher loss (docs/notes/flash.md,
     "Depth and width at matched parameters")."""
     c = paper_config(size)
     c.model.family = "flash"

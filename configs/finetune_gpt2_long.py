@@ -9,10 +9,10 @@ The text after ':' is the imported run (bpt-import-hf's --workdir; default runs/
 config takes the model's shape and tokenizer from its config.json and starts from its
 parameters (init.params_from), growing the learned position table to data.seq_len
 (init.extend_positions: "interpolate", which measured better than "tile" — see
-docs/benchmarks.md). Any GPT-2 size works (124M to 1.5B; 355M, 774M and 1.5B train at 64K
+docs/notes/hf_checkpoints.md). Any GPT-2 size works (124M to 1.5B; 355M, 774M and 1.5B train at 64K
 on one H100); the hyperparameters below are set for 124M on one GPU (1,000 steps of 8 x
 8,192 tokens: 4.4 minutes at the 250K tokens/s an H100 gives, plus compiling and
-evaluating; on the stand-in checkpoint of docs/benchmarks.md the late positions overtake
+evaluating; on the stand-in checkpoint of docs/notes/hf_checkpoints.md the late positions overtake
 the first 1,024 between steps 800 and 1,000). Every evaluation also logs the loss by
 position (train.eval_by_position), and bpt-plot draws it step by step.
 

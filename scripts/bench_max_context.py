@@ -77,7 +77,7 @@ def quiet_compiler() -> None:
     """Runs in each --jobs worker before jax starts: no autotuning. Concurrent autotuners
     each allocate operands on the device and run it out of memory; a compile without them
     picks default algorithms, and its memory analysis differs by the autotuners' scratch
-    (checked in docs/benchmarks.md). The verdicts compile with autotuning, as training does."""
+    (checked in docs/notes/paper_tables.md). The verdicts compile with autotuning, as training does."""
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level=0".strip()
 

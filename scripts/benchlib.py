@@ -85,7 +85,7 @@ def run_in_subprocess(argv: Sequence[str], *, env: dict | None = None) -> dict:
     XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise): grown on demand instead, the pool could
     not place a step's temporaries (one buffer of tens of GiB) beside the state at lengths
     whose compiled memory fits; preallocated, real peaks match the compiled ones
-    (docs/benchmarks.md). env replaces the whole environment."""
+    (docs/notes/paper_tables.md). env replaces the whole environment."""
     if env is None:
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="true")
     proc = subprocess.run(list(argv), capture_output=True, text=True, env=env)

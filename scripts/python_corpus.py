@@ -1,7 +1,7 @@
 """A code corpus every machine with Python has: the .py files of this interpreter's standard
 library, then of its site-packages, as one .txt document each, in sorted path order up to a
 byte budget. For quality runs on machines that reach no dataset hub (bench_flash.py's
-quality part was run on one, docs/benchmarks.md):
+quality part was run on one, docs/notes/flash.md):
 
     python scripts/python_corpus.py data/python_src --max_bytes 160e6
     bpt-prepare-data --source data/python_src --tokenizer byte --val_documents 200 --out data/python_bytes

@@ -76,7 +76,7 @@ class FLASHConfig(LMConfigMixin):
     qk_dim: int = 128  # s: the shared base of queries and keys
     # The per-dimension scales that make queries and keys from the base: "ones" (1 + N(0, 0.02))
     # or "normal" (N(0, 0.02), the paper's pseudo-code: relu^2 of scores near 0 then starts
-    # with almost no gradient; 32% worse than "ones" after 400 steps, docs/benchmarks.md).
+    # with almost no gradient; 32% worse than "ones" after 400 steps, docs/notes/flash.md).
     qk_init: str = "ones"
     # mixed_chunk's computation: "blockwise" (XLA, chunk by chunk), "pallas" (bpt.ops.kernels.gau:
     # Triton on GPUs, interpret mode elsewhere) or "auto" (pallas on a GPU where the kernels
@@ -85,7 +85,7 @@ class FLASHConfig(LMConfigMixin):
     norm: str = "scale_norm"
     # Biases on the dense layers (u, v, z and the output), as the paper's dense(); without them
     # the backward has no column sums over every token of the 2e + s wide pre-activation: 3%
-    # faster at 125M and 8K, but 4% higher validation loss after 400 steps (docs/benchmarks.md).
+    # faster at 125M and 8K, but 4% higher validation loss after 400 steps (docs/notes/flash.md).
     use_bias: bool = True
     position_embedding: str = "rotary"  # or relative_bias: T5's bucketed bias on the relu^2 scores
     rope_theta: float = 10000.0

@@ -122,7 +122,7 @@ class GPTConfig(LMConfigMixin):
     # Layers per iteration of the scanned stack's loop (lax.scan's unroll; num_layers: the
     # whole stack in one iteration). The parameters stay stacked [layers, ...] either way; a
     # loop of one iteration lets the residuals the backward keeps go without the loop's
-    # per-layer copies into stacks (docs/benchmarks.md: with remat_layer none, FLASH-125M 22%
+    # per-layer copies into stacks (docs/notes/flash.md: with remat_layer none, FLASH-125M 22%
     # and GPT-125M 13% faster at 8K on an H100).
     scan_unroll: int = 1
     remat_layer: str = "nothing_saveable"

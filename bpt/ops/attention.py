@@ -29,7 +29,7 @@ Array = jax.Array
 # bpt's Hopper kernels against cuDNN (causal, d=128, batch 1, 16 heads, H100), forward+
 # backward: 1.5x at 2K, 1.17x at 4K, 1.06x at 8K, 0.98-1.00x from 16K to 64K, and 0.68x at
 # batch 8 of 2K, where cuDNN's fixed cost per call is spread over more work
-# (docs/benchmarks.md). A larger SMALL would also take that batched shape.
+# (docs/notes/attention_kernels.md). A larger SMALL would also take that batched shape.
 SHORT = 4096  # tokens
 SMALL = 16 * 4096**2  # batch x heads x seq^2 (query-key pairs, counting both triangles)
 # pallas_fp8: bpt's Triton forward with its matmuls in float8_e4m3fn (flash_attention's

@@ -16,7 +16,7 @@ arithmetic. Every implementation here takes the same arguments and returns the s
   chunk), head_dim is a power of two and the cache's slots are a multiple of 16 (the
   kernel's smallest block); split_kv otherwise. On one H100 the kernel reads the
   cache at 2.4-3.0 TB/s from 128K slots on (1.0-1.1x cuDNN), up to 3.2x split_kv
-  (docs/benchmarks.md).
+  (docs/notes/decoding.md).
 
 Partial and attend_cache (one partial softmax by split_kv or pallas) serve tree decoding
 across devices too (bpt.parallel.tree), which merges one partial per device.

@@ -83,7 +83,7 @@ def auto_policies(model: ConfigDict) -> tuple[str, ...]:
     loop's per-layer stacks, and keeping everything was slower than nothing_saveable
     (FLASH-125M at 8K on an H100: 251,796 tokens/s in 68.1 GiB against 306,794 in 6.7);
     unrolled it was the fastest (380,789 in 37.2 GiB; the GPT 271,791 in 15.0 GiB against
-    257K keeping attention and the matmuls: docs/benchmarks.md)."""
+    257K keeping attention and the matmuls: docs/notes/flash.md)."""
     stack_allows = model.get("remat_group", 1) == 1 and not model.get("offload_layer_inputs", False)
     return (("none",) if stack_unrolled(model) and stack_allows else ()) + AUTO_REMAT
 

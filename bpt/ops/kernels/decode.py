@@ -45,7 +45,7 @@ SCHEDULES = ("stream_k", "split")
 MIN_ROWS = 16  # the smallest M a Triton dot takes
 MIN_BLOCK_K = 16  # the smallest block of cache slots (the default halves toward it to divide the cache)
 # Programs a SM (over all K/V heads) when num_splits is not given; with block_k 64 and
-# num_stages=4 the best of 4, 6 and 8 on one H100 at 128K-1M slots (docs/benchmarks.md).
+# num_stages=4 the best of 4, 6 and 8 on one H100 at 128K-1M slots (docs/notes/decoding.md).
 WAVES = 8
 
 

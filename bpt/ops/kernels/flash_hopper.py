@@ -322,7 +322,7 @@ def _per_warpgroup(wg, compute) -> None:
     own copy of the code, in which its shared-memory offsets and barriers are constants.
     With the index traced, the fused backward computed its wgmma descriptors per step in
     vector registers and moved them to uniform ones; specialized, it spills less (220
-    bytes against 296) and ran 0.7% (64K) to 5% (16K) faster (docs/benchmarks.md)."""
+    bytes against 296) and ran 0.7% (64K) to 5% (16K) faster (docs/notes/attention_kernels.md)."""
     for w in range(COMPUTE_WGS):
         pl.when(wg == w)(functools.partial(compute, w))
 
@@ -435,7 +435,7 @@ def forward(
     - "pingpong" / "overlap_pingpong": either, with the two compute warpgroups taking turns
       (a two-arrival barrier they meet at twice a block, the second warpgroup one meeting
       behind), so that one's matmuls run while the other computes its softmax.
-    On an H100 at d=128 (docs/benchmarks.md) pingpong, the default, was 5-10% faster than
+    On an H100 at d=128 (docs/notes/attention_kernels.md) pingpong, the default, was 5-10% faster than
     serial; overlap 5% slower (4K) to 2% faster (64K) than serial; overlap_pingpong about 20%
     slower.
     """

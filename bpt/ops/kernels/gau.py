@@ -29,7 +29,7 @@ and reused over the tiles of the wide value dimension e (2 x d_model in FLASH), 
 concatenated. One program per (chunk, query block) (one per (chunk, value tile), which
 recomputes W for each tile, measured 1.5x slower); causal: a query block reads only the
 keys up to its own last one (rounded up to a power of two, as Triton's tiles need). At FLASH-125M's sizes XLA's
-batched GEMMs do this part as fast (docs/benchmarks.md), so it is off by default.
+batched GEMMs do this part as fast (docs/notes/flash.md), so it is off by default.
 
 On GPUs the kernels lower through Triton; elsewhere they run in Pallas interpret mode (for
 tests).
@@ -67,7 +67,7 @@ class GAUKernelConfig:
     state_warps: int = 8
     # The quadratic part in these kernels too (False: XLA's, around the states from these).
     # Off by default: on an H100 at FLASH-125M's sizes its forward ties XLA's and its
-    # backward is slower (docs/benchmarks.md); the states' kernels are what gains.
+    # backward is slower (docs/notes/flash.md); the states' kernels are what gains.
     quadratic: bool = False
     num_warps: int = 4
     num_stages: int = 2
