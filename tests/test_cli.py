@@ -164,17 +164,22 @@ def test_running_out_of_memory_during_a_step_reads_as_the_preflight_message(tmp_
 
         class OutOfMemoryAtRunTime:
             lower = train_step.lower  # the preflight compiles and passes
+            calls = 0
 
             def __call__(self, *a):
-                raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 50.46GiB")
+                self.calls += 1
+                if self.calls == 2:  # the first step ran
+                    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 50.46GiB")
+                return train_step(*a)
 
         return OutOfMemoryAtRunTime(), eval_fn, sharding
 
     monkeypatch.setattr(loop, "jit_steps", jit_steps)
     with pytest.raises(
-        MemoryError, match="the train step ran out of memory on the .*; to fit, try .*data.seq_len"
+        MemoryError,
+        match="the train step ran out of memory at step 2 on the .*, though its compiled memory fit; to fit, try .*data.seq_len",
     ):
-        train(copy_config(steps=2), tmp_path)
+        train(copy_config(steps=3), tmp_path)
 
 
 @pytest.mark.filterwarnings("ignore:os.fork")  # jax's warning: this test process imported it; bpt's supervisor does not

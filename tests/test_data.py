@@ -7,6 +7,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import load_script
@@ -365,6 +366,29 @@ def test_prefetcher_yields_every_batch_in_order_and_surfaces_errors():
     early = iter(Prefetcher(make, range(1000), depth=2))
     next(early)
     early.close()  # stopping early ends the producer thread
+
+
+def test_prefetcher_puts_batches_on_the_device_from_the_loops_thread_only(monkeypatch):
+    """A batch put from the prefetch thread while a step runs lands beside the step's scratch
+    buffer and split the pool: GPT-1B at 32K on an H100 then died at step 2 though its
+    compiled step fit. Only host arrays may cross the queue."""
+    import threading
+
+    from bpt.data import datasets
+
+    task = CopyTask(seq_len=8, num_symbols=5, seed=0)
+    threads = []
+    real = datasets.put_batch
+
+    def put_batch(batch, sharding=None):
+        threads.append(threading.current_thread())
+        return real(batch, sharding)
+
+    monkeypatch.setattr(datasets, "put_batch", put_batch)
+    for depth in (0, 2):
+        got = list(Prefetcher(lambda s: task.train_batch(s, 2), range(6), depth=depth))
+        assert len(got) == 6 and all(isinstance(b["tokens"], jax.Array) for _, b in got)
+    assert len(threads) == 12 and set(threads) == {threading.main_thread()}
 
 
 # --- make_dataset: raw corpora are prepared once into the cache -------------------------------

@@ -251,10 +251,15 @@ def put_batch(batch: Batch, sharding=None) -> dict:
 
 
 class Prefetcher:
-    """Makes the batches of `steps` on a background thread and puts them on the device ahead.
+    """Makes the batches of `steps` on a background thread, depth ahead of the loop, and puts
+    each on the device when the loop asks for it, from the loop's own thread.
 
-    depth batches wait on the device while the current step runs; the host's windowing and
-    the transfer hide behind the step. depth 0 makes each batch when it is asked for.
+    The host's windowing hides behind the step; the transfer is asynchronous, so it still
+    overlaps the step in flight. Only the loop's thread allocates device memory: a batch put
+    from another thread while a step runs lands beside that step's scratch buffer, and the
+    next step's scratch (tens of GiB at long context, one block) may then no longer find one
+    free block, though the compiled step fits (GPT-1B at 32K on an H100 died so at step 2:
+    docs/notes/training_system.md). depth 0 makes each batch when it is asked for.
     Iterating yields (step, batch); errors raised while making a batch surface here.
     """
 
@@ -272,7 +277,7 @@ class Prefetcher:
     def _produce(self) -> None:
         try:
             for step in self.steps:
-                item = (step, self._put_device(self.make_batch(step)))
+                item = (step, self.make_batch(step))  # host arrays: see the class doc
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -297,7 +302,8 @@ class Prefetcher:
             while (item := self._queue.get()) is not self._DONE:
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                step, batch = item
+                yield step, self._put_device(batch)
         finally:
             self.close()
 

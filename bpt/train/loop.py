@@ -341,8 +341,11 @@ def compile_hint(config: ConfigDict) -> str:
     )
 
 
-def out_of_memory_message(config: ConfigDict, need: int | None = None, budget: int | None = None) -> str:
-    """One sentence: what the step needs, what the device has, what would make it fit."""
+def out_of_memory_message(
+    config: ConfigDict, need: int | None = None, budget: int | None = None, *, step: int | None = None
+) -> str:
+    """One sentence: what the step needs, what the device has, what would make it fit (step:
+    the training step that ran out, after the fit check passed)."""
     m = config.model
     hints = []
     if m.remat_group == 1 and m.scan_layers and m.num_layers % 4 == 0 and not m.offload_layer_inputs:
@@ -369,6 +372,8 @@ def out_of_memory_message(config: ConfigDict, need: int | None = None, budget: i
     pool = f" (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction})" if fraction else ""
     if need is not None:
         what = f"needs {need / 2**30:.1f} GiB per device but the {device} has {budget / 2**30:.1f} GiB for it{pool}"
+    elif step is not None:
+        what = f"ran out of memory at step {step} on the {device}{pool}, though its compiled memory fit"
     else:
         what = f"ran out of memory on the {device}{pool}"
     return f"the train step {what}; to fit, try {', '.join(hints)}"
@@ -541,20 +546,16 @@ def _loop(config, workdir, dataset, model, state, checkpoints, files: RunFiles, 
     reporter.start_timer(start)  # preflight compiled the step: even a one-step run is timed
     phases.enter("training", resume_hint(checkpoints))
     # The steps logged since the last row: a run stopped between two rows saved them.
-    pending, last, done = list(window), {}, start
+    pending, last, done, running = list(window), {}, start, start + 1
     with StopRequest() as stop:
         try:
             for step, batch in batches:
-                try:
-                    state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
-                    if pending:
-                        # One step in flight at most: the bar and a Ctrl-C see the step the
-                        # device is on, not one the host queued far ahead of it.
-                        jax.block_until_ready(pending[-1])
-                except Exception as error:
-                    if is_out_of_memory(error):
-                        raise MemoryError(out_of_memory_message(config)) from error
-                    raise
+                running = step + 1  # (1-based, as the bar and the rows count)
+                state, metrics = train_step(state, batch, jax.random.fold_in(step_rng, step))
+                if pending:
+                    # One step in flight at most: the bar and a Ctrl-C see the step the
+                    # device is on, not one the host queued far ahead of it.
+                    jax.block_until_ready(pending[-1])
                 pending.append(metrics)
                 done = step + 1
                 bar.update(1)
@@ -584,6 +585,10 @@ def _loop(config, workdir, dataset, model, state, checkpoints, files: RunFiles, 
                     say(f"\nstopped after step {done}; {saved}")
                     break
             _commit(files, reporter, None)  # a run without checkpoints: once it ends
+        except Exception as error:  # a step's error surfaces where its results are read
+            if is_out_of_memory(error):
+                raise MemoryError(out_of_memory_message(config, step=running)) from error
+            raise
         finally:
             batches.close()
             bar.close()
