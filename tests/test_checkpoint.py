@@ -15,6 +15,7 @@ from bpt.config import model_config
 from bpt.data.datasets import CopyTask
 from bpt.models.gpt import GPT
 from bpt.train.checkpoint import CheckpointError, Checkpoints, ModelMismatch, load_params
+from bpt.train import loop
 from bpt.train.loop import create_state, evaluate_checkpoint, train
 
 
@@ -155,12 +156,42 @@ def test_a_truncated_checkpoint_is_set_aside_by_training_and_only_reported_by_re
     assert "checkpoint at step 8 is damaged" in capsys.readouterr().out
     assert evaluate_checkpoint(run8)["step"] == 4 and folders(ckpt) == ["4", "8"]
 
-    # Training sets it aside, says so in one line, and resumes from step 4.
+    # Training skips it, says so in one line, resumes from step 4, and sets it aside when it
+    # saves its own first checkpoint (step 8 again).
     last = train(run_config(steps=8), run8)
     out = capsys.readouterr().out
     assert "checkpoint at step 8 is damaged" in out and "8.damaged" in out and "TensorStore" not in out
     assert "resuming from the checkpoint at step 4" in out
     assert last["step"] == 8 and folders(ckpt) == ["4", "8", "8.damaged"]
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_a_damaged_run_as_it_was(run8, monkeypatch):
+    """Resuming past a damaged checkpoint and failing before the next save moves nothing:
+    every file of the workdir is as it was, byte for byte."""
+    truncate(largest_file(run8 / "checkpoints" / "8" / "params"))
+    before = {p.relative_to(run8): p.read_bytes() for p in run8.rglob("*") if p.is_file()}
+    real = loop.jit_steps
+
+    def jit_steps(*args):
+        train_step, eval_fn, sharding = real(*args)
+
+        class FailsAtStep6:
+            lower = train_step.lower
+            calls = 0
+
+            def __call__(self, *a):
+                self.calls += 1
+                if self.calls == 2:
+                    raise RuntimeError("the device fell off the bus")
+                return train_step(*a)
+
+        return FailsAtStep6(), eval_fn, sharding
+
+    monkeypatch.setattr(loop, "jit_steps", jit_steps)
+    with pytest.raises(RuntimeError, match="fell off the bus"):
+        train(run_config(steps=12), run8)
+    after = {p.relative_to(run8): p.read_bytes() for p in run8.rglob("*") if p.is_file()}
+    assert after.keys() == before.keys() and after == before
     steps = [json.loads(line)["step"] for line in (run8 / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))  # resuming at 4 dropped the old rows of steps 5-8
 

@@ -9,8 +9,10 @@ Restoring tells three failures apart:
   record lists every array's shape, and any difference stops the run with the differing
   keys (ModelMismatch); nothing is moved;
 - damage (missing, truncated or undecodable files) that a second read still meets: the
-  training run renames the folder <step>.damaged, says so, and tries the previous one;
-  read-only users (bpt-eval, bpt-sample) only report it;
+  checkpoint is skipped, said in one line, and the previous one tried; a training run renames
+  the folder <step>.damaged when it saves its own first checkpoint (so that a run that fails
+  before then leaves the folder as it was), and read-only users (bpt-eval, bpt-sample) only
+  report it;
 - any other error (permissions, a flaky file system) after a second try: the run stops
   with the error (CheckpointError); nothing is moved.
 """
@@ -209,6 +211,7 @@ class Checkpoints:
         self.directory = Path(directory).absolute()
         self.read_only = read_only
         self.damaged: list[tuple[int, str]] = []  # (step, reason) of the checkpoints that did not load
+        self._to_move: list[int] = []  # of those, the ones the first save renames <step>.damaged
         self._options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep,  # (Orbax warns when a reader sets them)
             save_interval_steps=0 if read_only else 1,
@@ -238,7 +241,11 @@ class Checkpoints:
             absl_logging.set_verbosity(level)
 
     def steps(self) -> list[int]:
-        return [] if self.manager is None else sorted(self.manager.all_steps())
+        """The steps of the checkpoints on disk, less those found damaged."""
+        if self.manager is None:
+            return []
+        damaged = {step for step, _ in self.damaged}
+        return sorted(step for step in self.manager.all_steps() if step not in damaged)
 
     def save(self, state: TrainState, meta: dict) -> None:
         """Saves state at its step. Refuses parameters or optimizer state with NaN or inf."""
@@ -254,6 +261,7 @@ class Checkpoints:
         if self.manager is None:  # the first save of a new run creates the folder
             self.directory.mkdir(parents=True, exist_ok=True)
             self._open()
+        self._move_damaged()
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -265,12 +273,26 @@ class Checkpoints:
 
     def _set_aside(self, step: int, reason: str) -> None:
         self.damaged.append((step, reason))
-        if self.read_only or jax.process_index() != 0:
-            print(f"warning: the checkpoint at step {step} is damaged ({reason}); skipped", flush=True)
+        if not self.read_only:
+            self._to_move.append(step)
+        later = "" if self.read_only else f"; moved to {step}.damaged when this run saves its first checkpoint"
+        print(f"warning: the checkpoint at step {step} is damaged ({reason}); skipped{later}", flush=True)
+
+    def _move_damaged(self) -> None:
+        """Before this run's first save: the damaged checkpoints become <step>.damaged, out of
+        Orbax's listing (which would otherwise keep them as the newest, and delete the run's
+        own saves as older)."""
+        if not self._to_move:
             return
-        damaged = self.directory / f"{step}.damaged"
-        (self.directory / str(step)).rename(damaged)
-        print(f"warning: the checkpoint at step {step} is damaged ({reason}); moved to {damaged}", flush=True)
+        for step in self._to_move:
+            folder = self.directory / str(step)
+            if jax.process_index() == 0 and folder.is_dir():
+                folder.rename(self.directory / f"{step}.damaged")
+        self._to_move = []
+        if jax.process_count() > 1:  # every process lists the folder after the renames
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("bpt: damaged checkpoints moved")
         self._open()
 
     def _read(self, step: int, state: TrainState, vocab_size: int | None = None):
