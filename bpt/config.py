@@ -14,9 +14,12 @@ from pathlib import Path
 
 from ml_collections import ConfigDict, config_dict
 
+from bpt.data.tokenizers import GPT2_VOCAB
 from bpt.models import FAMILIES, AgenticConfig, FLASHConfig, GPTConfig
+from bpt.models.hf import EXTEND_METHODS
 from bpt.models.lm import check_positive_int
-from bpt.train.optimizer import check_state_dtype
+from bpt.parallel.mesh import CONTEXT_PARALLEL, LOAD_BALANCE
+from bpt.rl.jaco import EPISODE_STEPS as JACO_EPISODE_STEPS
 
 # The BPT paper's Table 1 sizes, plus GPT-2's 125M and 350M and a tiny one for CPUs.
 MODEL_SIZES: dict[str, dict] = {
@@ -312,9 +315,7 @@ def agentic_config(
         check_positive_int(episode_length, "agentic_config: episode_length")
         c.data.episode_length = episode_length
     elif task.startswith("jaco_"):  # bpt.rl.jaco's episodes are shorter than the suite's
-        from bpt.rl.jaco import EPISODE_STEPS
-
-        c.data.episode_length = EPISODE_STEPS
+        c.data.episode_length = JACO_EPISODE_STEPS
     c.data.trajectories = 1 if baseline != "at" else trajectories
     c.data.best_fraction = 0.1 if baseline == "bc" else 1.0
     c.model.returns_input = baseline != "bc"
@@ -365,8 +366,6 @@ def matched_depth(size: str, flash: ConfigDict, d_model: int) -> int:
     the parameter count, at GPT-2's vocabulary, closest to paper_config(size)'s GPT. A
     FLASH's count is affine in its depth (the embedding and final norm, then the same
     weights per layer), so two depths give the line."""
-    from bpt.train.probe import GPT2_VOCAB
-
     check_positive_int(d_model, "flash_config: d_model")
 
     def params(model: ConfigDict, **fields) -> int:
@@ -416,11 +415,20 @@ def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int, **from_dat
     return FAMILIES[family](**fields)
 
 
+STATE_DTYPES = ("float32", "bfloat16")  # train.optimizer_state_dtype: AdamW's moments
+
+
+def check_state_dtype(train: ConfigDict) -> None:
+    if train.optimizer_state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"unknown train.optimizer_state_dtype {train.optimizer_state_dtype!r}; "
+            f"allowed: {', '.join(STATE_DTYPES)}"
+        )
+
+
 def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
     """Raises ValueError naming the first mesh setting that cannot work with this config on a
     mesh of these sizes (bpt.parallel.make_mesh resolves -1 and checks the device count)."""
-    from bpt.parallel.mesh import CONTEXT_PARALLEL, LOAD_BALANCE
-
     m = c.mesh
     if m.context_parallel not in CONTEXT_PARALLEL:
         raise ValueError(
@@ -499,8 +507,6 @@ def check_config(c: ConfigDict) -> None:
     def positive(section: ConfigDict, prefix: str, *names: str):
         for name in names:
             check_positive_int(section[name], f"{prefix}.{name}")
-
-    from bpt.models.hf import EXTEND_METHODS
 
     if c.init.extend_positions not in EXTEND_METHODS:
         raise ValueError(

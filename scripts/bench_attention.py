@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from bpt.ops import blockwise_attention, reference_attention
-from bpt.ops.kernels import flash_attention, flash_hopper
+from bpt.ops.kernels import attention_hopper, flash_attention
 
 
 def jax_pallas(q, k, v, *, causal):
@@ -81,8 +81,8 @@ IMPLS = {
     "tokamax-mosaic": tokamax("mosaic"),
     "tokamax-triton": tokamax("triton"),
 }
-# The Hopper forward under each of its schedules (flash_hopper.forward), e.g. bpt-pallas-overlap.
-for _schedule in flash_hopper.SCHEDULES:
+# The Hopper forward under each of its schedules (attention_hopper.forward), e.g. bpt-pallas-overlap.
+for _schedule in attention_hopper.SCHEDULES:
     IMPLS[f"bpt-pallas-{_schedule}"] = functools.partial(flash_attention, hopper_schedule=_schedule)
 
 

@@ -53,7 +53,7 @@ def ring_part(args) -> list[dict]:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from bpt.ops.kernels.flash import flash_attention
+    from bpt.ops.kernels.attention import flash_attention
     from bpt.parallel import context_parallel_attention, make_mesh
 
     n = jax.device_count()

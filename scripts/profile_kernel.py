@@ -3,9 +3,9 @@
     python scripts/profile_kernel.py                          # the fused backward, B1 S2K H16 d128
     python scripts/profile_kernel.py --seq 2048 --causal no --out /tmp/prof
 
-The kernels of bpt/ops/kernels/flash_hopper.py name their phases (jax.named_scope: the
+The kernels of bpt/ops/kernels/attention_hopper.py name their phases (jax.named_scope: the
 backward's wait_Q, S, P, wait_dO, dV, dP, dS, share_dS, dK, dQ_wait_dS, dQ, dQ_store). Under
-flash_hopper.profiled() Mosaic GPU records each compute warpgroup's clock at the start and
+attention_hopper.profiled() Mosaic GPU records each compute warpgroup's clock at the start and
 end of every phase, in shared memory, and writes a Perfetto trace (open it in
 ui.perfetto.dev). This script runs the kernel once that way, then sums each phase over the
 warpgroups and prints a table: cycles per step, the share of the warpgroups' time, and
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from benchlib import seconds_per_call
 
-from bpt.ops.kernels import flash_hopper
+from bpt.ops.kernels import attention_hopper
 
 
 def phases(trace_files: list[str]) -> tuple[dict, dict]:
@@ -87,7 +87,7 @@ def main() -> tuple[dict, dict]:
     ap.add_argument("--ranges", type=int, default=400, help="phases a warpgroup may record")
     ap.add_argument("--out", default=None, help="where the traces go (default: a temporary directory)")
     args = ap.parse_args()
-    if not flash_hopper.is_hopper():
+    if not attention_hopper.is_hopper():
         sys.exit("profile_kernel.py needs a Hopper GPU (the profiler records SM clocks)")
 
     causal = args.causal == "yes"
@@ -99,12 +99,12 @@ def main() -> tuple[dict, dict]:
     v = jax.random.normal(keys[2], (b, s, hk, d), jnp.bfloat16)
     do = jax.random.normal(keys[3], (b, s, h, d), jnp.bfloat16)
     scale = 1.0 / math.sqrt(d)
-    out, lse = jax.jit(lambda q, k, v: flash_hopper.forward(q, k, v, causal=causal, scale=scale))(q, k, v)
+    out, lse = jax.jit(lambda q, k, v: attention_hopper.forward(q, k, v, causal=causal, scale=scale))(q, k, v)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     fused = {"auto": None, "yes": True, "no": False}[args.fused_dq]
 
     def bwd(q, k, v, do, lse, delta):
-        return flash_hopper.backward(q, k, v, do, lse, delta, causal=causal, scale=scale, fused_dq=fused)
+        return attention_hopper.backward(q, k, v, do, lse, delta, causal=causal, scale=scale, fused_dq=fused)
 
     inputs = (q, k, v, do, lse, delta)
     ms = seconds_per_call(jax.jit(bwd), *inputs, repeats=20) * 1e3
@@ -112,7 +112,7 @@ def main() -> tuple[dict, dict]:
     directory = args.out or tempfile.mkdtemp(prefix="bpt-kernel-profile-")
     os.makedirs(directory, exist_ok=True)
     before = set(glob.glob(os.path.join(directory, "*-trace.json")))
-    with flash_hopper.profiled(directory, args.ranges):
+    with attention_hopper.profiled(directory, args.ranges):
         profiled = jax.jit(lambda *a: bwd(*a))  # traced anew, so the kernels see profiled()
         jax.block_until_ready(profiled(*inputs))
     jax.effects_barrier()  # the traces are written by a host callback

@@ -237,9 +237,9 @@ def test_auto_takes_bpts_hopper_kernels_only_for_small_causal_problems(monkeypat
     faster than cuDNN: causal, up to 4K tokens, no more work than one 4K sequence of 16
     heads (batch 8 of 2K went to cuDNN's kernels, 1.6x faster there)."""
     from bpt.ops import select_impl
-    from bpt.ops.kernels import flash_hopper
+    from bpt.ops.kernels import attention_hopper
 
-    monkeypatch.setattr(flash_hopper, "is_hopper", lambda: True)
+    monkeypatch.setattr(attention_hopper, "is_hopper", lambda: True)
 
     def impl(batch, seq, heads=16, causal=True, dtype=jnp.bfloat16):
         q = jax.ShapeDtypeStruct((batch, seq, heads, 128), dtype)

@@ -14,8 +14,8 @@ from test_train import copy_config
 from bpt.config import model_config
 from bpt.data.datasets import CopyTask
 from bpt.models.gpt import GPT
-from bpt.train.checkpoint import CheckpointError, Checkpoints, ModelMismatch, load_params
 from bpt.train import loop
+from bpt.train.checkpoint import CheckpointError, Checkpoints, ModelMismatch, load_params
 from bpt.train.loop import create_state, evaluate_checkpoint, train
 
 

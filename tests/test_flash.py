@@ -16,7 +16,7 @@ from conftest import load_script, rel_err, saved_and_grads
 from jax import lax
 
 from bpt.ops import attention, reference_attention
-from bpt.ops.kernels import flash_attention, flash_attention_with_lse, flash_hopper
+from bpt.ops.kernels import attention_hopper, flash_attention, flash_attention_with_lse
 from bpt.ops.remat import remat
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -247,13 +247,13 @@ def test_hopper_forward_schedules_in_the_mosaic_gpu_interpreter(key, schedule):
     assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-4
 
 
-@pytest.mark.parametrize("schedule", flash_hopper.SCHEDULES)
+@pytest.mark.parametrize("schedule", attention_hopper.SCHEDULES)
 def test_hopper_forward_schedules_lower_for_cuda(schedule):
     """Each schedule lowers to one Mosaic GPU kernel for CUDA (checked without a GPU: the
     pipelined schedules' wgmma path, two accumulators in flight, is not interpreted)."""
     x = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     for causal in (True, False):
-        fwd = functools.partial(flash_hopper.forward, causal=causal, scale=0.1, schedule=schedule)
+        fwd = functools.partial(attention_hopper.forward, causal=causal, scale=0.1, schedule=schedule)
         text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
     x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
@@ -274,7 +274,7 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal):
 
     def lowered(fused_dq):
         def grads(q, k, v, d_out, lse, delta):
-            return flash_hopper.backward(
+            return attention_hopper.backward(
                 q, k, v, d_out, lse, delta, causal=causal, scale=0.1, fused_dq=fused_dq
             )
 
@@ -321,7 +321,7 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal):
     assert text.count("cp.reduce.async.bulk.tensor") == 1
     with pytest.raises(ValueError, match="fused_dq=True needs head_dim 128; got 256"):
         big = jnp.zeros((1, 128, 1, 256), jnp.bfloat16)
-        flash_hopper.backward(
+        attention_hopper.backward(
             big,
             big,
             big,
@@ -453,7 +453,7 @@ def test_profile_kernel_sums_each_phase_over_warpgroups(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
 def test_profiled_backward_records_every_phase_of_every_step(tmp_path, monkeypatch):
-    """flash_hopper.profiled() on the GPU: the fused backward writes a trace in which each
+    """attention_hopper.profiled() on the GPU: the fused backward writes a trace in which each
     compute warpgroup records each named phase once per step it takes."""
     argv = ["profile_kernel.py", "--seq", "512", "--heads", "2", "--out", str(tmp_path)]
     monkeypatch.setattr("sys.argv", argv)

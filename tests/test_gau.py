@@ -529,7 +529,7 @@ def test_family_config_and_counts():
 
 def test_a_wider_flash_takes_the_depth_that_matches_the_gpt_by_parameters():
     from bpt.config import flash_config, load_config_file, paper_config
-    from bpt.train.probe import GPT2_VOCAB
+    from bpt.data.tokenizers import GPT2_VOCAB
 
     def params(c, **fields):
         model = c.model.copy_and_resolve_references()

@@ -12,7 +12,7 @@ import pytest
 from conftest import rel_err
 
 from bpt.ops.blockwise import blockwise_backward, blockwise_forward
-from bpt.ops.kernels.flash import flash_backward, flash_forward
+from bpt.ops.kernels.attention import flash_backward, flash_forward
 from bpt.ops.reference import logsumexp_merge, masked_attention
 
 TOL = 1e-5

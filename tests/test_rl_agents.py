@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from bpt.rl import exorl
-from bpt.rl.agents import RNDAgent, RNDSettings, collect_rnd
-from bpt.rl.collect import collect
+from bpt.rl.agents import RNDAgent, RNDSettings
+from bpt.rl.collect import collect, collect_rnd
 
 SMALL = RNDSettings(hidden=32, features=16, batch_size=32, seed_steps=20, learning_rate=1e-3)
 

@@ -223,14 +223,24 @@ def prepared_data(data: ConfigDict) -> PreparedData:
     return load_prepared(folder, verify_checksums=data.verify_checksums)
 
 
+# data.name -> make(data, seed, process_index=, process_count=): the datasets of packages
+# above bpt.data, which register themselves on import (bpt.rl.data: exorl).
+DATASET_MAKERS: dict[str, Callable[..., object]] = {}
+
+
+def register_dataset(name: str, make: Callable[..., object]) -> None:
+    """Makes data.name=name build its dataset as make(data, seed, process_index=,
+    process_count=)."""
+    DATASET_MAKERS[name] = make
+
+
 def make_dataset(data: ConfigDict, seed: int):
     """The dataset config.data names (see bpt.config.DATASETS), sliced for this process."""
     if data.name == "copy":
         return CopyTask(data.seq_len, data.copy_symbols, seed)
-    if data.name == "exorl":
-        from bpt.rl.data import ExoRLDataset
-
-        return ExoRLDataset(data, seed, process_index=jax.process_index(), process_count=jax.process_count())
+    if data.name in DATASET_MAKERS:
+        make = DATASET_MAKERS[data.name]
+        return make(data, seed, process_index=jax.process_index(), process_count=jax.process_count())
     prepared = prepared_data(data)
     return TokenDataset(
         prepared,

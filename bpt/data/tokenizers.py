@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+GPT2_VOCAB = 50257  # GPT-2's BPE, the paper's tokenizer (OpenWebText)
+
 EOT_TEXT = "<|endoftext|>"
 _EOT_CANDIDATES = (EOT_TEXT, "</s>", "<eos>", "<|end_of_text|>")
 

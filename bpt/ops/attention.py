@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from bpt.ops.blockwise import blockwise_attention
-from bpt.ops.kernels import flash_hopper
-from bpt.ops.kernels.flash import flash_attention
+from bpt.ops.kernels import attention_hopper
+from bpt.ops.kernels.attention import flash_attention
 from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
 
 Array = jax.Array
@@ -67,8 +67,8 @@ def select_impl(
         causal
         and k.shape[1] <= SHORT
         and q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= SMALL
-        and flash_hopper.is_hopper()
-        and flash_hopper.supported(q, k, segment_ids=segment_ids) is None
+        and attention_hopper.is_hopper()
+        and attention_hopper.supported(q, k, segment_ids=segment_ids) is None
     ):
         return "pallas"
     if cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids) is None:

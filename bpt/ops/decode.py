@@ -29,24 +29,16 @@ cache as one [layers, ...] stack given a layer index.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from bpt.ops.reference import check_qkv, group_heads, logsumexp_merge, masked_attention
+from bpt.ops.kernels.decode import MIN_BLOCK_K, decode_partial
+from bpt.ops.reference import Partial, check_qkv, group_heads, logsumexp_merge, masked_attention
 
 Array = jax.Array
 DECODE_IMPLS = ("auto", "reference", "split_kv", "pallas")
 AUTO_KERNEL_ROWS = 64  # auto takes the kernel on a GPU while q_len x (heads / kv_heads) is this small
-
-
-class Partial(NamedTuple):
-    """Attention over part of the keys: out [batch, q_len, heads, head_dim] float32, normalized
-    over that part; lse [batch, heads, q_len] float32, -inf for a row that saw no key there."""
-
-    out: Array
-    lse: Array
 
 
 def resolve_decode_impl(
@@ -63,8 +55,6 @@ def resolve_decode_impl(
     _, q_len, heads, head_dim = q_shape
     rows = q_len * heads // kv_heads
     kernel_fits = head_dim >= 16 and not head_dim & (head_dim - 1) and rows <= AUTO_KERNEL_ROWS
-    from bpt.ops.kernels.decode import MIN_BLOCK_K
-
     kernel_fits = kernel_fits and (cache_len is None or cache_len % MIN_BLOCK_K == 0)
     return "pallas" if kernel_fits else "split_kv"
 
@@ -252,8 +242,6 @@ def attend_cache(
         return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size, **scales)
     if impl != "pallas":
         raise ValueError(f"attend_cache takes impl split_kv or pallas; got {impl!r}")
-    from bpt.ops.kernels.decode import decode_partial
-
     return decode_partial(q, k_cache, v_cache, last, layer=layer, **scales, **kernel_options)
 
 

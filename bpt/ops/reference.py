@@ -7,12 +7,22 @@ causal / segment mask, so that every implementation interprets its inputs identi
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
 SegmentIds = Array | tuple[Array, Array] | None
+
+
+class Partial(NamedTuple):
+    """Attention over part of the keys: out [batch, q_len, heads, head_dim] float32, normalized
+    over that part; lse [batch, heads, q_len] float32, -inf for a row that saw no key there.
+    Partials over disjoint parts merge exactly (logsumexp_merge): decoding splits the cache so."""
+
+    out: Array
+    lse: Array
 
 
 def check_qkv(q: Array, k: Array, v: Array) -> None:

@@ -52,7 +52,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from bpt.ops.attention import attention
 from bpt.ops.blockwise import blockwise_backward, blockwise_forward
-from bpt.ops.kernels.flash import flash_backward, flash_forward
+from bpt.ops.kernels.attention import flash_backward, flash_forward
 from bpt.ops.reference import check_qkv, logsumexp_merge, split_segment_ids
 from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT
 from bpt.parallel.mesh import mesh_axes

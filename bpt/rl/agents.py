@@ -7,11 +7,8 @@ reward is Random Network Distillation's: the error of a trained predictor agains
 random network on the next observation (normalized observations in, normalized errors out),
 high where the agent has rarely been.
 
-collect_rnd runs one agent through episodes 0..N-1 of a domain and writes each episode as it
-ends (bpt.rl.exorl's layout, named rnd_<index>_<length>.npz); its replay buffer is those
-episodes. After each episode the agent's state (networks, optimizers, running statistics,
-steps) is saved beside them (rnd_agent.msgpack), so an interrupted collection resumes with
-the agent where it was and the buffer read back from the files.
+bpt.rl.collect.collect_rnd runs one agent through a domain's episodes; Transitions is its
+replay buffer, and save/load keep the agent's state between episodes.
 
 Sizes are smaller than URLB's (hidden 256, RND features 64; URLB: 1024 and 512) so that a
 collection runs on a CPU; RNDSettings holds them.
@@ -30,8 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import serialization
-
-from bpt.rl import exorl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,66 +265,3 @@ class Transitions:
                 chunks.append(np.asarray([pending[k][i] for i in recent], np.float32))
             out[k] = np.concatenate(chunks)
         return out
-
-
-def collect_rnd(
-    domain: str,
-    episodes: int,
-    out: str | os.PathLike,
-    *,
-    seed: int = 0,
-    time_limit: float | None = None,
-    settings: RNDSettings = RNDSettings(),
-    progress: bool = True,
-) -> list[Path]:
-    """One RND agent's episodes 0..episodes-1 in domain, under out (see the module
-    docstring); returns the paths written by this call."""
-    from tqdm.auto import tqdm
-
-    from bpt.rl.collect import collected, episode_seed, run_episode
-
-    env = exorl.make_env(domain, time_limit=time_limit)
-    obs_dim = exorl.flatten_observation(env.reset().observation).shape[0]
-    agent = RNDAgent(obs_dim, env.action_spec().shape[0], settings, seed)
-    folder = exorl.buffer_dir(out, domain)
-    checkpoint = folder / "rnd_agent.msgpack"
-    done = sorted(collected(out, domain, "rnd"))
-    if done != list(range(len(done))):
-        raise ValueError(f"{folder} holds rnd episodes {done[:5]}...: not a prefix 0..n-1 (an RND agent's episodes are sequential)")
-    buffer = Transitions()
-    for path in sorted(folder.glob("rnd_*.npz")):
-        buffer.add_episode(exorl.load_episode(path))
-    if checkpoint.is_file():
-        agent.load(checkpoint)
-    elif done:
-        raise FileNotFoundError(f"{folder} has rnd episodes but no {checkpoint.name}: the agent cannot resume")
-    agent.episodes = len(done)  # episodes written after the agent's last save stay in its buffer
-    written = []
-    bar = tqdm(total=episodes, initial=len(done), desc=f"{domain} rnd", unit="episode", disable=not progress)
-    for index in range(len(done), episodes):
-        e_seed = episode_seed(seed, index)
-        exorl.seed_episode(env, e_seed)
-        rng = np.random.RandomState(e_seed % 2**32 ^ 0x5EED)
-        pending = {k: [] for k in ("obs", "action", "next_obs", "discount")}
-
-        def policy(obs, rng, pending=pending):
-            action = agent.act(obs, rng)
-            if pending["obs"] or buffer.size:  # learn from what is there
-                if agent.steps >= settings.seed_steps and agent.steps % settings.update_every == 0:
-                    agent.update(buffer.sample(rng, settings.batch_size, pending))
-            agent.steps += 1
-            return action
-
-        def on_step(obs, action, next_obs, discount, pending=pending):
-            for k, v in zip(("obs", "action", "next_obs", "discount"), (obs, action, next_obs, discount)):
-                pending[k].append(v)
-
-        episode = run_episode(env, policy, rng, on_step=on_step)
-        name = f"rnd_{index:06d}"
-        written.append(exorl.save_episode(exorl.episode_path(out, domain, name, exorl.episode_length(episode)), episode))
-        buffer.add_episode(episode)
-        agent.episodes = index + 1
-        agent.save(checkpoint)
-        bar.update()
-    bar.close()
-    return written

@@ -9,6 +9,12 @@ all.
 Agents (AGENTS): "random" takes uniform actions within the action bounds, episodes in
 parallel; "rnd" is one learning agent, DDPG driven by RND's intrinsic reward, as URLB's
 (bpt.rl.agents): its episodes are sequential, and it resumes from its saved state.
+
+collect_rnd runs that agent through episodes 0..N-1 of a domain and writes each episode as it
+ends (named rnd_<index>_<length>.npz); its replay buffer is those episodes. After each
+episode the agent's state (networks, optimizers, running statistics, steps) is saved beside
+them (rnd_agent.msgpack), so an interrupted collection resumes with the agent where it was
+and the buffer read back from the files.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from bpt.rl import exorl
+from bpt.rl.agents import RNDAgent, RNDSettings, Transitions
 
 AGENTS = ("random", "rnd")
 
@@ -110,15 +118,11 @@ def collect(
     if agent == "rnd":
         if workers != 1:
             raise ValueError("the rnd agent is one learner whose episodes follow each other: use num_workers=1")
-        from bpt.rl.agents import collect_rnd
-
         return collect_rnd(domain, episodes, out, seed=seed, time_limit=time_limit, progress=progress)
     todo = sorted(set(range(episodes)) - collected(out, domain, agent))
     written = []
     if not todo:
         return written
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=episodes, initial=episodes - len(todo), desc=f"{domain} {agent}", unit="episode",
                disable=not progress)  # fmt: skip
     if workers == 1:
@@ -133,3 +137,63 @@ def collect(
                 bar.update()
     bar.close()
     return sorted(written)
+
+
+def collect_rnd(
+    domain: str,
+    episodes: int,
+    out: str | os.PathLike,
+    *,
+    seed: int = 0,
+    time_limit: float | None = None,
+    settings: RNDSettings | None = None,
+    progress: bool = True,
+) -> list[Path]:
+    """One RND agent's episodes 0..episodes-1 in domain, under out (see the module
+    docstring); returns the paths written by this call. settings: RNDSettings() by default."""
+    settings = settings or RNDSettings()
+    env = exorl.make_env(domain, time_limit=time_limit)
+    obs_dim = exorl.flatten_observation(env.reset().observation).shape[0]
+    agent = RNDAgent(obs_dim, env.action_spec().shape[0], settings, seed)
+    folder = exorl.buffer_dir(out, domain)
+    checkpoint = folder / "rnd_agent.msgpack"
+    done = sorted(collected(out, domain, "rnd"))
+    if done != list(range(len(done))):
+        raise ValueError(f"{folder} holds rnd episodes {done[:5]}...: not a prefix 0..n-1 (an RND agent's episodes are sequential)")
+    buffer = Transitions()
+    for path in sorted(folder.glob("rnd_*.npz")):
+        buffer.add_episode(exorl.load_episode(path))
+    if checkpoint.is_file():
+        agent.load(checkpoint)
+    elif done:
+        raise FileNotFoundError(f"{folder} has rnd episodes but no {checkpoint.name}: the agent cannot resume")
+    agent.episodes = len(done)  # episodes written after the agent's last save stay in its buffer
+    written = []
+    bar = tqdm(total=episodes, initial=len(done), desc=f"{domain} rnd", unit="episode", disable=not progress)
+    for index in range(len(done), episodes):
+        e_seed = episode_seed(seed, index)
+        exorl.seed_episode(env, e_seed)
+        rng = np.random.RandomState(e_seed % 2**32 ^ 0x5EED)
+        pending = {k: [] for k in ("obs", "action", "next_obs", "discount")}
+
+        def policy(obs, rng, pending=pending):
+            action = agent.act(obs, rng)
+            if pending["obs"] or buffer.size:  # learn from what is there
+                if agent.steps >= settings.seed_steps and agent.steps % settings.update_every == 0:
+                    agent.update(buffer.sample(rng, settings.batch_size, pending))
+            agent.steps += 1
+            return action
+
+        def on_step(obs, action, next_obs, discount, pending=pending):
+            for k, v in zip(("obs", "action", "next_obs", "discount"), (obs, action, next_obs, discount)):
+                pending[k].append(v)
+
+        episode = run_episode(env, policy, rng, on_step=on_step)
+        name = f"rnd_{index:06d}"
+        written.append(exorl.save_episode(exorl.episode_path(out, domain, name, exorl.episode_length(episode)), episode))
+        buffer.add_episode(episode)
+        agent.episodes = index + 1
+        agent.save(checkpoint)
+        bar.update()
+    bar.close()
+    return written

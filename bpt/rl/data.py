@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from bpt.data.datasets import register_dataset
 from bpt.models.agentic import TOKENS_PER_STEP
 from bpt.rl import exorl
 from bpt.rl.sequences import Trajectory, best_fraction, chain, trajectory
@@ -129,3 +130,6 @@ class ExoRLDataset:
         """Chains of the held-out trajectories; the same every call."""
         rng = np.random.default_rng([self.seed, 1, 0])
         return [self._batch(self.val, rng, batch_size) for _ in range(num_batches)]
+
+
+register_dataset("exorl", ExoRLDataset)

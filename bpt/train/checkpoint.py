@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from flax.training.train_state import TrainState
 
+from bpt.models.hf import extend_positions as extend_positions_of
 from bpt.models.lm import resize_vocab, vocab_axis
 
 ITEMS = ("params", "opt_state", "meta")
@@ -424,11 +425,9 @@ def load_params(
             ) from error
     params = fit_vocab_arrays(params, like, resizes, vocab_size)
     if resize:
-        from bpt.models.hf import extend_positions as extend
-
         table = like["position_embedding"]
         saved_table = np.asarray(jax.device_get(params["position_embedding"]))
-        resized = extend(saved_table, table.shape[0], extend_positions)  # longer: its first rows
+        resized = extend_positions_of(saved_table, table.shape[0], extend_positions)  # longer: its first rows
         params = {**params, "position_embedding": jax.device_put(resized.astype(table.dtype), table.sharding)}
     return params
 

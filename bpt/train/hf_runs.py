@@ -12,10 +12,12 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from bpt.config import check_config, model_config
+from bpt.data.tokenizers import load_tokenizer
 from bpt.models.gpt import GPT
 from bpt.models.hf import SHAPE_FIELDS, hf_positions, load_hf, read_hf_config, save_hf_gpt2
 from bpt.models.lm import fit_vocab
 from bpt.train.checkpoint import Checkpoints
+from bpt.train.loop import restore_run
 from bpt.train.run_files import is_run, read_config
 from bpt.train.state import create_state
 
@@ -75,8 +77,6 @@ def import_run(
 
     tokenizer_dir = workdir / "tokenizer"
     if not has_tokenizer(path) and c.data.name not in ("copy", "exorl"):  # (those read no text)
-        from bpt.data.tokenizers import load_tokenizer
-
         tokens = load_tokenizer(c.data.tokenizer).vocab_size
         if tokens != cfg.vocab_size:
             raise ValueError(
@@ -125,8 +125,6 @@ def check_export_target(workdir: Path, out: Path, *, overwrite: bool) -> None:
 def export_run(workdir: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """The latest checkpoint of a GPT-2-shaped run as a Hugging Face GPT-2 folder at out
     (an existing folder only with overwrite, and never a bpt run)."""
-    from bpt.train.loop import restore_run
-
     out = Path(out)
     check_export_target(Path(workdir), out, overwrite=overwrite)
     family = (read_config(Path(workdir)) or {}).get("model", {}).get("family", "gpt")

@@ -16,6 +16,7 @@ from flax.training.train_state import TrainState
 from ml_collections import ConfigDict
 from tqdm.auto import tqdm
 
+import bpt.rl.data  # noqa: F401  (registers data.name=exorl with make_dataset)
 from bpt.config import base_config, check_config, model_config
 from bpt.data.datasets import Prefetcher, make_dataset, put_batch
 from bpt.models import make_model

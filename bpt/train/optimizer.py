@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from ml_collections import ConfigDict
 
+from bpt.config import check_state_dtype
+
 
 def learning_rate_schedule(train: ConfigDict) -> optax.Schedule:
     warmup = min(train.warmup_steps, train.steps)
@@ -35,9 +37,6 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-STATE_DTYPES = ("float32", "bfloat16")
-
-
 def with_state_dtype(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
     """inner, with its floating-point state stored in dtype between steps (bf16 halves AdamW's
     two moments). Each update computes in float32: the state is widened, updated, narrowed."""
@@ -53,14 +52,6 @@ def with_state_dtype(inner: optax.GradientTransformation, dtype) -> optax.Gradie
         return updates, cast(state, dtype)
 
     return optax.GradientTransformation(init, update)
-
-
-def check_state_dtype(train: ConfigDict) -> None:
-    if train.optimizer_state_dtype not in STATE_DTYPES:
-        raise ValueError(
-            f"unknown train.optimizer_state_dtype {train.optimizer_state_dtype!r}; "
-            f"allowed: {', '.join(STATE_DTYPES)}"
-        )
 
 
 def make_optimizer(train: ConfigDict) -> optax.GradientTransformation:

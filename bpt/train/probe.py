@@ -20,12 +20,11 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from bpt.config import check_config, model_config
+from bpt.data.tokenizers import GPT2_VOCAB
 from bpt.models import make_model
 from bpt.models.lm import stack_unrolled
 from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.state import jit_initializer, jit_steps, make_parallelism
-
-GPT2_VOCAB = 50257  # the paper's tokenizer (OpenWebText through GPT-2's BPE)
 
 
 def memory_budget(memory_gib: float = 0.0) -> int:

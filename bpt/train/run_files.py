@@ -26,6 +26,8 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from bpt.data.tokenizers import load_tokenizer, vocabulary_digest
+
 CONFIG = "config.json"
 TOKENIZER = "tokenizer"
 HISTORY = "settings_history.jsonl"
@@ -136,16 +138,12 @@ def check_workdir(workdir: Path) -> None:
 
 def own_tokenizer(workdir: Path):
     """The run's copy of its tokenizer (None if it keeps none: bytes, tiktoken, no data)."""
-    from bpt.data.tokenizers import load_tokenizer
-
     folder = Path(workdir) / TOKENIZER
     return load_tokenizer(str(folder)) if (folder / "tokenizer.json").is_file() else None
 
 
 def check_tokenizer(workdir: Path, tokenizer, setting: str) -> None:
     """Raises ValueError if the run keeps a tokenizer and `tokenizer` encodes otherwise."""
-    from bpt.data.tokenizers import vocabulary_digest
-
     own = own_tokenizer(workdir)
     if own is None or tokenizer is None or vocabulary_digest(own) == vocabulary_digest(tokenizer):
         return

@@ -1,6 +1,6 @@
 """Pallas kernels: FlashAttention-2 forward and backward, lowered through Triton (flash.py)
-and, for H100-class GPUs, through Mosaic GPU (flash_hopper.py)."""
+and, for H100-class GPUs, through Mosaic GPU (attention_hopper.py)."""
 
-from bpt.ops.kernels.flash import flash_attention, flash_attention_with_lse
+from bpt.ops.kernels.attention import flash_attention, flash_attention_with_lse
 
 __all__ = ["flash_attention", "flash_attention_with_lse"]

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bpt.ops.decode import Partial
+from bpt.ops.reference import Partial
 
 Array = jax.Array
 LOG2E = math.log2(math.e)

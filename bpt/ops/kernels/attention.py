@@ -17,7 +17,7 @@ units, [batch, heads, seq], +inf on rows that see no key (so exp(s - lse) is exa
   masked; head_dim is padded to a power of two (80 -> 128), as the lowering needs.
 
 On GPUs the kernels lower through Triton; elsewhere they run in Pallas interpret mode (slow,
-for tests). On H100-class GPUs the Mosaic GPU kernels of flash_hopper.py (wgmma, TMA, warp
+for tests). On H100-class GPUs the Mosaic GPU kernels of attention_hopper.py (wgmma, TMA, warp
 specialization) run instead wherever they take the inputs; both families share one contract
 (out and logsumexp from the forward; dq, dk, dv from them and delta), so a forward of one
 and a backward of the other combine.
@@ -35,7 +35,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from bpt.ops.kernels import flash_hopper
+from bpt.ops.kernels import attention_hopper
 from bpt.ops.reference import check_qkv, split_segment_ids
 from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT
 
@@ -70,12 +70,12 @@ class FlashConfig:
     num_warps: int
     num_stages: int
     interpret: bool
-    forward: str = "triton"  # which kernels: "triton" (this file) or "hopper" (flash_hopper.py)
+    forward: str = "triton"  # which kernels: "triton" (this file) or "hopper" (attention_hopper.py)
     backward: str = "triton"
     hopper_block_k: int = 128
     hopper_stages: int = 2
-    hopper_fused_dq: bool | None = None  # flash_hopper.backward's fused_dq (None: where it can be)
-    hopper_schedule: str = "pingpong"  # flash_hopper.forward's schedule
+    hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: where it can be)
+    hopper_schedule: str = "pingpong"  # attention_hopper.forward's schedule
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -224,7 +224,7 @@ def _query_grid_specs(block_q: int, seq_k: int, head_dim: int, group: int) -> di
 
 def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
     if cfg.forward == "hopper":
-        return flash_hopper.forward(
+        return attention_hopper.forward(
             q,
             k,
             v,
@@ -363,7 +363,7 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
     delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - d_lse.astype(jnp.float32)
     if cfg.backward == "hopper":
-        return flash_hopper.backward(
+        return attention_hopper.backward(
             q,
             k,
             v,
@@ -474,14 +474,14 @@ def flash_attention_with_lse(
 
     segment_ids: [b, s] ints (or a (q_ids, kv_ids) pair): tokens attend within their segment.
     k and v may have fewer heads than q (a divisor of it). forward, backward: "triton",
-    "hopper" (the Mosaic GPU kernels of flash_hopper.py: wgmma/TMA, H100-class GPUs,
+    "hopper" (the Mosaic GPU kernels of attention_hopper.py: wgmma/TMA, H100-class GPUs,
     bf16/fp16, no segment ids, lengths multiples of 128), or "auto" (hopper where it can run,
     else triton). hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
     the depth of the Hopper kernels' shared-memory ring; hopper_fused_dq: the Hopper backward
     adds dQ inside its dK/dV pass (True; head_dim 128) or runs a second pass for it
-    (False); None: fused where it can be (flash_hopper.fuses_dq). hopper_schedule: how the
-    Hopper forward orders each warpgroup's matmuls and softmax (flash_hopper.SCHEDULES; see
-    flash_hopper.forward). interpret: run the kernels in an
+    (False); None: fused where it can be (attention_hopper.fuses_dq). hopper_schedule: how the
+    Hopper forward orders each warpgroup's matmuls and softmax (attention_hopper.SCHEDULES; see
+    attention_hopper.forward). interpret: run the kernels in an
     interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
@@ -523,7 +523,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages", 2)
     hopper_fused_dq = settings.get("hopper_fused_dq")
     hopper_schedule = settings.get("hopper_schedule", "pingpong")
-    flash_hopper.check_schedule(hopper_schedule, "hopper_schedule")
+    attention_hopper.check_schedule(hopper_schedule, "hopper_schedule")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
@@ -555,10 +555,10 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     else:
         pad_q, pad_k = -sq % max(bq, bq_b), -sk % max(bk, bk_b)
     dp = max(16, _pow2(d)) - d
-    why_not = flash_hopper.supported(q, k, segment_ids=segment_ids)
+    why_not = attention_hopper.supported(q, k, segment_ids=segment_ids)
     if why_not is None and (pad_q or pad_k or dp):
         why_not = "inputs the Triton kernels would pad"
-    use_hopper = why_not is None and not interpret and flash_hopper.is_hopper()
+    use_hopper = why_not is None and not interpret and attention_hopper.is_hopper()
     if fp8 and forward == "hopper":
         raise ValueError(
             "flash forward='hopper' cannot take fp8=True; the fp8 forward is the Triton kernel's"
