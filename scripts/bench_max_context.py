@@ -84,7 +84,9 @@ def quiet_compiler() -> None:
 
 def search(args, budget: int, setting: dict) -> tuple[dict, list[dict]]:
     """Compiled-memory search over lengths for one setting: (its summary, every compile)."""
-    from bpt.train.probe import TrainingStep, error_summary, longest_fitting
+    from benchlib import error_summary, longest_fitting
+
+    from bpt.train.probe import TrainingStep
 
     records = []
 
@@ -119,9 +121,7 @@ def search(args, budget: int, setting: dict) -> tuple[dict, list[dict]]:
 def run_one(args) -> None:
     """One real training step at --seq_len in this process (no warm-up: the step is compiled
     before it runs, and at these lengths a step takes minutes); reports its result."""
-    from benchlib import report
-
-    from bpt.train.probe import measure
+    from benchlib import measure, report
 
     setting = dict(
         config=args.configs,

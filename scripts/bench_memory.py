@@ -44,9 +44,7 @@ def config_for(args, mode: str, seq_len: int):
 
 def real_one(args) -> None:
     """One real step in this process; reports the device's peak memory."""
-    from benchlib import report
-
-    from bpt.train.probe import measure
+    from benchlib import measure, report
 
     report(measure(config_for(args, args.mode, args.seq_len), steps=1, warmup=0))
 
@@ -145,9 +143,9 @@ def main() -> None:
         real_one(args)
         return
 
-    from benchlib import run_in_subprocess, run_meta
+    from benchlib import error_summary, run_in_subprocess, run_meta
 
-    from bpt.train.probe import TrainingStep, error_summary, memory_budget
+    from bpt.train.probe import TrainingStep, memory_budget
 
     budget = memory_budget(args.memory_gib)
     meta = run_meta(budget_gib=budget / 2**30)

@@ -46,7 +46,7 @@ def run_one(args) -> dict:
     """One (mode, impl) pair; prints a JSON line."""
     import jax
     import numpy as np
-    from benchlib import report
+    from benchlib import report, run_steps
     from jax.flatten_util import ravel_pytree
 
     from bpt.train.probe import TrainingStep
@@ -54,7 +54,7 @@ def run_one(args) -> dict:
     step = TrainingStep(load_config(args), vocab_size=257)
     result = {"mode": args.mode, "impl": args.impl, "remat_layer": step.config.model.remat_layer}
     result["compiled_temp_gib"] = step.memory().temp / 2**30
-    measured = step.run(steps=args.steps, warmup=2)
+    measured = run_steps(step, steps=args.steps, warmup=2)
     result["peak_gib"] = (measured["peak_bytes"] or float("nan")) / 2**30
     result["step_ms"] = 1e3 * measured["step_seconds"]
     result["tokens_per_sec"] = measured["tokens_per_second"]

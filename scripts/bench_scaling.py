@@ -117,9 +117,7 @@ def ring_part(args) -> list[dict]:
 
 def train_one(args) -> None:
     """One setup in this process; reports its measurement."""
-    from benchlib import benchmark_config, report
-
-    from bpt.train.probe import measure
+    from benchlib import benchmark_config, measure, report
 
     mesh, context, batch = TRAIN_SETUPS[args.train_one]
     import jax

@@ -63,7 +63,7 @@ def step_config(args, mode: str, seq_len: int, chunk: int):
 
 def throughput_one(args) -> dict:
     """Times one (mode, length) in this process."""
-    from bpt.train.probe import measure
+    from benchlib import measure
 
     c = step_config(args, args.mode, args.seq_len, args.chunk)
     measured = measure(c, steps=args.steps, warmup=2)
@@ -118,9 +118,7 @@ def loss_one(args) -> dict:
 
 
 def run_one(args) -> None:
-    from benchlib import report
-
-    from bpt.train.probe import error_summary
+    from benchlib import error_summary, report
 
     try:
         result = loss_one(args) if args.loss_run else throughput_one(args)

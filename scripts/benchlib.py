@@ -1,5 +1,8 @@
 """Helpers the benchmark scripts share: the settings they sweep, configs set up for one
-measurement, measuring subprocesses and how their results come back, and table formatting.
+measurement, real training steps timed (run_steps, measure), the search for the longest
+length that fits (longest_fitting), measuring subprocesses and how their results come back,
+and table formatting. A config's step compiled from shapes (its memory, before anything is
+allocated) is bpt.train.probe.TrainingStep, which bpt-train's remat auto-search uses too.
 
 Each measurement that must own the device (a real step, whose peak-memory counter and
 out-of-memory errors belong to it alone) runs in a fresh process through run_in_subprocess.
@@ -7,6 +10,7 @@ out-of-memory errors belong to it alone) runs in a fresh process through run_in_
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -14,12 +18,14 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from ml_collections import ConfigDict
 
 from bpt.config import load_config_file, override
+from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
+from bpt.train.probe import TrainingStep, is_out_of_memory
 
 MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
 LABELS = {"vanilla": "Vanilla", "memory_efficient": "MemoryEfficient", "blockwise_parallel": "BPT"}
@@ -133,3 +139,101 @@ def seconds_per_call(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def error_summary(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+
+
+def run_steps(step: TrainingStep, steps: int = 3, *, warmup: int = 1) -> dict:
+    """Runs warmup + steps real steps of step; raises what XLA raises when memory runs out.
+
+    Returns the median step time, tokens/s, model TFLOP/s and MFU (over the mesh's devices,
+    where their peak is known), the highest peak memory its devices report, and the losses.
+    """
+    compiled = step.compiled()  # before allocating: compilation (autotuning) needs memory too
+    state = step.init(jax.random.PRNGKey(step.config.seed))
+    batch = step.batch(jax.random.PRNGKey(1))
+    times, losses = [], []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch, jax.random.PRNGKey(i))
+        losses.append(float(metrics["loss"]))  # waits for the step
+        times.append(time.perf_counter() - start)
+    del state
+    seconds = statistics.median(times[warmup:])
+    devices = jax.local_devices()[: step.num_devices]
+    flops = train_flops_per_token(step.model.config, step.shape[1]) * step.tokens_per_step / seconds
+    peak = peak_flops_per_device(devices[0], step.config.train.peak_flops)
+    peaks = [p for p in (peak_memory_bytes(d) for d in devices) if p is not None]
+    return {
+        "step_seconds": seconds,
+        "tokens_per_second": step.tokens_per_step / seconds,
+        "model_tflops": flops / 1e12,
+        "mfu": flops / (peak * step.num_devices) if peak else None,
+        "peak_bytes": max(peaks) if peaks else None,
+        "losses": losses,
+        "devices": step.num_devices,
+    }
+
+
+def measure(config: ConfigDict, *, steps: int = 1, warmup: int = 0, devices=None) -> dict:
+    """Real steps of config's training step, as a result that never raises: ok with
+    run_steps' numbers, compiled_gib and peak_gib (None where the backend keeps no count); or
+    not ok with out_of_memory and the error (compiled_gib if it compiled)."""
+    result = {}
+    try:
+        step = TrainingStep(config, devices=devices)
+        result["remat_layer"] = step.config.model.remat_layer  # auto's choice, where asked
+        result["compiled_gib"] = step.memory().peak / 2**30
+        measured = run_steps(step, steps=steps, warmup=warmup)
+    except Exception as e:  # reported, not raised: a sweep goes on past an out-of-memory
+        return dict(result, ok=False, out_of_memory=is_out_of_memory(e), error=error_summary(e))
+    peak = measured.pop("peak_bytes")
+    return dict(result, ok=True, peak_gib=peak and peak / 2**30, **measured)
+
+
+@dataclasses.dataclass
+class Search:
+    """The longest length that fits, and every length tried on the way ({length: fits})."""
+
+    longest: int  # 0: not even the first length fits
+    longest_power_of_two: int
+    step: int  # the refinement step: the next length tried below `longest` would be this much less
+    tried: dict[int, bool]
+
+
+def longest_fitting(
+    fits: Callable[[int], bool], *, start: int, stop: int, refine: int = 8, granule: int = 1
+) -> Search:
+    """The longest length in [start, stop] for which fits(length) holds, for a fits that is
+    monotone (true up to some length, false beyond).
+
+    Powers of two times start first (doubling); then the gap between the last length that fit
+    and the first that did not is bisected in steps of 1/refine of the former (rounded up to
+    a multiple of granule: every length tried is start times a power of two or such a
+    multiple). Each length is tried once.
+    """
+    tried: dict[int, bool] = {}
+
+    def check(length: int) -> bool:
+        if length not in tried:
+            tried[length] = bool(fits(length))
+        return tried[length]
+
+    if start > stop or not check(start):
+        return Search(0, 0, 0, tried)
+    low = start
+    while 2 * low <= stop and check(2 * low):
+        low *= 2
+    power = low
+    step = -(-max(low // refine, 1) // granule) * granule
+    # The first length known not to fit, or the first step past stop.
+    high = min(2 * low, low + step * ((stop - low) // step + 1))
+    while high - low > step:
+        middle = low + (high - low) // step // 2 * step
+        if check(middle):
+            low = middle
+        else:
+            high = middle
+    return Search(low, power, step, tried)

@@ -1,4 +1,6 @@
-"""The training-step probe behind the max-context, memory and throughput benchmarks."""
+"""The training-step probe (bpt.train.probe: a config's step compiled from shapes, remat
+auto) and the benchmark protocol over it (scripts/benchlib.py: real steps, the search for the
+longest length that fits, the max-context, memory and throughput scripts)."""
 
 import argparse
 import copy
@@ -13,7 +15,10 @@ from conftest import load_script
 
 from bpt.config import base_config, flash_config, paper_config
 from bpt.train import probe
-from bpt.train.probe import AUTO_REMAT, TrainingStep, auto_policies, longest_fitting, resolve_remat
+from bpt.train.probe import AUTO_REMAT, TrainingStep, auto_policies, resolve_remat
+
+benchlib = load_script("benchlib")
+longest_fitting = benchlib.longest_fitting
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/tiny.py"
@@ -80,7 +85,7 @@ def test_real_steps_train():
     step = TrainingStep(tiny("blockwise_parallel", 256), vocab_size=300)
     memory = step.memory()
     assert memory.peak >= memory.arguments > 0
-    result = step.run(steps=3, warmup=1)
+    result = benchlib.run_steps(step, steps=3, warmup=1)
     assert result["step_seconds"] > 0 and result["tokens_per_second"] > 0
     assert len(result["losses"]) == 4 and result["losses"][-1] < result["losses"][0]
 

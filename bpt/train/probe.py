@@ -1,9 +1,9 @@
-"""The full training step of a config (forward, backward, AdamW update), measured before and
-while it runs: the memory its compiled executable needs, a real step's time and peak memory,
-and the longest context whose step fits a memory budget.
+"""The full training step of a config (forward, backward, AdamW update) compiled from shapes,
+before anything is allocated: the memory it needs (StepMemory), the device's budget, and
+model.remat_layer=auto's choice, the fastest policy whose step fits (resolve_remat).
 
-The benchmark scripts (scripts/bench_*.py, with their shared helpers in scripts/benchlib.py)
-are loops over these.
+bpt-train uses these for its remat choice and its fit check. The benchmark protocol over them
+(real steps timed, the search for the longest context that fits) is scripts/benchlib.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import statistics
-import time
 from collections.abc import Callable
 
 import jax
@@ -23,7 +21,6 @@ from bpt.config import check_config, model_config
 from bpt.data.tokenizers import GPT2_VOCAB
 from bpt.models import make_model
 from bpt.models.lm import stack_unrolled
-from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.state import jit_initializer, jit_steps, make_parallelism
 
 
@@ -32,10 +29,6 @@ def memory_budget(memory_gib: float = 0.0) -> int:
     where the backend reports none, a CPU)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return int(memory_gib * 2**30) or stats.get("bytes_limit", 0)
-
-
-def error_summary(error: BaseException) -> str:
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,96 +198,3 @@ class TrainingStep:
 
     def memory(self) -> StepMemory:
         return StepMemory.of(self.compiled())
-
-    def run(self, steps: int = 3, *, warmup: int = 1) -> dict:
-        """Runs warmup + steps real steps; raises what XLA raises when memory runs out.
-
-        Returns the median step time, tokens/s, model TFLOP/s and MFU (over the mesh's devices,
-        where their peak is known), the highest peak memory its devices report, and the losses.
-        """
-        compiled = self.compiled()  # before allocating: compilation (autotuning) needs memory too
-        state = self.init(jax.random.PRNGKey(self.config.seed))
-        batch = self.batch(jax.random.PRNGKey(1))
-        times, losses = [], []
-        for i in range(warmup + steps):
-            start = time.perf_counter()
-            state, metrics = compiled(state, batch, jax.random.PRNGKey(i))
-            losses.append(float(metrics["loss"]))  # waits for the step
-            times.append(time.perf_counter() - start)
-        del state
-        seconds = statistics.median(times[warmup:])
-        devices = jax.local_devices()[: self.num_devices]
-        flops = train_flops_per_token(self.model.config, self.shape[1]) * self.tokens_per_step / seconds
-        peak = peak_flops_per_device(devices[0], self.config.train.peak_flops)
-        peaks = [p for p in (peak_memory_bytes(d) for d in devices) if p is not None]
-        return {
-            "step_seconds": seconds,
-            "tokens_per_second": self.tokens_per_step / seconds,
-            "model_tflops": flops / 1e12,
-            "mfu": flops / (peak * self.num_devices) if peak else None,
-            "peak_bytes": max(peaks) if peaks else None,
-            "losses": losses,
-            "devices": self.num_devices,
-        }
-
-
-def measure(config: ConfigDict, *, steps: int = 1, warmup: int = 0, devices=None) -> dict:
-    """Real steps of config's training step, as a result that never raises: ok with
-    TrainingStep.run's numbers, compiled_gib and peak_gib (None where the backend keeps no
-    count); or not ok with out_of_memory and the error (compiled_gib if it compiled)."""
-    result = {}
-    try:
-        step = TrainingStep(config, devices=devices)
-        result["remat_layer"] = step.config.model.remat_layer  # auto's choice, where asked
-        result["compiled_gib"] = step.memory().peak / 2**30
-        measured = step.run(steps=steps, warmup=warmup)
-    except Exception as e:  # reported, not raised: a sweep goes on past an out-of-memory
-        return dict(result, ok=False, out_of_memory=is_out_of_memory(e), error=error_summary(e))
-    peak = measured.pop("peak_bytes")
-    return dict(result, ok=True, peak_gib=peak and peak / 2**30, **measured)
-
-
-@dataclasses.dataclass
-class Search:
-    """The longest length that fits, and every length tried on the way ({length: fits})."""
-
-    longest: int  # 0: not even the first length fits
-    longest_power_of_two: int
-    step: int  # the refinement step: the next length tried below `longest` would be this much less
-    tried: dict[int, bool]
-
-
-def longest_fitting(
-    fits: Callable[[int], bool], *, start: int, stop: int, refine: int = 8, granule: int = 1
-) -> Search:
-    """The longest length in [start, stop] for which fits(length) holds, for a fits that is
-    monotone (true up to some length, false beyond).
-
-    Powers of two times start first (doubling); then the gap between the last length that fit
-    and the first that did not is bisected in steps of 1/refine of the former (rounded up to
-    a multiple of granule: every length tried is start times a power of two or such a
-    multiple). Each length is tried once.
-    """
-    tried: dict[int, bool] = {}
-
-    def check(length: int) -> bool:
-        if length not in tried:
-            tried[length] = bool(fits(length))
-        return tried[length]
-
-    if start > stop or not check(start):
-        return Search(0, 0, 0, tried)
-    low = start
-    while 2 * low <= stop and check(2 * low):
-        low *= 2
-    power = low
-    step = -(-max(low // refine, 1) // granule) * granule
-    # The first length known not to fit, or the first step past stop.
-    high = min(2 * low, low + step * ((stop - low) // step + 1))
-    while high - low > step:
-        middle = low + (high - low) // step // 2 * step
-        if check(middle):
-            low = middle
-        else:
-            high = middle
-    return Search(low, power, step, tried)
