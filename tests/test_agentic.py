@@ -11,7 +11,7 @@ import pytest
 from conftest import rel_err
 
 from bpt.models.agentic import AgenticConfig, AgenticTransformer, action_loss
-from bpt.rl.sequences import ChainSampler, Trajectory, chain
+from bpt.rl.sequences import Trajectory, chain, sample_chains
 
 OBS, ACT, STEPS = 3, 2, 8
 W = np.random.default_rng(123).normal(size=(OBS, ACT))
@@ -44,7 +44,7 @@ def loss_fn(model):
 
 
 def test_the_three_attention_modes_agree_values_and_gradients(key):
-    batch = next(ChainSampler(pool(int(key[1])), 2, 3, seed=int(key[0])))
+    batch = sample_chains(pool(int(key[1])), 2, 3, np.random.default_rng(int(key[0])))
     params = nn.meta.unbox(AgenticTransformer(config("vanilla")).init(key, batch)["params"])
     results = {}
     for mode in ("vanilla", "memory_efficient", "blockwise_parallel"):
@@ -82,8 +82,8 @@ def test_an_action_is_predicted_from_what_came_before_it(key):
 
 def test_the_action_loss_falls():
     model = AgenticTransformer(config(dropout=0.1))
-    sampler = ChainSampler(pool(0), 2, 8, seed=1)
-    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), next(sampler))["params"])
+    rng, train_pool = np.random.default_rng(1), pool(0)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), sample_chains(train_pool, 2, 8, rng))["params"])
     optimizer = optax.adamw(1e-3, weight_decay=1e-4)
     state = optimizer.init(params)
 
@@ -99,9 +99,9 @@ def test_the_action_loss_falls():
 
     losses = []
     for i in range(100):
-        params, state, value = step(params, state, next(sampler), jax.random.PRNGKey(i))
+        params, state, value = step(params, state, sample_chains(train_pool, 2, 8, rng), jax.random.PRNGKey(i))
         losses.append(float(value))
-    held_out = next(ChainSampler(pool(99), 2, 8))
+    held_out = sample_chains(pool(99), 2, 8, np.random.default_rng(0))
     assert np.mean(losses[-10:]) < 0.2 * np.mean(losses[:5])
     assert float(loss_fn(model)(params, held_out)) < 0.2 * np.mean(losses[:5])  # it learned s -> a
 

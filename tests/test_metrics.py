@@ -25,6 +25,9 @@ def test_peak_flops_by_device_kind():
     device = lambda kind: types.SimpleNamespace(device_kind=kind)
     assert peak_flops_per_device(device("NVIDIA H100 80GB HBM3")) == 989e12
     assert peak_flops_per_device(device("NVIDIA A100-SXM4-80GB")) == 312e12
+    assert peak_flops_per_device(device("NVIDIA H100 PCIe")) == 756e12  # not the SXM board's peak
+    assert peak_flops_per_device(device("NVIDIA H100 NVL")) == 835e12
+    assert peak_flops_per_device(device("NVIDIA H200")) == 989e12
     assert peak_flops_per_device(device("cpu")) is None
     assert peak_flops_per_device(device("cpu"), override=5e11) == 5e11
 

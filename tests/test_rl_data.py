@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bpt.rl import collect, exorl
-from bpt.rl.sequences import ChainSampler, Trajectory, best_fraction, chain, trajectory
+from bpt.rl.sequences import Trajectory, best_fraction, chain, sample_chains, trajectory
 
 
 def online_episode(task: str, steps: int, seed: int = 0):
@@ -162,16 +162,19 @@ def test_trajectories_from_episodes_and_the_bc_filter():
         best_fraction(pool, 0.0)
 
 
-def test_the_chain_sampler_draws_distinct_trajectories():
+def test_sampled_chains_hold_distinct_trajectories():
     pool = [make_trajectory([float(i)] * (2 + i % 3), seed=i) for i in range(10)]
-    batch = next(ChainSampler(pool, num_trajectories=4, batch_size=3, seed=1))
+    batch = sample_chains(pool, num_trajectories=4, batch_size=3, rng=np.random.default_rng(1))
     assert batch["states"].shape == (3, 16, 3) and batch["returns_to_go"].shape == (3, 16)
     for row in range(3):
         totals = [float(batch["rewards"][row][batch["trajectory"][row] == i].sum()) for i in range(4)]
         firsts = {batch["states"][row][(batch["trajectory"][row] == i)][0].tobytes() for i in range(4)}
         assert totals == sorted(totals) and len(firsts) == 4  # four distinct trajectories, ascending
-    with pytest.raises(ValueError, match="num_trajectories must be in 1..10"):
-        ChainSampler(pool, num_trajectories=11, batch_size=1)
+    with pytest.raises(ValueError, match="num_trajectories must be >= 1"):
+        sample_chains(pool, num_trajectories=0, batch_size=1, rng=np.random.default_rng(0))
+    # A pool smaller than a chain (a held-out split) is drawn with replacement; rows: a part.
+    small = sample_chains(pool[:2], num_trajectories=4, batch_size=4, rng=np.random.default_rng(0), rows=slice(2, 4))
+    assert small["states"].shape == (2, 4 * 3, 3)  # four trajectories of the longest, 3 steps
 
 
 def test_the_collect_command(tmp_path):

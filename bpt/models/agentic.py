@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from bpt.models.gpt import GPT, GPTConfig
 from bpt.models.lm import dropout, logical_param
-from bpt.ops.chunked import CrossEntropy
+from bpt.ops.chunked import Loss
 
 Array = jax.Array
 TOKENS_PER_STEP = 4  # return-to-go, state, action, reward
@@ -75,7 +75,7 @@ class AgenticTransformer(GPT):
         segment_ids: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
-    ) -> Array | CrossEntropy:
+    ) -> Array | Loss:
         """The predicted actions; given targets (the actions [batch, steps, act_dim]) and
         loss_mask [batch, steps], the loss record of bpt's training loop instead: loss = the
         masked mean squared error (action_loss), num_tokens = the steps counted, accuracy =
@@ -127,7 +127,7 @@ class AgenticTransformer(GPT):
         mask = jnp.ones(actions.shape[:2], jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
         count = jnp.sum(mask)
         close = jnp.all(jnp.abs(actions - targets) <= ACCURATE, axis=-1).astype(jnp.float32)
-        return CrossEntropy(action_loss(actions, targets, mask), count, jnp.sum(close * mask) / jnp.maximum(count, 1.0))
+        return Loss(action_loss(actions, targets, mask), count, jnp.sum(close * mask) / jnp.maximum(count, 1.0))
 
     def example_inputs(self, batch: int = 1, steps: int = 1) -> dict:
         """A chain of `steps` zero steps: what init needs (also the cache's size with decode)."""

@@ -52,20 +52,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # the tanh approximation bpt's MLP uses
-LAYER_KEYS = (
-    "ln_1.weight",
-    "ln_1.bias",
-    "attn.c_attn.weight",
-    "attn.c_attn.bias",
-    "attn.c_proj.weight",
-    "attn.c_proj.bias",
-    "ln_2.weight",
-    "ln_2.bias",
-    "mlp.c_fc.weight",
-    "mlp.c_fc.bias",
-    "mlp.c_proj.weight",
-    "mlp.c_proj.bias",
-)
 SKIPPED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers, not weights
 MODEL_TYPES = ("gpt2", "llama")
 # The GPTConfig fields a checkpoint fixes (a run imported from it keeps them).

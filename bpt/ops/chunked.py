@@ -135,12 +135,19 @@ def blockwise_ffn(
     return jax.tree.map(from_chunks, ys)
 
 
-class CrossEntropy(NamedTuple):
-    """Token-level language-model loss; a pytree, so it passes through jit and grad aux."""
+class Loss(NamedTuple):
+    """A model's training objective as the loop records it; a pytree, so it passes through jit
+    and grad aux. A language model's is its cross-entropy (CrossEntropy); the Agentic
+    Transformer's a squared error of actions (bpt.models.agentic)."""
 
-    loss: Array  # mean negative log-likelihood over the counted tokens (float32)
-    num_tokens: Array  # how many tokens were counted (float32)
-    accuracy: Array  # fraction of counted tokens whose argmax prediction is the target
+    loss: Array  # the mean objective over the counted positions (float32)
+    num_tokens: Array  # how many positions were counted (float32)
+    accuracy: Array  # the fraction of counted positions predicted right
+
+
+# The language models' Loss: loss is the mean negative log-likelihood of the counted tokens,
+# accuracy the fraction whose argmax prediction is the target.
+CrossEntropy = Loss
 
 
 def _combine_stats(a, b):

@@ -22,7 +22,7 @@ import numpy as np
 from bpt.data.datasets import register_dataset
 from bpt.models.agentic import TOKENS_PER_STEP
 from bpt.rl import exorl
-from bpt.rl.sequences import Trajectory, best_fraction, chain, trajectory
+from bpt.rl.sequences import Trajectory, best_fraction, sample_chains, trajectory
 
 VAL_FRACTION = 0.05
 
@@ -110,14 +110,9 @@ class ExoRLDataset:
         self.returns = np.array([t.total for t in self.train])
 
     def _batch(self, pool: list[Trajectory], rng: np.random.Generator, batch_size: int) -> dict:
-        # Every row's picks are drawn (the same on every process); this process builds its own.
-        picks = [rng.choice(len(pool), self.n, replace=self.n > len(pool)) for _ in range(batch_size)]
         per = batch_size // self.process_count
-        rows = [
-            chain([pool[i] for i in row], length=self.length)
-            for row in picks[self.process_index * per : (self.process_index + 1) * per]
-        ]
-        inputs = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        mine = slice(self.process_index * per, (self.process_index + 1) * per)
+        inputs = sample_chains(pool, self.n, batch_size, rng, length=self.length, rows=mine)
         mask = inputs.pop("mask")
         inputs.pop("trajectory")  # (the model reads the order from the positions)
         return {"tokens": inputs, "targets": inputs["actions"], "loss_mask": mask}

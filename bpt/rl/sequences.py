@@ -92,28 +92,24 @@ def chain(trajectories: list[Trajectory], *, length: int | None = None) -> dict[
     return {k: v.reshape(n * length, *v.shape[2:]) for k, v in out.items()}
 
 
-class ChainSampler:
-    """Batches of chains: each of batch_size sequences takes num_trajectories distinct
-    trajectories at random from the pool (all of them when the pool is smaller is an error)."""
-
-    def __init__(self, trajectories: list[Trajectory], num_trajectories: int, batch_size: int, seed: int = 0):
-        if num_trajectories < 1 or num_trajectories > len(trajectories):
-            raise ValueError(
-                f"num_trajectories must be in 1..{len(trajectories)} (the trajectories loaded); got {num_trajectories}"
-            )
-        self.pool, self.n, self.batch_size = trajectories, num_trajectories, batch_size
-        self.length = max(len(t.rewards) for t in trajectories)
-        self.rng = np.random.default_rng(seed)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        chains = [
-            chain(
-                [self.pool[i] for i in self.rng.choice(len(self.pool), self.n, replace=False)],
-                length=self.length,
-            )
-            for _ in range(self.batch_size)
-        ]
-        return {k: np.stack([c[k] for c in chains]) for k in chains[0]}
+def sample_chains(
+    pool: list[Trajectory],
+    num_trajectories: int,
+    batch_size: int,
+    rng: np.random.Generator,
+    *,
+    length: int | None = None,
+    rows: slice = slice(None),
+) -> dict[str, np.ndarray]:
+    """batch_size chains (chain) of num_trajectories trajectories each, drawn from pool with
+    rng: distinct within a chain where the pool holds that many, with replacement where it
+    is smaller (a held-out pool). Every row's draw is made, the same on every process; rows
+    picks the ones built (a process's part). length: steps a trajectory (default the pool's
+    longest). Arrays [rows, ...], stacked."""
+    if num_trajectories < 1:
+        raise ValueError(f"num_trajectories must be >= 1; got {num_trajectories}")
+    length = length or max(len(t.rewards) for t in pool)
+    replace = num_trajectories > len(pool)
+    picks = [rng.choice(len(pool), num_trajectories, replace=replace) for _ in range(batch_size)]
+    chains = [chain([pool[i] for i in row], length=length) for row in picks[rows]]
+    return {k: np.stack([c[k] for c in chains]) for k in chains[0]}

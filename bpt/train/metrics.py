@@ -17,8 +17,19 @@ import numpy as np
 
 from bpt.models import FLASHConfig, GPTConfig
 
-# Dense bf16 tensor-core peak per device, FLOP/s.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+# Dense bf16 tensor-core peak per device, FLOP/s, by a part of the device's name; the first
+# part found wins, so the PCIe and NVL boards (lower clocks and power) come before the SXM
+# default of their name ("NVIDIA H100 80GB HBM3" is the SXM board).
+PEAK_BF16_FLOPS = {
+    "H100 PCIE": 756e12,
+    "H100 NVL": 835e12,
+    "H200 NVL": 835e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+}
 
 
 def train_flops_per_token(cfg: GPTConfig | FLASHConfig, seq_len: int, *, causal: bool = True) -> float:

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 
-from bpt.ops.chunked import CrossEntropy
+from bpt.ops.chunked import Loss
 from bpt.train.optimizer import skipped_steps
 
 
-def _loss(apply_fn: Callable, params, batch: dict, rng, deterministic: bool) -> CrossEntropy:
+def _loss(apply_fn: Callable, params, batch: dict, rng, deterministic: bool) -> Loss:
     return apply_fn(
         {"params": params},
         batch["tokens"],
