@@ -61,7 +61,8 @@ def init_cache(model, batch_size: int, max_len: int):
         return cache
     # Keys, values (and int8 scales) are [(layers,) batch, slots, ...]: a leading layer axis
     # when the layers are scanned; "index" [batch] stays on every device.
-    slots = par.sharding(*[None] * (2 if model.config.scan_layers else 1), "sequence")
+    # (the batch stays whole on every device: only the slots are split)
+    slots = par.logical(*(["layers"] if model.config.scan_layers else []), None, "length")
 
     def shard(path, x):
         return x if path[-1].key == "index" else jax.lax.with_sharding_constraint(x, slots)

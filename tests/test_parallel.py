@@ -155,3 +155,35 @@ def test_head_groups_split_long_shards_only():
         assert 12 % groups == 0
         fits = 2 * 4 * 2 * tokens * 64 * 12 // groups <= GROUP_BYTES
         assert fits or groups == 12
+
+
+def test_one_rule_table_places_parameters_and_activations_by_their_logical_names():
+    """Models name what an axis is; RULES says where it lives, as a stored parameter, as a
+    weight in use (gathered over fsdp and sequence) and as an activation."""
+    from jax.sharding import AbstractMesh, PartitionSpec
+
+    from bpt.parallel.mesh import WEIGHT_SHARD_AXES, activation_spec, logical_to_spec
+
+    mesh = AbstractMesh((2, 2, 2, 2), ("data", "fsdp", "sequence", "tensor"))
+    assert activation_spec(("batch", "length", "embed"), mesh) == PartitionSpec(("data", "fsdp"), "sequence", None)
+    assert activation_spec(("batch", "length", "heads", "head_dim"), mesh)[2] == "tensor"
+    assert activation_spec((None, "length"), mesh) == PartitionSpec(None, "sequence")
+    stored = logical_to_spec(("embed", "mlp"), (8, 8), mesh, "w")
+    assert stored == PartitionSpec(("fsdp", "sequence"), "tensor")
+    in_use = logical_to_spec(("vocab", "embed"), (8, 8), mesh, "w", drop=WEIGHT_SHARD_AXES)
+    assert in_use == PartitionSpec("tensor", None)
+    small = AbstractMesh((4, 1, 1, 1), ("data", "fsdp", "sequence", "tensor"))  # axes of one device drop out
+    assert activation_spec(("batch", "length", "embed"), small) == PartitionSpec("data", None, None)
+    with pytest.raises(ValueError, match="vocab size 7, which mesh.tensor=2 cannot split evenly"):
+        logical_to_spec(("vocab", "embed"), (7, 8), mesh, "the embedding")
+
+
+def test_the_models_name_no_mesh_axis():
+    """Sharding in bpt/models goes through logical names (bpt.parallel.mesh.RULES)."""
+    import re
+
+    root = HERE.parent / "bpt"
+    for path in [*(root / "models").glob("*.py"), root / "sample.py"]:
+        text = path.read_text()
+        named = re.findall(r"""["'](data|fsdp|sequence|tensor)["']""", text)
+        assert not named and "BATCH_AXES" not in text and "PartitionSpec(" not in text, (path.name, named)

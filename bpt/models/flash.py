@@ -30,7 +30,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
 
 from bpt.models.lm import (
     DTYPES,
@@ -56,7 +55,7 @@ from bpt.ops.gau import (
 )
 from bpt.ops.remat import check_policy
 from bpt.parallel.gau import sharded_mixed_chunk_attention
-from bpt.parallel.mesh import BATCH_AXES, Parallelism
+from bpt.parallel.mesh import Parallelism
 
 Array = jax.Array
 FLASH_ATTENTION = ("mixed_chunk", "quadratic")
@@ -285,7 +284,7 @@ class GAULayer(Layer):
                 "with mesh.sequence > 1; use attention='mixed_chunk'"
             )
         if par is not None:
-            x = jax.lax.with_sharding_constraint(x, par.activations())
+            x = par.constrain(x, "batch", "length", "embed")
         valid = None
         if self.decode:
             positions, valid = positions
@@ -296,7 +295,7 @@ class GAULayer(Layer):
             h = scale_norm(x, p["norm_scale"], cfg.layer_norm_epsilon)
         else:
             h = layer_norm(x, p["ln_scale"], p["ln_bias"], cfg.layer_norm_epsilon)
-        if par is not None and par.size("tensor") > 1:  # u and v split over the tensor axis
+        if par is not None and par.shards("mlp") > 1:  # u and v split over the devices
             u, v, z = (jax.nn.silu(self._dense(h, p, n)) for n in ("u", "v", "z"))
         else:  # one matmul, as the paper's dense(x, 2e + s): one GEMM and one bias gradient, not three
             names = ("u", "v", "z")
@@ -364,7 +363,7 @@ class GAULayer(Layer):
                 impl=impl,
             )[:, :t]
         if impl == "pallas" and par is not None and par.mesh.size > 1:  # a kernel XLA cannot split
-            rows = PartitionSpec(BATCH_AXES)
+            rows = par.logical("batch").spec
             seg_spec = None if segment_ids is None else rows
             per_device = jax.shard_map(
                 lambda *a: attend(*a[:5], segment_ids=a[5]),
@@ -385,7 +384,7 @@ class GAULayer(Layer):
         par = self.parallel
         if impl != "pallas" or par is None or par.mesh.size == 1:
             return impl
-        if par.size("tensor") == 1 and not has_bias:
+        if par.shards("mlp") == 1 and not has_bias:
             return impl  # per device, under shard_map over the batch shards
         if cfg.attention_impl == "pallas":
             raise ValueError(

@@ -349,7 +349,7 @@ class Block(Layer):
             x, *stacks = x
         par = None if self.decode else self.parallel
         if par is not None:
-            x = jax.lax.with_sharding_constraint(x, par.activations())
+            x = par.constrain(x, "batch", "length", "embed")
         if not self.decode:
             x = checkpoint_name(x, LAYER_INPUT)
             if par is not None and par.sequence > 1:

@@ -361,10 +361,10 @@ class CausalLM(nn.Module):
             padded_init(nn.initializers.normal(0.02), cfg.vocab_size, 0),
         )
         if par is not None:  # gathered over the FSDP axes once, as FSDP gathers every weight
-            embedding = jax.lax.with_sharding_constraint(embedding, par.sharding("tensor", None))
+            embedding = jax.lax.with_sharding_constraint(embedding, par.gathered(("vocab", "embed"), embedding.shape))
         x = jnp.take(embedding, tokens, axis=0).astype(jnp.dtype(cfg.dtype))
         if par is not None:
-            x = jax.lax.with_sharding_constraint(x, par.activations())
+            x = par.constrain(x, "batch", "length", "embed")
         return x, embedding
 
     def layers(
@@ -480,8 +480,8 @@ class CausalLM(nn.Module):
                 padded_init(nn.initializers.normal(0.02), cfg.vocab_size, 1),
             )
         if par is not None:
-            x = jax.lax.with_sharding_constraint(x, par.activations())
-            head = jax.lax.with_sharding_constraint(head, par.sharding(None, "tensor"))
+            x = par.constrain(x, "batch", "length", "embed")
+            head = jax.lax.with_sharding_constraint(head, par.gathered(("embed", "vocab"), head.shape))
         if targets is not None and cfg.chunked_loss:  # the final norm, chunk by chunk too
             loss = functools.partial(
                 blockwise_cross_entropy, chunk_size=cfg.loss_chunk_size, norm=norm, vocab_size=cfg.vocab_size

@@ -11,8 +11,11 @@ Mesh axes, outermost first: data, fsdp, sequence, tensor. The innermost axes tal
   over it as over fsdp.
 - tensor: attention heads and the FFN's hidden units are split (Megatron style).
 
-Parameters carry logical axis names (embed, heads, kv_heads, head_dim, mlp, vocab,
-positions, layers, qk) from nn.with_logical_partitioning; PARAM_RULES maps them to mesh axes.
+Models name what each axis of a parameter or an activation is (batch, length, embed, heads,
+kv_heads, head_dim, mlp, vocab, positions, layers, qk: parameters through
+nn.with_logical_partitioning, activations through Parallelism.constrain); RULES says where
+each lives on the mesh, as a stored parameter and as an activation. No model names a mesh
+axis.
 """
 
 from __future__ import annotations
@@ -31,18 +34,24 @@ CONTEXT_PARALLEL = ("ring", "all_gather")
 LOAD_BALANCE = ("zigzag", "striped", "none")
 WEIGHT_SHARD_AXES = ("fsdp", "sequence")  # weights split here are gathered where they are used
 
-# Logical parameter axis -> mesh axes. Anything not named is replicated.
-PARAM_RULES = (
-    ("embed", ("fsdp", "sequence")),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-    ("qk", None),  # FLASH's shared query/key base: small, replicated
-    ("positions", None),
-    ("layers", None),
-)
+# Logical axis -> the mesh axes that split it (None: every device holds it whole), as a stored
+# parameter and as an activation (and a weight as a layer uses it: the parameter's axes less
+# WEIGHT_SHARD_AXES, gathered). A name not listed is never split.
+RULES = {
+    #  name         parameter              activation
+    "batch": (None, BATCH_AXES),
+    "length": (None, "sequence"),  # a sequence's tokens (a decode cache's slots): context parallelism
+    "embed": (("fsdp", "sequence"), None),  # ZeRO-3 over the batch and the sequence groups
+    "vocab": ("tensor", "tensor"),
+    "heads": ("tensor", "tensor"),
+    "kv_heads": ("tensor", "tensor"),
+    "mlp": ("tensor", "tensor"),
+    "head_dim": (None, None),
+    "qk": (None, None),  # FLASH's shared query/key base: small, replicated
+    "positions": (None, None),
+    "layers": (None, None),
+}
+PARAM_RULES = tuple((name, where[0]) for name, where in RULES.items())  # (name, mesh axes) pairs
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, sequence: int = 1, *, devices=None) -> Mesh:
@@ -105,6 +114,10 @@ class Parallelism:
     def size(self, axis: str) -> int:
         return self.mesh.shape.get(axis, 1)
 
+    def shards(self, name: str) -> int:
+        """How many devices split an activation's logical axis name (RULES)."""
+        return math.prod(self.size(a) for a in _mesh_axes_of(name, self.mesh, 1))
+
     @property
     def sequence(self) -> int:
         return self.size("sequence")
@@ -122,9 +135,18 @@ class Parallelism:
     def sharding(self, *spec) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec(*spec))
 
+    def logical(self, *names: str | None) -> NamedSharding:
+        """The sharding of an activation whose leading axes are these logical names (RULES;
+        None: not split); the axes after them are not split."""
+        return NamedSharding(self.mesh, activation_spec(names, self.mesh))
+
+    def constrain(self, x, *names: str | None):
+        """x, constrained to the sharding of an activation whose leading axes are names."""
+        return jax.lax.with_sharding_constraint(x, self.logical(*names))
+
     def activations(self) -> NamedSharding:
-        """[batch, seq, ...]: batch over data x fsdp, tokens over sequence."""
-        return self.sharding(BATCH_AXES, "sequence")
+        """[batch, length, ...]: batch over data x fsdp, tokens over sequence."""
+        return self.logical("batch", "length")
 
     def replicated(self) -> NamedSharding:
         return self.sharding()
@@ -164,18 +186,32 @@ def mesh_axes(mesh: Mesh, names) -> tuple[str, ...] | None:
     return present or None
 
 
+def _mesh_axes_of(name: str | None, mesh: Mesh, column: int, drop=()) -> tuple[str, ...]:
+    """The mesh axes (of more than one device, not in drop) that split logical axis name."""
+    axes = RULES.get(name, (None, None))[column] if name is not None else None
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1 and a not in drop)
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def activation_spec(names: tuple[str | None, ...], mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec of an activation whose leading axes have these logical names (RULES'
+    activation column)."""
+    return PartitionSpec(*(_entry(_mesh_axes_of(name, mesh, 1)) for name in names))
+
+
 def logical_to_spec(
     names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, where: str, *, drop=()
 ) -> PartitionSpec:
-    """The PartitionSpec of an array whose axes have these logical names, by PARAM_RULES;
-    a mesh axis of size 1 (or named in drop) is left out, and an axis that does not divide is
-    an error naming where."""
-    rules = dict(PARAM_RULES)
+    """The PartitionSpec of a parameter whose axes have these logical names (RULES' parameter
+    column); a mesh axis of size 1 (or named in drop) is left out, and an axis that does not
+    divide is an error naming where."""
     spec = []
     for name, size in zip(names, shape):
-        axes = rules.get(name)
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1 and a not in drop)
+        axes = _mesh_axes_of(name, mesh, 0, drop)
         shards = math.prod(mesh.shape[a] for a in axes)
         if size % shards:
             mesh_text = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)
@@ -183,7 +219,7 @@ def logical_to_spec(
                 f"{where} has {name} size {size}, which {mesh_text} cannot split evenly; "
                 f"choose mesh sizes that divide it{_hint(name)}"
             )
-        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        spec.append(_entry(axes))
     return PartitionSpec(*spec)
 
 
