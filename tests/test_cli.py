@@ -294,3 +294,4 @@ def test_small_things_a_user_meets(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 1
     assert "(0, 1]" in command("sample", "--help").stdout and "[0.0, 1.0]" not in command("sample", "--help").stdout
+

@@ -129,7 +129,6 @@ def attention(
     reason = cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids)
     if reason is not None:
         raise ValueError(
-            f"model.attention_impl='cudnn' cannot run here: {reason}; use model.attention_impl=auto, "
-            "pallas or blockwise"
+            f"impl='cudnn' cannot run here: {reason}; use impl auto, pallas or blockwise"
         )
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")

@@ -446,8 +446,14 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def local_impl(impl: str, dtype) -> str:
-    """The attention a hop runs: bpt's flash kernels on a GPU for 16-bit inputs (impl 'auto',
-    'pallas' or 'cudnn'), else the blockwise scan."""
+    """The attention a hop runs for the model's impl: bpt's flash kernels on a GPU for 16-bit
+    inputs where impl is 'auto', 'pallas' or 'cudnn' (auto's per-device choice of cuDNN
+    becomes the kernels here: a hop returns its logsumexp for the merge, which cuDNN's
+    attention does not), else the blockwise scan ('reference' too: the scan computes the same
+    function). An explicit cudnn or reference with mesh.sequence > 1 is refused by the
+    config check (bpt.config.check_mesh) before it gets here; with one sequence shard (data
+    or fsdp meshes) an explicit cudnn still runs the kernels: the attention registry that
+    will say so is not written yet."""
     allowed = LOCAL_IMPLS + ("reference", "cudnn")
     if impl not in allowed:
         raise ValueError(f"unknown attention impl {impl!r}; allowed: {', '.join(allowed)}")

@@ -491,9 +491,10 @@ def compile_first_step(config, model, dataset, train_step, state, batch_sharding
             raise MemoryError(out_of_memory_message(config)) from error
         if "cudnn" in str(error).lower() and "model.attention_impl" not in str(error):
             line = (str(error).strip().splitlines() or [""])[0][:200]
+            impl = model.config.attention_impl
+            chose = "model.attention_impl=auto chose cuDNN" if impl == "auto" else f"model.attention_impl={impl!r}"
             raise ValueError(
-                f"cuDNN failed to compile this run's attention ({line}); with "
-                f"model.attention_impl={model.config.attention_impl!r} it was chosen for you: set "
+                f"cuDNN failed to compile this run's attention ({line}; {chose}): set "
                 "model.attention_impl=pallas or blockwise"
             ) from error
         raise

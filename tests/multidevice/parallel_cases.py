@@ -505,12 +505,14 @@ def test_sequence_sharding_divides_the_activation_memory_per_device(family):
         (dict(data=8, batch_size=4), "do not split over mesh.data x mesh.fsdp = 8"),
         (dict(sequence=-1, context_parallel="tree"), "unknown mesh.context_parallel"),
         (dict(sequence=2, data=-1, context_head_groups=3), "mesh.context_head_groups=3 must divide"),
+        (dict(sequence=2, data=-1, impl="cudnn"), "model.attention_impl='cudnn' cannot run with mesh.sequence > 1"),
     ],
 )
 def test_bad_mesh_settings_are_clear_errors(mesh, message):
     c = tiny_config()
     c.data.seq_len = mesh.pop("seq_len", c.data.seq_len)
     c.train.batch_size = mesh.pop("batch_size", c.train.batch_size)
+    c.model.attention_impl = mesh.pop("impl", c.model.attention_impl)
     c.mesh.update(mesh)
     with pytest.raises(ValueError, match=message):
         setup(c)
