@@ -366,24 +366,7 @@ class Block(Layer):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
 
-        impl = cfg.attention_impl
-        if cfg.attention_mode == "vanilla":
-            impl = "reference"
-        elif impl == "auto":
-            # Chosen by what each device computes: its thresholds were measured on one device.
-            local = (
-                (q, k)
-                if self.parallel is None
-                else tuple(jax.ShapeDtypeStruct(self.parallel.local_shape(x.shape), x.dtype) for x in (q, k))
-            )
-            impl = select_impl(
-                *local,
-                causal=True,
-                segment_ids=segment_ids,
-                q_chunk_size=cfg.q_chunk_size,
-                kv_chunk_size=cfg.kv_chunk_size,
-            )
-
+        impl = self._attention_impl(q, k, segment_ids)
         if self.decode:
             a, stacks = self._cached_attention(q, k, v, impl, cache_index, stacks, layer)
             x = ffn_residual(x + project_out(p, a), None)
@@ -392,30 +375,7 @@ class Block(Layer):
         if cfg.attention_mode == "blockwise_parallel" and impl == "blockwise" and shards == 1:
             return self._fused_blockwise(p, x, q, k, v, segment_ids, rng, ffn_residual), None
 
-        if par is not None and (shards > 1 or impl in ("pallas", "pallas_fp8", "cudnn")):
-            # Across the sequence shards (ring or all-gather), or a kernel XLA cannot split
-            # by itself: attention runs inside shard_map, per device.
-            attend = functools.partial(
-                context_parallel_attention,
-                mesh=par.mesh,
-                strategy=par.context_parallel,
-                layout=par.load_balance,
-                head_groups=par.head_groups,
-            )
-        else:
-            attend = attention
-        attend = remat(
-            functools.partial(
-                attend,
-                impl=impl,
-                causal=True,
-                segment_ids=segment_ids,
-                q_chunk_size=cfg.q_chunk_size,
-                kv_chunk_size=cfg.kv_chunk_size,
-            ),
-            cfg.remat_attention,
-        )
-        a = attend(q, k, v)
+        a = self._attend(q, k, v, impl, segment_ids)
         if cfg.attention_mode != "blockwise_parallel":
             h = x + dropout(project_out(p, a), rate, fold_rng(rng, 0))
             return ffn_residual(h, fold_rng(rng, 1)), None
@@ -442,6 +402,50 @@ class Block(Layer):
         weights = post_attention_weights(p)
         out = self._per_device(functools.partial(chunk_loop, shards=1), x, a, weights=weights, rng=rng)
         return (chunk_loop(x, a, weights, shards) if out is None else out), None
+
+    def _attention_impl(self, q: Array, k: Array, segment_ids) -> str:
+        """The attention implementation this layer runs: the reference for vanilla attention,
+        model.attention_impl as set, or auto's choice for the shapes one device computes (its
+        thresholds were measured on one device)."""
+        cfg = self.config
+        if cfg.attention_mode == "vanilla":
+            return "reference"
+        if cfg.attention_impl != "auto":
+            return cfg.attention_impl
+        local = (
+            (q, k)
+            if self.parallel is None
+            else tuple(jax.ShapeDtypeStruct(self.parallel.local_shape(x.shape), x.dtype) for x in (q, k))
+        )
+        return select_impl(
+            *local, causal=True, segment_ids=segment_ids, q_chunk_size=cfg.q_chunk_size, kv_chunk_size=cfg.kv_chunk_size
+        )
+
+    def _attend(self, q: Array, k: Array, v: Array, impl: str, segment_ids) -> Array:
+        """Causal attention of the layer's heads, under model.remat_attention: inside shard_map
+        per device across the sequence shards (ring or all-gather) or for a kernel XLA cannot
+        split by itself, else as one op XLA partitions."""
+        cfg, par = self.config, (None if self.decode else self.parallel)
+        shards = 1 if par is None else par.sequence
+        if par is not None and (shards > 1 or impl in ("pallas", "pallas_fp8", "cudnn")):
+            attend = functools.partial(
+                context_parallel_attention,
+                mesh=par.mesh,
+                strategy=par.context_parallel,
+                layout=par.load_balance,
+                head_groups=par.head_groups,
+            )
+        else:
+            attend = attention
+        attend = functools.partial(
+            attend,
+            impl=impl,
+            causal=True,
+            segment_ids=segment_ids,
+            q_chunk_size=cfg.q_chunk_size,
+            kv_chunk_size=cfg.kv_chunk_size,
+        )
+        return remat(attend, cfg.remat_attention)(q, k, v)
 
     def _cached_attention(self, q, k, v, impl: str, cache_index: Array | None, stacks, layer):
         """Attention while decoding, and the caches: the cache holds every position's keys
