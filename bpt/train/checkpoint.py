@@ -288,7 +288,10 @@ class Checkpoints:
         for step in self._to_move:
             folder = self.directory / str(step)
             if jax.process_index() == 0 and folder.is_dir():
-                folder.rename(self.directory / f"{step}.damaged")
+                target, n = self.directory / f"{step}.damaged", 1
+                while target.exists():  # an earlier run's, set aside at the same step
+                    target, n = self.directory / f"{step}.damaged.{n}", n + 1
+                folder.rename(target)
         self._to_move = []
         if jax.process_count() > 1:  # every process lists the folder after the renames
             from jax.experimental import multihost_utils
