@@ -163,6 +163,12 @@ def test_a_truncated_checkpoint_is_set_aside_by_training_and_only_reported_by_re
     assert "checkpoint at step 8 is damaged" in out and "8.damaged" in out and "TensorStore" not in out
     assert "resuming from the checkpoint at step 4" in out
     assert last["step"] == 8 and folders(ckpt) == ["4", "8", "8.damaged"]
+    steps = [json.loads(line)["step"] for line in (run8 / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # resuming at 4 dropped the old rows of steps 5-8
+    # Damaged again at the same step: set aside beside the first, which is kept.
+    truncate(largest_file(ckpt / "8" / "params"))
+    train(run_config(steps=8), run8)
+    assert folders(ckpt) == ["4", "8", "8.damaged", "8.damaged.1"]
 
 
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_a_damaged_run_as_it_was(run8, monkeypatch):
@@ -192,8 +198,6 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_a_damaged_run_as_it
         train(run_config(steps=12), run8)
     after = {p.relative_to(run8): p.read_bytes() for p in run8.rglob("*") if p.is_file()}
     assert after.keys() == before.keys() and after == before
-    steps = [json.loads(line)["step"] for line in (run8 / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(set(steps))  # resuming at 4 dropped the old rows of steps 5-8
 
 
 def test_when_no_checkpoint_loads_readers_say_why_and_training_announces_a_restart(run8, capsys):
