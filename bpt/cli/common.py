@@ -239,13 +239,13 @@ def _integral(config, arg: str) -> str:
     node = config
     for part in flag.split("config.", 1)[1].split("."):
         node = node.get(part) if hasattr(node, "get") else None
-    if isinstance(node, bool) or not isinstance(node, int):
+    if isinstance(node, bool) or not isinstance(node, int) or value.strip().lstrip("-").isdigit():
         return arg
     try:
         number = float(value)
     except ValueError:
         return arg
-    return f"{flag}={int(number)}" if number.is_integer() and not value.strip().lstrip("-").isdigit() else arg
+    return f"{flag}={int(number)}" if number.is_integer() else arg
 
 
 def define_config_flag(help_text: str):

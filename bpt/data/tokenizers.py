@@ -117,6 +117,15 @@ class HFTokenizer:
                 f"{', '.join(_EOT_CANDIDATES)}, and no eos_token in tokenizer_config.json"
             )
 
+    def digest(self) -> str:
+        """A short hash of what this tokenizer maps text to (its whole tokenizers file, or
+        the transformers tokenizer's vocabulary)."""
+        if self._tok is not None:
+            text = self._tok.to_str()
+        else:
+            text = json.dumps(sorted(self._hf.get_vocab().items()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def save(self, path: str | Path) -> bool:
         """Writes a self-contained tokenizer.json; False when this tokenizer cannot."""
         if self._tok is None:
@@ -141,11 +150,7 @@ def vocabulary_digest(tokenizer: Tokenizer) -> str:
     alike (a copy of a tokenizer.json and its original), different once it is retrained."""
     if not isinstance(tokenizer, HFTokenizer):
         return tokenizer.spec  # bytes, or a named tiktoken encoding: fixed
-    if tokenizer._tok is not None:
-        text = tokenizer._tok.to_str()
-    else:
-        text = json.dumps(sorted(tokenizer._hf.get_vocab().items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return tokenizer.digest()
 
 
 def _load_transformers(path: Path):

@@ -190,7 +190,7 @@ def _mesh_axes_of(name: str | None, mesh: Mesh, column: int, drop=()) -> tuple[s
     """The mesh axes (of more than one device, not in drop) that split logical axis name."""
     axes = RULES.get(name, (None, None))[column] if name is not None else None
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1 and a not in drop)
+    return mesh_axes(mesh, [a for a in axes if a not in drop]) or ()
 
 
 def _entry(axes: tuple[str, ...]):

@@ -32,6 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from flax.training.train_state import TrainState
+from jax.experimental import multihost_utils
 
 from bpt.models.hf import extend_positions as extend_positions_of
 from bpt.models.lm import resize_vocab, vocab_axis
@@ -294,8 +295,6 @@ class Checkpoints:
                 folder.rename(target)
         self._to_move = []
         if jax.process_count() > 1:  # every process lists the folder after the renames
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("bpt: damaged checkpoints moved")
         self._open()
 

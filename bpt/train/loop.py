@@ -29,12 +29,12 @@ from bpt.train.optimizer import learning_rate_schedule
 from bpt.train.probe import StepMemory, is_out_of_memory, memory_budget, resolve_remat
 from bpt.train.run_files import (
     METRICS,
-    TOKENIZER,
     RunFiles,
     check_tokenizer,
     check_workdir,
     describe_changes,
     latest_metrics,
+    own_tokenizer_path,
 )
 from bpt.train.state import create_state, jit_steps, make_parallelism
 
@@ -286,9 +286,10 @@ def restore_run(workdir: str | Path, mesh: dict | None = None):
     config = base_config()  # today's defaults under the saved settings: older runs still load
     config.update(json.loads(config_path.read_text()))
     config.data.verify_checksums = False  # training checked them; sizes are still checked
-    if (workdir / TOKENIZER / "tokenizer.json").is_file() and config.data.name != "prepared":
+    own = own_tokenizer_path(workdir)
+    if own is not None and config.data.name != "prepared":
         # The run's own copy: the one it was trained with, wherever the folder now is.
-        config.data.tokenizer = str(workdir / TOKENIZER)
+        config.data.tokenizer = str(own)
     config.mesh.update(mesh or {})
     sizes = [config.mesh[name] for name in ("data", "fsdp", "sequence", "tensor")]
     if -1 not in sizes and math.prod(sizes) != jax.device_count():
@@ -297,7 +298,8 @@ def restore_run(workdir: str | Path, mesh: dict | None = None):
         say(f"the run's mesh {sizes} does not fit {jax.device_count()} devices; using data parallelism")
         config.mesh.update(data=-1, fsdp=1, sequence=1, tensor=1)
     dataset, model, state = setup(config)
-    check_tokenizer(workdir, getattr(dataset, "tokenizer", None), f"the prepared data at {config.data.path}'s tokenizer")
+    if config.data.name == "prepared":  # it brings its own tokenizer: the run's must match it
+        check_tokenizer(workdir, getattr(dataset, "tokenizer", None), f"the prepared data at {config.data.path}'s tokenizer")
     with Checkpoints(workdir / "checkpoints", read_only=True) as checkpoints:
         restored = checkpoints.restore_latest(state, vocab_size=getattr(model.config, "vocab_size", None))
     if restored is None:

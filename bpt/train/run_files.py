@@ -136,10 +136,17 @@ def check_workdir(workdir: Path) -> None:
         )
 
 
-def own_tokenizer(workdir: Path):
-    """The run's copy of its tokenizer (None if it keeps none: bytes, tiktoken, no data)."""
+def own_tokenizer_path(workdir: Path) -> Path | None:
+    """The folder of the run's copy of its tokenizer; None if it keeps none (bytes, tiktoken,
+    no data)."""
     folder = Path(workdir) / TOKENIZER
-    return load_tokenizer(str(folder)) if (folder / "tokenizer.json").is_file() else None
+    return folder if (folder / "tokenizer.json").is_file() else None
+
+
+def own_tokenizer(workdir: Path):
+    """The run's copy of its tokenizer, loaded (None if it keeps none)."""
+    folder = own_tokenizer_path(workdir)
+    return None if folder is None else load_tokenizer(str(folder))
 
 
 def check_tokenizer(workdir: Path, tokenizer, setting: str) -> None:
@@ -195,8 +202,8 @@ class RunFiles:
             return 0
         self.workdir.mkdir(parents=True, exist_ok=True)
         save = getattr(self.tokenizer, "save", None)
-        folder = self.workdir / TOKENIZER
-        if save is not None and not (self.resumed and (folder / "tokenizer.json").is_file()):
+        if save is not None and not (self.resumed and own_tokenizer_path(self.workdir)):
+            folder = self.workdir / TOKENIZER
             folder.mkdir(exist_ok=True)
             save(folder / "tokenizer.json")
         temporary = self.workdir / (CONFIG + ".tmp")
