@@ -3,12 +3,12 @@ parameters), mixed chunk attention in chunks of 64; 60 steps take about a minute
 
 from pathlib import Path
 
-from bpt.config import load_config_file
+from bpt.config import load_config_file, set_family
 
 
 def get_config():
     c = load_config_file(Path(__file__).with_name("tiny.py"))
-    c.model.family = "flash"
+    set_family(c, "flash")  # tiny.py's GPT settings (heads, chunk sizes) unset
     c.model.num_layers = 4
     c.model.chunk_size = 64
     c.model.qk_dim = 64

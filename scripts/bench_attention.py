@@ -17,7 +17,6 @@ writes every measurement as JSON and --png draws TFLOP/s against the sequence le
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
@@ -27,6 +26,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from benchlib import script_parser, write_results
 
 from bpt.ops import blockwise_attention, reference_attention
 from bpt.ops.kernels import attention_hopper, flash_attention
@@ -249,9 +249,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, png=True)
     parser.add_argument("--seqs", default="4096,16384,65536")
     parser.add_argument("--head_dims", default="128")
     parser.add_argument("--heads", type=int, default=16)
@@ -280,8 +278,6 @@ def main() -> None:
         default=1,
         help="time the implementations of a shape in turn this many times; report medians",
     )
-    parser.add_argument("--out", default="")
-    parser.add_argument("--png", default="")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
@@ -343,8 +339,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_results(args.out, rows)
     if args.png and not (args.tune or args.shapes):
         plot(rows, args.png)
     if args.shapes:

@@ -30,7 +30,6 @@ Prints markdown tables last; --out writes results.json, table.md and decode.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -39,7 +38,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from benchlib import human_tokens, parse_choices, run_meta, seconds_per_call  # noqa: E402
+from benchlib import human_tokens, parse_choices, run_meta, script_parser, seconds_per_call, write_results  # noqa: E402
 
 PARTS = ("kernels", "ragged", "tree", "sample")
 HEADS = {"16/16": (16, 16), "32/8": (32, 8)}
@@ -356,9 +355,7 @@ def plot(kernel_rows, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, out_help="a folder: results.json, table.md and decode.png")
     parser.add_argument("--parts", default="kernels,ragged", help=f"comma-separated: {', '.join(PARTS)}")
     parser.add_argument("--contexts", default="8192,32768,131072,524288,1048576")
     parser.add_argument("--batches", default="1,8")
@@ -390,7 +387,6 @@ def main() -> None:
         default=3,
         help="kernels: interleaved rounds of every impl; the best median counts",
     )
-    parser.add_argument("--out", default="")
     args = parser.parse_args()
     parts = parse_choices(parser, args.parts, PARTS, "part")
     args.heads = parse_choices(parser, args.heads, HEADS, "heads")
@@ -409,14 +405,11 @@ def main() -> None:
     sample_rows = sample_part(args) if "sample" in parts else []
     text = tables(kernel_rows, ragged_rows, tree_rows, sample_rows)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         results = {"meta": meta, "kernels": kernel_rows, "ragged": ragged_rows, "tree": tree_rows,
                    "sample": sample_rows}  # fmt: skip
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-        (out / "table.md").write_text(text)
+        write_results(args.out, results, table=text)
         if kernel_rows:
-            plot(kernel_rows, out / "decode.png")
+            plot(kernel_rows, Path(args.out) / "decode.png")
     print(text)
 
 

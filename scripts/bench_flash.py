@@ -49,7 +49,16 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from benchlib import benchmark_config, human_tokens, parse_choices, report, run_in_subprocess, run_meta  # noqa: E402
+from benchlib import (  # noqa: E402
+    benchmark_config,
+    human_tokens,
+    parse_choices,
+    report,
+    run_in_subprocess,
+    run_meta,
+    script_parser,
+    write_results,
+)
 
 PARTS = ("flops", "speed", "max_context", "quality")
 
@@ -469,9 +478,7 @@ def plot(speed, quality, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, out_help="a folder: results.json, table.md and flash.png", settings=True, memory=True)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
     parser.add_argument("--gpt", default="configs/gpt_125m.py", help="GPT configs, comma-separated")
     parser.add_argument(
@@ -482,7 +489,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="speed: timed steps after one warm-up")
     parser.add_argument("--max_start", type=int, default=8192, help="max_context: first length (and granule)")
     parser.add_argument("--max_stop", type=int, default=4194304, help="max_context: longest length tried")
-    parser.add_argument("--memory_gib", type=float, default=0.0, help="max_context: budget (0: the device's)")
     parser.add_argument("--seq_len", type=int, default=8192, help="quality: context")
     parser.add_argument("--steps", type=int, default=500, help="quality: training steps")
     parser.add_argument("--batch_size", type=int, default=8, help="quality: sequences a step")
@@ -497,10 +503,6 @@ def main() -> None:
         default="gpt,flash",
         help="quality: the families this call trains (the others' runs are read back from --quality_dir)",
     )
-    parser.add_argument(
-        "--set", action="append", default=[], help="section.name=value for every run, repeatable"
-    )
-    parser.add_argument("--out", default="", help="folder for results.json, table.md and flash.png")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
     parser.add_argument("--one_context", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -534,24 +536,10 @@ def main() -> None:
     ]
     table = tables(args, flops, speed, longest, quality, equal_loss)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         meta = run_meta(parts=parts, settings=args.set)
-        (out / "results.json").write_text(
-            json.dumps(
-                dict(
-                    meta=meta,
-                    flops=flops,
-                    speed=speed,
-                    max_context=longest,
-                    quality=quality,
-                    equal_loss=equal_loss,
-                ),
-                indent=1,
-            )
-        )
-        (out / "table.md").write_text(table + "\n")
-        plot(speed, quality, out / "flash.png")
+        results = dict(meta=meta, flops=flops, speed=speed, max_context=longest, quality=quality, equal_loss=equal_loss)
+        write_results(args.out, results, table=table)
+        plot(speed, quality, Path(args.out) / "flash.png")
     print(table)
 
 

@@ -16,13 +16,11 @@ kernels' outputs are checked against the XLA path's first. Prints a markdown tab
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from benchlib import seconds_per_call
+from benchlib import run_meta, script_parser, seconds_per_call, write_results
 
 from bpt.ops.gau import mixed_chunk_attention
 
@@ -39,9 +37,7 @@ def rel_err(a, b) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, out_help="a folder: results.json and table.md")
     parser.add_argument("--tokens", type=int, default=65536, help="tokens in all (batch x sequence)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=256)
@@ -49,7 +45,6 @@ def main() -> None:
     parser.add_argument("--value_dim", type=int, default=1536)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="JSON: name -> kernel options")
-    parser.add_argument("--out", default="")
     args = parser.parse_args()
 
     b, t, g = args.batch, args.tokens // args.batch, args.chunk
@@ -109,11 +104,7 @@ def main() -> None:
         )
     table = "\n".join(lines)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args))
-        (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        (out / "table.md").write_text(table + "\n")
+        write_results(args.out, dict(meta=run_meta(args=vars(args)), rows=rows), table=table)
     print(table)
 
 

@@ -15,7 +15,6 @@ not what they learn.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -122,12 +121,13 @@ def measure(size: str, seq_len: int, steps: int, workdir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from benchlib import script_parser, write_results
+
+    parser = script_parser(__doc__)
     parser.add_argument("--sizes", default="355m,774m,1.5b")
     parser.add_argument("--seq_lens", default="65536")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--workdir", default="runs/gpt2_long_steps")
-    parser.add_argument("--out", default="")
     args = parser.parse_args()
     sizes = args.sizes.split(",")
     for size in sizes:
@@ -148,7 +148,7 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        write_results(args.out, results)
 
     print(f"\nGPT-2 shapes imported from Hugging Face folders, fine-tuned at long context ({args.steps} steps, batch 1)\n")
     print("| shape | context | step (s) | tokens/s | MFU | peak GiB | losses |")

@@ -38,7 +38,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from benchlib import LABELS, MODES, REMATS, human_tokens, parse_choices  # noqa: E402  (after the environment)
+from benchlib import LABELS, REMATS, TABLE_MODES, human_tokens, parse_choices, script_parser, write_results  # noqa: E402  (after the environment)
 
 
 def load_config(args, *, config: str, mode: str, chunk: int, remat: str, group: int, seq_len: int):
@@ -159,9 +159,11 @@ def verify(args, best: dict, log) -> dict:
 
 
 def table(bests: dict, verdicts: dict, configs: list[str], modes: list[str]) -> str:
+    """The longest context of each config and mode, then BPT's ratio to each other mode."""
+    others = [m for m in modes if m != "blockwise_parallel"] if "blockwise_parallel" in modes else []
     rows = [
-        "| model | " + " | ".join(LABELS[m] for m in modes) + " |",
-        "|---|" + "---|" * len(modes),
+        "| model | " + " | ".join(LABELS[m] for m in modes) + "".join(f" | BPT / {LABELS[m]}" for m in others) + " |",
+        "|---|" + "---|" * (len(modes) + len(others)),
     ]
     for config in configs:
         cells = []
@@ -179,6 +181,10 @@ def table(bests: dict, verdicts: dict, configs: list[str], modes: list[str]) -> 
                 cap = " (the cap)" if verdict.get("capped") and verdict["ok"] else ""
                 cell += f"; real step: {human_tokens(verdict['seq_len'])}{cap}"
             cells.append(cell)
+        bpt = bests.get((config, "blockwise_parallel"), {}).get("longest", 0)
+        for mode in others:
+            other = bests.get((config, mode), {}).get("longest", 0)
+            cells.append(f"{bpt / other:.1f}x" if bpt and other else "–")
         rows.append(f"| {Path(config).stem} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -213,11 +219,9 @@ def plot(bests: dict, verdicts: dict, configs: list[str], modes: list[str], path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, png=True, settings=True, memory=True)
     parser.add_argument("--configs", default="configs/gpt_1b.py")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(TABLE_MODES))
     parser.add_argument("--impl", default="auto", help="attention_impl of the two non-vanilla modes")
     parser.add_argument("--chunks", default="1024", help="chunk sizes (query, key/value and loss)")
     parser.add_argument("--remats", default="layer", help=f"remat presets: {', '.join(REMATS)}")
@@ -240,19 +244,15 @@ def main() -> None:
         default=8,
         help="after doubling, bisect the last gap in steps of 1/refine of the longest that fit",
     )
-    parser.add_argument("--memory_gib", type=float, default=0.0, help="budget (default: the device's limit)")
     parser.add_argument("--verify", action="store_true", help="confirm each mode's best by real steps")
     parser.add_argument("--verify_tries", type=int, default=4)
     parser.add_argument("--verify_max", type=int, default=0, help="longest real step to try (0: no cap)")
-    parser.add_argument("--set", action="append", default=[], help="section.name=value (repeatable)")
     parser.add_argument("--jobs", type=int, default=1, help="searches at once, one process each")
-    parser.add_argument("--out", default="")
-    parser.add_argument("--png", default="")
     parser.add_argument("--run_one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seq_len", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     remats = parse_choices(parser, args.remats, REMATS, "remat preset")
-    modes = parse_choices(parser, args.modes, MODES, "mode")
+    modes = parse_choices(parser, args.modes, TABLE_MODES, "mode")
     if args.run_one:
         run_one(args)
         return
@@ -314,7 +314,7 @@ def main() -> None:
         for key, best in bests.items():
             verdicts[key] = verify(args, best, log)
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+        write_results(args.out, {"meta": meta, "records": records})
     if args.png:
         plot(bests, verdicts, configs, modes, args.png)
     print(

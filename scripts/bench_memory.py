@@ -19,12 +19,11 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see bench_max_context.py
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from benchlib import LABELS, MODES, REMATS, human_tokens, parse_choices  # noqa: E402  (after the environment)
+from benchlib import LABELS, REMATS, TABLE_MODES, human_tokens, parse_choices, script_parser, write_results  # noqa: E402  (after the environment)
 
 
 def config_for(args, mode: str, seq_len: int):
@@ -115,11 +114,9 @@ def plot(results: list[dict], modes: list[str], budget_gib: float, path: str) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, png=True, settings=True, memory=True)
     parser.add_argument("--config", default="configs/gpt_3b.py")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(TABLE_MODES))
     parser.add_argument("--seq_lens", default="8192,16384,32768,65536,131072")
     parser.add_argument("--impl", default="auto", help="attention_impl of the two non-vanilla modes")
     parser.add_argument("--chunk", type=int, default=1024, help="query, key/value and loss chunk size")
@@ -130,15 +127,11 @@ def main() -> None:
         help=f"remat preset ({', '.join(REMATS)}); the paper's layer remat by default, so that "
         "the memory is a mode's own and not auto's choice for the device",
     )
-    parser.add_argument("--set", action="append", default=[], help="section.name=value (repeatable)")
     parser.add_argument("--real", action="store_true", help="also run one real step per fitting length")
-    parser.add_argument("--memory_gib", type=float, default=0.0, help="budget (default: the device's limit)")
-    parser.add_argument("--out", default="")
-    parser.add_argument("--png", default="")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--seq_len", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    modes = parse_choices(parser, args.modes, MODES, "mode")
+    modes = parse_choices(parser, args.modes, TABLE_MODES, "mode")
     if args.mode:
         real_one(args)
         return
@@ -177,7 +170,7 @@ def main() -> None:
             if not result["fits"]:
                 break  # longer ones need more
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        write_results(args.out, {"meta": meta, "results": results})
     if args.png:
         plot(results, modes, meta["budget_gib"], args.png)
     print(f"\n{meta['device']}, jax {meta['jax']}, budget {meta['budget_gib']:.1f} GiB, batch 1")

@@ -84,16 +84,15 @@ def run_one(args) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from benchlib import script_parser, write_results
+
+    parser = script_parser(__doc__, out="results/bench_modes", out_help="a folder: results.json and table.md")
     parser.add_argument("--config", default="configs/gpt_125m.py")
     parser.add_argument("--seq_len", type=int, default=8192)
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--chunk_size", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", default="results/bench_modes")
     parser.add_argument("--pairs", default="", help="comma-separated mode:impl pairs (default: all)")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--impl", help=argparse.SUPPRESS)
@@ -136,7 +135,6 @@ def main():
     meta = run_meta(
         **{k: getattr(args, k) for k in ("config", "seq_len", "batch_size", "chunk_size", "dtype", "steps")}
     )
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     rows = [
         "| mode | impl | step (ms) | tokens/s | peak memory (GiB) | compiled temp (GiB) | loss | loss rel. diff vs vanilla | grad rel. err vs vanilla |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -150,7 +148,7 @@ def main():
             f"{r['compiled_temp_gib']:.2f} | {r['loss']:.5f} | {r.get('loss_rel_diff', 0):.1e} | {r.get('grad_rel_err', 0):.1e} |"
         )
     table = "\n".join(rows)
-    (out / "table.md").write_text(json.dumps(meta) + "\n\n" + table + "\n")
+    write_results(out, {"meta": meta, "results": results}, table=json.dumps(meta) + "\n\n" + table)
     print(json.dumps(meta))
     print(table)
 

@@ -21,11 +21,20 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from benchlib import LABELS, MODES, human_tokens, parse_choices, report, run_in_subprocess, run_meta  # noqa: E402
+from benchlib import (  # noqa: E402
+    LABELS,
+    MODES,
+    human_tokens,
+    parse_choices,
+    report,
+    run_in_subprocess,
+    run_meta,
+    script_parser,
+    write_results,
+)
 
 OBS, ACT, EPISODE = 24, 6, 1000  # walker
 
@@ -105,13 +114,11 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, out_help="a folder: results.json and table.md", settings=True)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--trajectories", default="4,8,16,32")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2, help="real steps timed after the first")
-    parser.add_argument("--set", action="append", default=[], help="a config override, section.name=value")
-    parser.add_argument("--out", default="")
     parser.add_argument("--one_mode", help=argparse.SUPPRESS)
     parser.add_argument("--one_trajectories", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -135,10 +142,7 @@ def main() -> None:
     text = table(rows)
     print("\n" + text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"meta": run_meta(), "rows": rows}, indent=2))
-        (out / "table.md").write_text(text + "\n")
+        write_results(args.out, {"meta": run_meta(), "rows": rows}, table=text)
 
 
 if __name__ == "__main__":

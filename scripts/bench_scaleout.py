@@ -33,7 +33,6 @@ Without GPUs the cells run on N simulated CPU devices (for tests).
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -43,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import human_tokens, parse_choices
+from benchlib import human_tokens, parse_choices, script_parser
 
 SCRIPTS = Path(__file__).resolve().parent
 PARTS = ("context", "throughput", "decode", "sample")
@@ -381,12 +380,7 @@ def report(out: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--out", required=True, type=Path, help="the campaign's folder (resumed if it exists)"
-    )
+    parser = script_parser(__doc__, out_help="the campaign's folder (resumed if it exists); required")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
     parser.add_argument("--gpus", default="1,2,4,8", help="GPU counts; those above the host's are skipped")
     parser.add_argument("--cpu_devices", type=int, default=8, help="simulated devices without GPUs")
@@ -436,6 +430,9 @@ def main() -> None:
         "--report", action="store_true", help="only rebuild the report from the cells' results"
     )
     args = parser.parse_args()
+    if not args.out:
+        parser.error("--out (the campaign's folder) is required")
+    args.out = Path(args.out)
     parts = parse_choices(parser, args.parts, PARTS, "part")
     if args.context_together and args.verify:
         parser.error(

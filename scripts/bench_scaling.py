@@ -36,7 +36,7 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from benchlib import human_tokens, parse_choices, seconds_per_call  # noqa: E402  (after the environment)
+from benchlib import human_tokens, parse_choices, script_parser, seconds_per_call, write_results  # noqa: E402  (after the environment)
 
 PARTS = ("ring", "train")
 TRAIN_SETUPS = {  # name -> (mesh settings, context as a multiple of T, batch as a multiple of N)
@@ -262,19 +262,13 @@ def _train_panel(ax, ok: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, out_help="a folder: results.json, table.md and scaling.png", settings=True)
     parser.add_argument("--parts", default="ring,train", help=f"comma-separated: {', '.join(PARTS)}")
     parser.add_argument("--tokens", default="16384,65536", help="tokens per GPU, comma-separated")
     parser.add_argument("--heads", type=int, default=16, help="ring part: attention heads (head_dim 128)")
     parser.add_argument("--config", default="configs/gpt_1b.py", help="train part: the model's config file")
     parser.add_argument("--setups", default=",".join(TRAIN_SETUPS), help="train part: comma-separated setups")
     parser.add_argument("--steps", type=int, default=2, help="train part: timed steps after one warm-up")
-    parser.add_argument(
-        "--set", action="append", default=[], help="train part: section.name=value, repeatable"
-    )
-    parser.add_argument("--out", default="", help="folder for results.json, table.md and scaling.png")
     parser.add_argument(
         "--from_json",
         default="",
@@ -304,13 +298,8 @@ def main() -> None:
         train_rows = train_part(args) if "train" in parts else []
     text = tables(ring_rows, train_rows)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(
-            json.dumps({"meta": meta, "ring": ring_rows, "train": train_rows}, indent=2)
-        )
-        (out / "table.md").write_text(text + "\n")
-        plot(ring_rows, train_rows, out / "scaling.png")
+        write_results(args.out, {"meta": meta, "ring": ring_rows, "train": train_rows}, table=text)
+        plot(ring_rows, train_rows, Path(args.out) / "scaling.png")
     print(text)
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see bench_max_context.py
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from benchlib import LABELS, MODES, human_tokens, parse_choices  # noqa: E402  (after the environment)
+from benchlib import LABELS, TABLE_MODES, human_tokens, parse_choices, script_parser  # noqa: E402  (after the environment)
 
 
 def step_config(args, mode: str, seq_len: int, chunk: int):
@@ -232,11 +232,9 @@ def summarize(args, modes: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, png=True, settings=True)
     parser.add_argument("--config", default="configs/gpt_1b.py")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(TABLE_MODES))
     parser.add_argument("--seq_lens", default="2048,4096,8192,16384,32768,65536", help='"": loss check only')
     parser.add_argument("--impl", default="auto", help="attention_impl of the two non-vanilla modes")
     parser.add_argument(
@@ -260,21 +258,18 @@ def main() -> None:
     parser.add_argument(
         "--loss_data", default="", help="a bpt-prepare-data folder (default: the config's data)"
     )
-    parser.add_argument("--set", action="append", default=[], help="section.name=value (repeatable)")
     parser.add_argument(
         "--from_json",
         default="",
         help="comma-separated --out files of earlier runs: print their tables together (and "
         "--png) without measuring",
     )
-    parser.add_argument("--out", default="")
-    parser.add_argument("--png", default="")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--seq_len", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--loss_run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    modes = parse_choices(parser, args.modes, MODES, "mode")
+    modes = parse_choices(parser, args.modes, TABLE_MODES, "mode")
     seq_lens = [int(n) for n in args.seq_lens.split(",") if n]  # none: only the loss check
     chunks = [int(c) for c in args.chunks.split(",")]
     if args.mode:

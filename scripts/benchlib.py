@@ -10,6 +10,7 @@ out-of-memory errors belong to it alone) runs in a fresh process through run_in_
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 from ml_collections import ConfigDict
@@ -27,8 +29,19 @@ from bpt.config import load_config_file, override
 from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.probe import TrainingStep, is_out_of_memory
 
-MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
-LABELS = {"vanilla": "Vanilla", "memory_efficient": "MemoryEfficient", "blockwise_parallel": "BPT"}
+MODES = ("vanilla", "memory_efficient", "blockwise_parallel")  # model.attention_mode's values
+# The paper's tables' columns, and MemoryEfficient with BPT's chunked loss between them, so
+# that each part of BPT's saving is credited: the loss that never holds [seq, vocab] logits
+# and the blockwise FFN (memory_efficient_chunked_loss: attention_mode memory_efficient with
+# model.loss_impl=chunked).
+TABLE_MODES = ("vanilla", "memory_efficient", "memory_efficient_chunked_loss", "blockwise_parallel")
+MODE_SETTINGS = {"memory_efficient_chunked_loss": ("memory_efficient", ("model.loss_impl=chunked",))}
+LABELS = {
+    "vanilla": "Vanilla",
+    "memory_efficient": "MemoryEfficient",
+    "memory_efficient_chunked_loss": "MemoryEfficient + chunked loss",
+    "blockwise_parallel": "BPT",
+}
 # Remat presets, as in the paper's appendix: name -> (remat_layer, remat_attention, remat_ffn).
 REMATS = {
     "layer": ("nothing_saveable", "none", "nothing_saveable"),  # bpt's default
@@ -59,20 +72,30 @@ def benchmark_config(
 ) -> ConfigDict:
     """A config file set up for one measurement. Empty or zero arguments keep the file's
     setting; vanilla attention always runs the reference (materialized) implementation.
-    overrides ("model.remat_group=4", ...) apply last."""
+    mode: an attention_mode, or a TABLE_MODES name that stands for one with more settings
+    (MODE_SETTINGS). overrides ("model.remat_group=4", ...) apply last."""
     c = load_config_file(path)
     c.data.seq_len = seq_len
     c.train.batch_size = batch_size
     c.train.grad_accum_steps = grad_accum_steps
     if dtype:
         c.model.dtype = dtype
+    mode, implied = MODE_SETTINGS.get(mode, (mode, ()))
     if mode:
         c.model.attention_mode = mode
+    for setting in implied:
+        override(c, setting)
     c.model.attention_impl = "reference" if c.model.attention_mode == "vanilla" else impl
+    gpt = c.model.family != "flash"  # FLASH has no attention chunks or per-sublayer remat
     if chunk:
-        c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = chunk
+        c.model.loss_chunk_size = chunk
+        if gpt:
+            c.model.q_chunk_size = c.model.kv_chunk_size = chunk
     if remat:
-        c.model.remat_layer, c.model.remat_attention, c.model.remat_ffn = REMATS[remat]
+        layer, attention, ffn = REMATS[remat]
+        c.model.remat_layer = layer
+        if gpt:
+            c.model.remat_attention, c.model.remat_ffn = attention, ffn
     for setting in overrides:
         override(c, setting)
     return c
@@ -100,6 +123,42 @@ def run_in_subprocess(argv: Sequence[str], *, env: dict | None = None) -> dict:
         return json.loads(lines[-1][len(RESULT) :])
     tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:] or ["no output"]
     return {"ok": False, "error": " | ".join(tail)[-300:]}
+
+
+def script_parser(
+    doc: str,
+    *,
+    out: str = "",
+    out_help: str = "where the results go (JSON)",
+    png: bool = False,
+    settings: bool = False,
+    memory: bool = False,
+) -> argparse.ArgumentParser:
+    """The argument parser every script starts from: its docstring as the description, and
+    the arguments the scripts share, named and explained once: --out (default `out`),
+    --png (a plot), --set (config overrides, repeatable), --memory_gib (a memory budget)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=out, help=out_help)
+    if png:
+        parser.add_argument("--png", default="", help="a plot of the results (PNG)")
+    if settings:
+        parser.add_argument("--set", action="append", default=[], help="a config setting, section.name=value (repeatable)")
+    if memory:
+        parser.add_argument("--memory_gib", type=float, default=0.0, help="memory budget in GiB (0: the device's limit)")
+    return parser
+
+
+def write_results(out, results, *, table: str | None = None) -> None:
+    """A script's results where --out says: one JSON file; with a table, a folder that holds
+    results.json and table.md (the table the script prints last)."""
+    out = Path(out)
+    if table is None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "table.md").write_text(table.rstrip("\n") + "\n")
 
 
 def run_meta(**extra) -> dict:

@@ -18,7 +18,6 @@ and norm fusions compute (their opcodes) and the bandwidth they reach.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -34,7 +33,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 # one, so that each kernel keeps its own operation's name (this costs some launch overhead).
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 
-from benchlib import benchmark_config, run_meta  # noqa: E402
+from benchlib import benchmark_config, run_meta, script_parser  # noqa: E402
 
 KINDS = (  # (kind, a pattern of kernel names), the first match wins
     ("matmul", r"gemm|nvjet|cutlass|cublas|sm\d+_xmma|wgmma|dot"),
@@ -205,20 +204,16 @@ def summarize(events: list[dict], steps: int, shapes: dict[str, str] | None = No
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, out_help="a folder for the trace and the report", settings=True)
     p.add_argument("--config", required=True)
     p.add_argument("--seq_len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument(
-        "--set", action="append", default=[], help="a config override, e.g. model.remat_layer=none"
-    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
         "--fusions", type=int, default=0, help="also list the N slowest elementwise/norm fusions' contents"
     )
-    p.add_argument("--out", default="")
     args = p.parse_args()
 
     import jax

@@ -194,7 +194,7 @@ def test_bad_inputs():
     kv = jnp.zeros((1, 64, 2, 16))
     with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
         blockwise_attention(q, kv, kv)
-    with pytest.raises(ValueError, match="unknown attention impl 'flash'"):
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'; allowed: reference, blockwise, cudnn, pallas, pallas_fp8, auto"):
         attention(q, q, q, impl="flash")
     with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\]"):
         reference_attention(q[0], q[0], q[0])
@@ -205,7 +205,7 @@ def test_bad_inputs():
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error raised without a GPU")
 def test_cudnn_without_gpu_is_a_clear_error():
     q = jnp.zeros((1, 64, 2, 16), jnp.bfloat16)
-    with pytest.raises(ValueError, match="impl='cudnn' cannot run here: it needs an NVIDIA GPU.*; use impl auto, pallas or blockwise"):
+    with pytest.raises(ValueError, match="attention implementation 'cudnn' cannot run here: it needs an NVIDIA GPU"):
         attention(q, q, q, impl="cudnn")
 
 
@@ -303,3 +303,31 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
     assert lines[0] == "| shape | xla fwd | xla f+b | cudnn fwd | cudnn f+b | xla / cudnn f+b |"
     assert lines[2].startswith("| GQA |") and lines[2].endswith("| 2.00x |")
     assert lines[3] == "| failed | – | – | – | – | – |"
+
+
+def test_every_registry_resolves_auto_once_and_never_replaces_a_named_implementation():
+    """The four registries share one form: names with auto last, auto's choice among those
+    auto may pick, a named implementation checked against what it takes (an error with its
+    reason, naming no config key), and a table of what each takes."""
+    from bpt.ops import ATTENTION, DECODE, MERGED, MIXED_CHUNK, Implementation, Registry
+
+    for registry in (ATTENTION, MERGED, DECODE, MIXED_CHUNK):
+        assert registry.names[-1] == "auto" and len(registry.table().splitlines()) == len(registry.names) + 1
+    q = jnp.zeros((1, 64, 2, 16))
+    settings = dict(causal=True, segment_ids=None, q_chunk_size=16, kv_chunk_size=16)
+    assert ATTENTION.resolve("auto", q, q, **settings) == ("blockwise" if jax.default_backend() != "gpu" else "pallas")
+    assert ATTENTION.resolve("reference", q, q, **settings) == "reference"
+    assert MERGED.resolve("auto", q, q, **settings) == "blockwise"  # fp32: the scan, on a GPU too
+    with pytest.raises(ValueError, match="mixed chunk attention implementation 'pallas' cannot run here: the kernels"):
+        MIXED_CHUNK.resolve("pallas", 24, 128, 256)  # a chunk of 24: not a power of two
+    with pytest.raises(ValueError, match="unknown decode attention implementation 'fast'") as error:
+        DECODE.resolve("fast", q.shape)
+    assert "model." not in str(error.value)
+    toy = Registry(
+        "toy",
+        [Implementation("any", "anything"), Implementation("even", "even n", why_not=lambda n: None if n % 2 == 0 else "odd")],
+        lambda n: "even" if n % 2 == 0 else "any",
+    )
+    assert (toy.resolve("auto", 3), toy.resolve("auto", 4), toy.resolve("even", 4)) == ("any", "even", "even")
+    with pytest.raises(ValueError, match="toy implementation 'even' cannot run here: odd"):
+        toy.resolve("even", 3)

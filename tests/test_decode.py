@@ -174,7 +174,7 @@ def test_a_query_that_sees_nothing_gives_zeros(key):
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(impl="fast"), "impl must be one of auto, reference, split_kv, pallas"),
+        (dict(impl="fast"), "unknown decode attention implementation 'fast'; allowed: reference, split_kv, pallas, auto"),
         (
             dict(q_positions=jnp.zeros((2, 2), jnp.int32)),
             r"q_positions must be \[q_len\] or \[batch, q_len\]",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO, cpu_memory_analysis, rel_err, saved_and_grads, tree_rel_err
 
-from bpt.config import base_config, model_config
+from bpt.config import base_config, check_config, load_config_file, model_config, override, set_family
 from bpt.models import FLASH, FLASHConfig, GPTConfig, make_model
 from bpt.ops.gau import (
     mixed_chunk_attention,
@@ -101,6 +101,14 @@ def assert_continues(qk, v, cot, *, split: int, seg=None, options=None, **kwargs
     def whole(*a):
         return mixed_chunk_attention(*a, segment_ids=seg, **kwargs)[:, split:]
 
+    g = kwargs["chunk_size"]
+    if seg is None:
+        count = jnp.full((v.shape[0],), split // g)
+    else:  # the earlier chunks that hold tokens of the document the later part starts in
+        held = (seg[:, :split] == seg[:, split : split + 1]).reshape(v.shape[0], split // g, g)
+        count = held.any(-1).sum(-1)
+    counted = dict(initial_count=count) if kwargs.get("linear_norm") == "mean" else {}
+
     def continued(*a):
         earlier_k = a[3][:, :split]
         if seg is not None:  # the earlier tokens of the document the later part starts in
@@ -108,7 +116,7 @@ def assert_continues(qk, v, cot, *, split: int, seg=None, options=None, **kwargs
         state = jnp.einsum("bjs,bje->bse", earlier_k, a[4][:, :split])
         later = [x[:, split:] for x in a]
         return mixed_chunk_attention(
-            *later, segment_ids=later_seg, initial_state=state, **kwargs, **(options or {})
+            *later, segment_ids=later_seg, initial_state=state, **counted, **kwargs, **(options or {})
         )
 
     out, grads = mixed_chunk_grads(continued, qk, v, cot)
@@ -146,6 +154,68 @@ def test_mixed_chunk_from_an_initial_state_with_documents(key):
     seg = jnp.array([[0] * 12 + [1] * 8 + [2] * 28, [5] * 40 + [6] * 8])
     cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - split, v.shape[-1]))
     assert_continues(qk, v, cot, split=split, seg=seg, chunk_size=g, quad_scale=1 / g, lin_scale=1 / t)
+
+
+def code_8(qk, v, n: int) -> np.ndarray:
+    """FLASH's mixed chunk attention as the paper's Code 8 writes it (causal, one sequence
+    of chunks of n, no segments), in NumPy float64: the quadratic part relu(q k^T / n)^2
+    inside each chunk, and the linear part lin_q @ the mean, over the earlier chunks, of
+    each chunk's lin_k^T v / n (Code 7's causal mask divided by its row sums)."""
+    quad_q, quad_k, lin_q, lin_k = (np.asarray(x, np.float64) for x in qk)
+    v = np.asarray(v, np.float64)
+    b, t, e = v.shape
+    c = t // n
+    split = lambda x: x.reshape(b, c, n, x.shape[-1])  # noqa: E731
+    qq, qk_, lq, lk, vv = map(split, (quad_q, quad_k, lin_q, lin_k, v))
+    scores = np.einsum("bgns,bgms->bgnm", qq, qk_) / n
+    kernel = np.maximum(scores, 0) ** 2 * np.tril(np.ones((n, n)))
+    quadratic = np.einsum("bgnm,bgme->bgne", kernel, vv)
+    lin_kv = np.einsum("bgnk,bgne->bgke", lk, vv) / n
+    mask = np.tril(np.ones((c, c)), -1)  # [to, from]: the earlier chunks
+    mask = mask / np.maximum(mask.sum(-1, keepdims=True), 1)
+    cum = np.einsum("hg,bgke->bhke", mask, lin_kv)
+    linear = np.einsum("bgnk,bgke->bgne", lq, cum)
+    return (quadratic + linear).reshape(b, t, e)
+
+
+def test_the_mean_linear_part_is_the_papers_code_8(key):
+    """linear_norm='mean' with lin_scale = quad_scale = 1/n is Code 8 (fp32, 1e-5); 'sum' (the
+    running sum times lin_scale) is not; with documents the mean runs over the earlier chunks
+    of each chunk's own document, as the materialized reference counts them, values and
+    gradients."""
+    n, t = 8, 48
+    qk, v = gau_inputs(key, t=t)
+    mean = dict(chunk_size=n, quad_scale=1 / n, lin_scale=1 / n, linear_norm="mean")
+    assert rel_err(mixed_chunk_attention(*qk, v, **mean), code_8(qk, v, n)) < 1e-5
+    summed = mixed_chunk_attention(*qk, v, **{**mean, "linear_norm": "sum"})
+    assert rel_err(summed, code_8(qk, v, n)) > 0.1
+    seg = jnp.array([[0] * 5 + [1] * 30 + [2] * 13, [4] * 20 + [5] * 28])
+    cot = jax.random.normal(jax.random.fold_in(key, 1), v.shape)
+    op = functools.partial(mixed_chunk_attention, segment_ids=seg, **mean)
+    ref = functools.partial(mixed_chunk_reference, segment_ids=seg, **mean)
+    out, grads = mixed_chunk_grads(op, qk, v, cot)
+    ref_out, ref_grads = mixed_chunk_grads(ref, qk, v, cot)
+    assert rel_err(out, ref_out) < 1e-5 and tree_rel_err(grads, ref_grads) < 1e-5
+    # The kernels (interpret mode off a GPU) see the mean as scaled linear queries.
+    qk16, v16 = gau_inputs(key, t=64, s=16, e=32)
+    kernel = dict(chunk_size=16, quad_scale=1 / 16, lin_scale=1 / 16, linear_norm="mean", impl="pallas")
+    assert rel_err(mixed_chunk_attention(*qk16, v16, **kernel), code_8(qk16, v16, 16)) < 1e-5
+    with pytest.raises(ValueError, match="unknown linear_norm 'max'; allowed: sum, mean"):
+        mixed_chunk_attention(*qk, v, **{**mean, "linear_norm": "max"})
+    with pytest.raises(ValueError, match="needs initial_count"):
+        mixed_chunk_attention(*qk, v, initial_state=jnp.zeros((2, 8, 12)), **mean)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
+def test_the_mean_continues_from_an_initial_state_and_its_count(key, documents):
+    """A sequence continued from the earlier tokens' sum and the number of chunks it holds
+    (initial_count) equals the whole sequence's later part, values and gradients."""
+    g, t, split = 8, 48, 16
+    qk, v = gau_inputs(key, t=t)
+    seg = jnp.array([[0] * 12 + [1] * 8 + [2] * 28, [5] * 40 + [6] * 8]) if documents else None
+    cot = jax.random.normal(jax.random.fold_in(key, 1), (2, t - split, v.shape[-1]))
+    kwargs = dict(chunk_size=g, quad_scale=1 / g, lin_scale=1 / g, linear_norm="mean")
+    assert_continues(qk, v, cot, split=split, seg=seg, **kwargs)
 
 
 def test_kernel_tiles_below_16_are_an_error_on_a_gpu():
@@ -315,7 +385,7 @@ def test_impl_choices_and_what_the_kernels_refuse(key):
             impl="pallas",
         )
     with pytest.raises(
-        ValueError, match="unknown FLASH attention impl 'cudnn'; allowed: auto, blockwise, pallas"
+        ValueError, match="unknown mixed chunk attention implementation 'cudnn'; allowed: blockwise, pallas, auto"
     ):
         resolve_impl("cudnn", 256, 128, 1536)
     with pytest.raises(ValueError, match="model.attention_impl 'cudnn' for FLASH"):
@@ -383,6 +453,10 @@ def random_params(model, key, seq_len=8):
 FORMS = [
     dict(attention="mixed_chunk"),
     dict(attention="mixed_chunk", position_embedding="relative_bias", norm="layer_norm", use_bias=False),
+    dict(attention="mixed_chunk", linear_norm="mean"),  # the count of chunks in the state, too
+    # The paper's LM recipe: LayerNorm, RoPE with the relative bias, ScaledSin, the mean
+    dict(attention="mixed_chunk", norm="layer_norm", position_embedding="rotary+relative_bias",
+         absolute_embedding="scaled_sin", linear_norm="mean"),
     dict(attention="quadratic"),
     dict(attention="quadratic", position_embedding="relative_bias", scan_layers=False),
 ]
@@ -441,11 +515,12 @@ def test_decoding_with_the_cache_equals_the_full_forward(form, key):
         assert sizes["state"] == (2, 2, 16, 64) and sizes["v"] == (2, 2, 8, 64), sizes
 
 
-@pytest.mark.parametrize("attention", ["mixed_chunk", "quadratic"])
+@pytest.mark.parametrize("attention", ["mixed_chunk", "quadratic", "mixed_chunk-mean"])
 def test_ragged_prompts_in_chunks_decode_like_one_at_a_time(attention, key):
     # Greedy tokens must match exactly across paths: scales near 0 (qk_init="normal") keep the
     # relu^2 scores small, so float32 round-off between paths never flips a near-tied argmax.
-    model = FLASH(small_flash(attention=attention, qk_init="normal"))
+    attention, _, norm = attention.partition("-")
+    model = FLASH(small_flash(attention=attention, qk_init="normal", linear_norm=norm or "sum"))
     params = random_params(model, key)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 40, n) for n in (3, 21, 13)]
@@ -483,7 +558,8 @@ def test_training_memory_grows_linearly_with_the_sequence():
 
 def test_family_config_and_counts():
     c = base_config("tiny")
-    c.model.family = "flash"
+    set_family(c, "flash")
+    assert c.model.num_heads is None and c.model.q_chunk_size is None and c.model.chunk_size == 256
     cfg = model_config(c.model, vocab_size=50, seq_len=128)
     assert isinstance(cfg, FLASHConfig) and cfg.max_seq_len == 128
     model = make_model(cfg)
@@ -494,6 +570,10 @@ def test_family_config_and_counts():
     )
     params = nn.meta.unbox(FLASH(biased).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
     assert sum(x.size for x in jax.tree.leaves(params)) == biased.num_params() + biased.vocab_padding_params
+    recipe = dataclasses.replace(biased, position_embedding="rotary+relative_bias", absolute_embedding="scaled_sin")
+    params = nn.meta.unbox(FLASH(recipe).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    assert sum(x.size for x in jax.tree.leaves(params)) == recipe.num_params() + recipe.vocab_padding_params
+    assert recipe.rotary and recipe.relative_bias and float(params["sin_scale"]) == pytest.approx(32**-0.5)
     plain = dataclasses.replace(biased, use_bias=False)  # model.use_bias=False: no b_u, b_v, b_z, b_o
     params = nn.meta.unbox(FLASH(plain).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
     names = {path[-1].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -512,6 +592,7 @@ def test_family_config_and_counts():
     g.model.expansion = 3.0
     with pytest.raises(ValueError, match=r"model.expansion=3.0 is a setting of model.family='flash'"):
         model_config(g.model, vocab_size=50, seq_len=128)
+
     with pytest.raises(ValueError, match="unknown model.attention 'linear' for FLASH"):
         small_flash(attention="linear")
     with pytest.raises(ValueError, match="model.qk_dim must be a positive integer"):
@@ -525,6 +606,38 @@ def test_family_config_and_counts():
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         scales = np.concatenate([np.ravel(x) for path, x in leaves if path[-1].key == "qk_scale"])
         assert abs(scales.mean() - mean) < 0.01 and 0.005 < scales.std() < 0.04
+
+
+def test_a_setting_of_another_family_is_an_error_never_dropped():
+    """Strict both ways: a GPT setting in a FLASH run (and a FLASH one in a GPT run) is an
+    error naming it; set_family and a --config.model.family override switch a config, keeping
+    what is given with the switch in any order (so that it is checked, not dropped)."""
+    tiny = load_config_file(REPO / "configs" / "tiny.py")  # sets the GPT's heads and chunk sizes
+    tiny.model.family = "flash"  # assigned by hand: tiny.py's GPT settings are still there
+    with pytest.raises(
+        ValueError, match=r"model.attention_mode='blockwise_parallel' is a setting of model.family='gpt'"
+    ):
+        check_config(tiny)
+    for order in ((0, 1), (1, 0)):
+        settings = ["model.family=flash", "model.chunk_size=32"]
+        c = override(load_config_file(REPO / "configs" / "tiny.py"), *(settings[i] for i in order))
+        check_config(c)
+        assert (c.model.chunk_size, c.model.q_chunk_size, c.model.num_heads) == (32, None, None)
+        settings = ["model.family=flash", "model.q_chunk_size=32"]
+        c = override(load_config_file(REPO / "configs" / "tiny.py"), *(settings[i] for i in order))
+        with pytest.raises(
+            ValueError, match=r"model.q_chunk_size=32 is a setting of model.family='gpt' and 'agentic'"
+        ):
+            check_config(c)
+    flash = load_config_file(REPO / "configs" / "flash_tiny.py")
+    assert flash.model.kv_chunk_size is None and flash.model.chunk_size == 64
+    back = set_family(
+        flash.copy_and_resolve_references(), "gpt"
+    )  # FLASH's settings unset, the GPT's defaults
+    assert (back.chunk_size, back.num_heads, back.q_chunk_size, back.d_model) == (None, 4, 512, 128)
+    flash.model.num_heads = 4
+    with pytest.raises(ValueError, match=r"model.num_heads=4 is a setting of model.family='gpt'"):
+        model_config(flash.model, vocab_size=50, seq_len=128)
 
 
 def test_a_wider_flash_takes_the_depth_that_matches_the_gpt_by_parameters():
@@ -567,3 +680,20 @@ def test_flash_tiny_trains_through_the_loop_and_the_loss_falls(tmp_path):
         vocab_size=9, num_layers=4, d_model=128, chunk_size=64, qk_dim=64, max_seq_len=64
     ).train_flops_per_token(64)
     assert evaluate_checkpoint(tmp_path)["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5)
+
+
+def test_the_papers_recipe_is_a_preset_and_a_config_file():
+    """flash_config(size, recipe="paper") sets the FLASH paper's LM recipe; its model is the
+    default FLASH with LayerNorm, RoPE and the relative bias, ScaledSin and the mean."""
+    from bpt.config import FLASH_RECIPES, flash_config
+
+    paper = load_config_file(REPO / "configs" / "flash_125m_paper.py")
+    cfg = model_config(paper.model, vocab_size=50, seq_len=paper.data.seq_len)
+    assert {k: getattr(cfg, k) for k in FLASH_RECIPES["paper"]} == FLASH_RECIPES["paper"]
+    assert cfg.lin_scale == 1 / cfg.chunk_size and cfg.rotary and cfg.relative_bias
+    distances = jnp.arange(cfg.chunk_size)  # one bias weight per distance inside a chunk (Code 4)
+    assert (relative_buckets(distances, cfg.relative_buckets, cfg.relative_max_distance) == distances).all()
+    default = model_config(flash_config("125m").model, vocab_size=50, seq_len=paper.data.seq_len)
+    assert (default.norm, default.linear_norm, default.absolute_embedding) == ("scale_norm", "sum", "none")
+    with pytest.raises(ValueError, match="unknown recipe 'cheap'; allowed: bpt, paper"):
+        flash_config("125m", recipe="cheap")

@@ -340,7 +340,7 @@ def test_parameters_carry_logical_axis_names():
     "field,value,message",
     [
         ("attention_mode", "flash", "unknown model.attention_mode 'flash'"),
-        ("attention_impl", "pallas2", "unknown attention model.attention_impl 'pallas2'"),
+        ("attention_impl", "pallas2", "unknown model.attention_impl 'pallas2'; allowed: reference, blockwise"),
         ("remat_ffn", "save_all", "unknown model.remat_ffn 'save_all'"),
         ("num_kv_heads", 3, r"num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
         ("q_chunk_size", 0, "model.q_chunk_size must be a positive integer"),

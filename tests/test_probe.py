@@ -117,6 +117,27 @@ def test_max_context_script_end_to_end(tmp_path):
     assert bad.returncode != 0 and "unknown remat preset 'sometimes'; allowed: layer" in bad.stderr
 
 
+def test_memory_efficient_with_the_chunked_loss_is_a_column_of_its_own():
+    """The max-context and memory tables credit each part of BPT: MemoryEfficient with the
+    chunked loss is a mode of the scripts (attention_mode memory_efficient, loss_impl
+    chunked), and the max-context table prints BPT's ratio to every other column."""
+    benchlib = load_script("benchlib")
+    me = benchlib.benchmark_config(str(TINY), seq_len=256, mode="memory_efficient_chunked_loss", chunk=64)
+    assert (me.model.attention_mode, me.model.loss_impl) == ("memory_efficient", "chunked")
+    plain = benchlib.benchmark_config(str(TINY), seq_len=256, mode="memory_efficient", chunk=64)
+    assert (plain.model.attention_mode, plain.model.loss_impl) == ("memory_efficient", "auto")
+    table = load_script("bench_max_context").table
+    best = lambda n: dict(longest=n, chunk=1024, remat="layer", group=1)  # noqa: E731
+    modes = list(benchlib.TABLE_MODES)
+    bests = {("gpt_1b", m): best(n) for m, n in zip(modes, (16384, 122880, 196608, 393216))}
+    lines = table(bests, {}, ["gpt_1b"], modes).splitlines()
+    assert lines[0] == (
+        "| model | Vanilla | MemoryEfficient | MemoryEfficient + chunked loss | BPT | BPT / Vanilla | "
+        "BPT / MemoryEfficient | BPT / MemoryEfficient + chunked loss |"
+    )
+    assert lines[2].endswith("| 24.0x | 3.2x | 2.0x |")
+
+
 def test_throughput_script_end_to_end(tmp_path):
     """Two modes at one length, then the loss check: the modes train to the same loss."""
     out = tmp_path / "throughput.json"

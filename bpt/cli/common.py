@@ -257,3 +257,11 @@ def define_config_flag(help_text: str):
 
     precheck_config_flags(sys.argv, bpt.config.__file__)
     return config_flags.DEFINE_config_file("config", bpt.config.__file__, help_text, lock_config=True)
+
+
+def flag_config(flag):
+    """The config a define_config_flag flag holds, its family switched where the command line
+    set --config.model.family (bpt.config.switch_family)."""
+    from bpt.config import switch_family
+
+    return switch_family(flag.value, [arg for arg in sys.argv[1:] if arg.startswith(("--config.", "-config."))])

@@ -44,7 +44,7 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
     workdir = import_run(
         argv[1],
         f.workdir.value,
-        f.config.value,
+        common.flag_config(f.config),
         seq_len=f.seq_len.value,
         extend=f.extend.value,
         overwrite=f.overwrite.value,

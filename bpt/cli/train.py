@@ -44,7 +44,7 @@ def define_flags() -> SimpleNamespace:
 
 def main(f: SimpleNamespace, argv: list[str]) -> None:
     print("bpt-train: starting", flush=True)
-    config = f.config.value
+    config = common.flag_config(f.config)
     common.set_memory_fraction(config.train.memory_fraction)  # before jax creates its backend
     from bpt.parallel.distributed import initialize, shutdown
 

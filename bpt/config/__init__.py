@@ -15,11 +15,11 @@ from bpt.config.checks import (
     check_mesh,
     check_state_dtype,
     model_config,
-    own_fields,
 )
-from bpt.config.loader import check_keys, config_keys, load_config_file, override
+from bpt.config.loader import check_keys, config_keys, load_config_file, override, switch_family
 from bpt.config.presets import (
     BASELINES,
+    FLASH_RECIPES,
     UNROLLED_SIZES,
     agentic_config,
     flash_config,
@@ -29,19 +29,24 @@ from bpt.config.presets import (
 )
 from bpt.config.schema import (
     DATASETS,
+    FROM_DATA,
     MODEL_SIZES,
     RANGES,
     base_config,
     data_section,
+    family_fields,
     init_section,
     mesh_section,
     model_section,
+    set_family,
     train_section,
 )
 
 __all__ = [
     "BASELINES",
+    "FLASH_RECIPES",
     "DATASETS",
+    "FROM_DATA",
     "MODEL_SIZES",
     "RANGES",
     "STATE_DTYPES",
@@ -54,6 +59,7 @@ __all__ = [
     "check_state_dtype",
     "config_keys",
     "data_section",
+    "family_fields",
     "flash_config",
     "get_config",
     "init_section",
@@ -63,7 +69,8 @@ __all__ = [
     "model_config",
     "model_section",
     "override",
-    "own_fields",
     "paper_config",
+    "set_family",
+    "switch_family",
     "train_section",
 ]

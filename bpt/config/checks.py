@@ -4,43 +4,35 @@ translation into the model family's dataclass (model_config).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from ml_collections import ConfigDict
 
-from bpt.config.schema import DATASETS, RANGES
-from bpt.models import FAMILIES, FLASHConfig, GPTConfig
+from bpt.config.schema import DATASETS, RANGES, family_fields
+from bpt.models import FAMILIES
 from bpt.models.hf import EXTEND_METHODS
-from bpt.models.lm import check_positive_int
+from bpt.models.lm import LMConfig, check_positive_int
+from bpt.ops.attention import MERGED
 from bpt.parallel.mesh import CONTEXT_PARALLEL, LOAD_BALANCE
-from bpt.parallel.ring import LOCAL_IMPLS
 
 
-def own_fields(family: str) -> list[dataclasses.Field]:
-    """The fields of a family's config that the GPT's does not have."""
-    gpt = {field.name for field in dataclasses.fields(GPTConfig)}
-    return [field for field in dataclasses.fields(FAMILIES[family]) if field.name not in gpt]
-
-
-def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int, **from_data) -> GPTConfig | FLASHConfig:
+def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int, **from_data) -> LMConfig:
     """The config of model.family's model (GPTConfig, FLASHConfig or AgenticConfig) from
     config.model; vocab_size, seq_len and from_data (the dataset's model_fields: AT's
-    environment shapes) fill the fields left unset."""
+    environment shapes) fill the fields left unset. A setting of another family (not None)
+    is an error that names it: nothing set is dropped."""
     fields = model.to_dict()
     family = fields.pop("family", "gpt")
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model.family {family!r}; allowed: {', '.join(FAMILIES)}")
-    defaults = {field.name: field.default for field in dataclasses.fields(FAMILIES[family])}
-    for other in FAMILIES:
-        for field in own_fields(other):
-            value = fields.get(field.name)
-            if field.name not in defaults and value is not None and value != field.default:
-                raise ValueError(
-                    f"model.{field.name}={value!r} is a setting of model.family='{other}'; set that family "
-                    f"or leave it at {field.default!r}"
-                )
-    fields = {name: value for name, value in fields.items() if name in defaults}
+    own = family_fields(family)
+    for name, value in fields.items():
+        if name not in own and value is not None:
+            owners = " and ".join(f"'{other}'" for other in FAMILIES if name in family_fields(other))
+            raise ValueError(
+                f"model.{name}={value!r} is a setting of model.family={owners or 'none'}, which a "
+                f"model.family='{family}' model does not read; leave it unset (None). "
+                f"bpt.config.set_family(config, '{family}') switches a config's family and unsets the others' settings"
+            )
+    fields = {name: value for name, value in fields.items() if name in own}
     if fields.get("remat_layer") == "auto":
         # Chosen by memory where a training step is compiled (bpt.train.probe.resolve_remat,
         # which bpt-train runs first); evaluation and sampling do not rematerialize.
@@ -48,10 +40,10 @@ def model_config(model: ConfigDict, *, vocab_size: int, seq_len: int, **from_dat
     fields["vocab_size"] = fields["vocab_size"] or vocab_size
     fields["max_seq_len"] = fields["max_seq_len"] or seq_len
     for name, value in from_data.items():
-        if name in defaults and fields.get(name) is None:
+        if name in own and fields.get(name) is None:
             fields[name] = value
     # None left in a field whose default is not None (AT's shapes without data): the default.
-    fields = {name: value for name, value in fields.items() if value is not None or defaults[name] is None}
+    fields = {name: value for name, value in fields.items() if value is not None or own[name].default is None}
     if fields["vocab_size"] < vocab_size:
         raise ValueError(
             f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's vocabulary "
@@ -94,39 +86,7 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
             f"mesh.data x mesh.fsdp = {batch_shards} devices; make it a multiple"
         )
     flash = c.model.family == "flash"
-    if flash and seq > 1:
-        if c.model.attention != "mixed_chunk":
-            raise ValueError(
-                f"model.attention={c.model.attention!r} (FLASH-Quad) attends over the whole sequence and "
-                "does not run with mesh.sequence > 1; use model.attention='mixed_chunk'"
-            )
-        if c.data.seq_len % (seq * c.model.chunk_size):
-            raise ValueError(
-                f"FLASH over mesh.sequence={seq} needs data.seq_len={c.data.seq_len} to be a multiple of "
-                f"mesh.sequence x model.chunk_size = {seq * c.model.chunk_size}, so that no chunk straddles "
-                "two devices"
-            )
-    if flash and tensor > 1:
-        hidden = int(c.model.expansion * c.model.d_model)
-        if hidden % tensor:
-            raise ValueError(f"mesh.tensor={tensor} must divide FLASH's expansion x d_model = {hidden}")
-    if seq > 1 and not flash:
-        if c.model.attention_impl not in LOCAL_IMPLS:
-            raise ValueError(
-                f"model.attention_impl={c.model.attention_impl!r} cannot run with mesh.sequence > 1: each "
-                f"shard's attention returns its logsumexp for the merge; use {', '.join(LOCAL_IMPLS)}"
-            )
-        if c.model.attention_mode == "vanilla":
-            raise ValueError(
-                "model.attention_mode='vanilla' materializes the [seq, seq] scores and cannot run with "
-                "mesh.sequence > 1; use memory_efficient or blockwise_parallel"
-            )
-        kv_heads = (c.model.num_kv_heads or c.model.num_heads) // tensor
-        if groups and kv_heads % groups:
-            raise ValueError(
-                f"mesh.context_head_groups={groups} must divide the {kv_heads} key/value heads each device "
-                "holds (model.num_kv_heads / mesh.tensor)"
-            )
+    (_check_flash_mesh if flash else _check_gpt_mesh)(c, seq, tensor, groups)
     if seq > 1:
         layout = "none" if flash else m.load_balance  # FLASH's shards are contiguous (FLASH.sequence_layout)
         pieces = 2 * seq if layout == "zigzag" else seq
@@ -143,7 +103,48 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
                     f"model.{name}={c.model[name]} does not divide the {piece} tokens a device holds per "
                     f"{layout} piece (data.seq_len / mesh.sequence{' / 2' if pieces > seq else ''})"
                 )
-    if tensor > 1 and not flash:
+
+
+def _check_flash_mesh(c: ConfigDict, seq: int, tensor: int, groups: int) -> None:
+    """FLASH's settings on a mesh of seq sequence and tensor shards."""
+    if seq > 1:
+        if c.model.attention != "mixed_chunk":
+            raise ValueError(
+                f"model.attention={c.model.attention!r} (FLASH-Quad) attends over the whole sequence and "
+                "does not run with mesh.sequence > 1; use model.attention='mixed_chunk'"
+            )
+        if c.data.seq_len % (seq * c.model.chunk_size):
+            raise ValueError(
+                f"FLASH over mesh.sequence={seq} needs data.seq_len={c.data.seq_len} to be a multiple of "
+                f"mesh.sequence x model.chunk_size = {seq * c.model.chunk_size}, so that no chunk straddles "
+                "two devices"
+            )
+    if tensor > 1:
+        hidden = int(c.model.expansion * c.model.d_model)
+        if hidden % tensor:
+            raise ValueError(f"mesh.tensor={tensor} must divide FLASH's expansion x d_model = {hidden}")
+
+
+def _check_gpt_mesh(c: ConfigDict, seq: int, tensor: int, groups: int) -> None:
+    """The GPT's (and AT's) settings on a mesh of seq sequence and tensor shards."""
+    if seq > 1:
+        if c.model.attention_impl not in MERGED:
+            raise ValueError(
+                f"model.attention_impl={c.model.attention_impl!r} cannot run with mesh.sequence > 1: each "
+                f"shard's attention returns its logsumexp for the merge; use {', '.join(MERGED.names)}"
+            )
+        if c.model.attention_mode == "vanilla":
+            raise ValueError(
+                "model.attention_mode='vanilla' materializes the [seq, seq] scores and cannot run with "
+                "mesh.sequence > 1; use memory_efficient or blockwise_parallel"
+            )
+        kv_heads = (c.model.num_kv_heads or c.model.num_heads) // tensor
+        if groups and kv_heads % groups:
+            raise ValueError(
+                f"mesh.context_head_groups={groups} must divide the {kv_heads} key/value heads each device "
+                "holds (model.num_kv_heads / mesh.tensor)"
+            )
+    if tensor > 1:
         heads, kv = c.model.num_heads, c.model.num_kv_heads or c.model.num_heads
         if heads % tensor or kv % tensor:
             raise ValueError(
@@ -159,7 +160,9 @@ def check_config(c: ConfigDict) -> None:
         )
     _check_data(c)
     _positive(c.train, "train", "steps", "batch_size", "grad_accum_steps", "log_every", "keep_checkpoints")
-    _positive(c.model, "model", "q_chunk_size", "kv_chunk_size", "loss_chunk_size")
+    _check_exorl(c)
+    # The family's config (GPTConfig, FLASHConfig, AgenticConfig) checks the model's settings.
+    model_config(c.model, vocab_size=1, seq_len=c.data.seq_len)
     if c.train.batch_size % c.train.grad_accum_steps:
         raise ValueError(
             f"train.batch_size={c.train.batch_size} is not divisible by "
@@ -168,9 +171,6 @@ def check_config(c: ConfigDict) -> None:
     _check_chunks(c)
     check_state_dtype(c.train)
     _check_ranges(c)
-    _check_exorl(c)
-    # The family's config (GPTConfig, FLASHConfig) checks the model's settings.
-    model_config(c.model, vocab_size=1, seq_len=c.data.seq_len)
 
 
 def _positive(section: ConfigDict, prefix: str, *names: str) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from bpt.config.schema import set_family
+
 
 def load_config_file(path) -> ConfigDict:
     """The ConfigDict of a config file (a Python file with get_config()), by its path.
@@ -55,7 +57,8 @@ def check_keys(c: ConfigDict, keys) -> None:
 def override(c: ConfigDict, *settings: str) -> ConfigDict:
     """Sets fields from "section.name=value" strings, parsed exactly as bpt-train parses
     --config.section.name=value (ml_collections' config flags: the field's type decides).
-    Returns c, changed in place."""
+    A model.family among them switches the family as set_family does (the other model
+    settings given keep their values, whatever their order). Returns c, changed in place."""
     from absl import flags
     from ml_collections import config_flags
 
@@ -70,4 +73,15 @@ def override(c: ConfigDict, *settings: str) -> ConfigDict:
         values(argv)
     except flags.Error as error:
         raise ValueError(str(error)) from None
-    return holder.value
+    return switch_family(holder.value, settings)
+
+
+def switch_family(c: ConfigDict, settings) -> ConfigDict:
+    """c after its overrides `settings` ("section.name=value" or "--config.section.name=value"):
+    where they set model.family, set_family(c, family) keeping the model settings they gave."""
+    keys = [setting.split("=", 1)[0].strip().lstrip("-").removeprefix("config.") for setting in settings]
+    if "model.family" in keys:
+        given = [key.split(".", 1)[1] for key in keys if key.startswith("model.")]
+        with c.unlocked():
+            set_family(c, c.model.family, keep=given)
+    return c

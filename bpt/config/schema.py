@@ -8,7 +8,8 @@ import dataclasses
 
 from ml_collections import ConfigDict, config_dict
 
-from bpt.models import AgenticConfig, FLASHConfig, GPTConfig
+from bpt.models import FAMILIES
+from bpt.models.lm import LMConfig
 
 # The BPT paper's Table 1 sizes, plus GPT-2's 125M and 350M and a tiny one for CPUs.
 MODEL_SIZES: dict[str, dict] = {
@@ -65,38 +66,72 @@ def base_config(size: str = "small") -> ConfigDict:
     return c
 
 
-def model_section(size: str) -> ConfigDict:
-    """config.model: every family's settings (GPTConfig's, FLASHConfig's and AgenticConfig's
-    fields, their defaults from the dataclasses), the sizes from MODEL_SIZES[size]."""
+# Model settings whose None means "from the data": the tokenizer's vocabulary, data.seq_len,
+# and the Agentic Transformer's environment shapes (bpt.rl.data). Also None: the GPT's
+# num_kv_heads, head_dim and mlp_hidden (their own defaults say what None means).
+FROM_DATA = ("vocab_size", "max_seq_len", "obs_dim", "act_dim", "max_timestep")
+
+
+def family_fields(family: str) -> dict[str, dataclasses.Field]:
+    """The fields of model.family's config dataclass, by name (LMConfig's shared ones first)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model.family {family!r}; allowed: {', '.join(FAMILIES)}")
+    return {field.name: field for field in dataclasses.fields(FAMILIES[family])}
+
+
+def model_section(size: str, family: str = "gpt") -> ConfigDict:
+    """config.model: the settings every family shares (LMConfig's fields), then each family's
+    own; those of other families than `family` are unset (None), as set_family leaves them.
+    Defaults come from the dataclasses (one source of truth: the comments there say what
+    each does), the sizes from MODEL_SIZES[size]."""
     s = ConfigDict()
-    # The model's settings and their defaults are GPTConfig's fields (one source of truth);
-    # the comments there say what each does. The size fields come from MODEL_SIZES.
-    for field in dataclasses.fields(GPTConfig):
-        if field.name not in ("vocab_size", "num_layers", "d_model", "num_heads"):
-            s[field.name] = field.default
-    s.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
-    s.num_layers = s.d_model = s.num_heads = 0
-    s.num_kv_heads = config_dict.placeholder(int)  # None: one per query head
-    s.head_dim = config_dict.placeholder(int)  # None: d_model // num_heads
-    s.max_seq_len = config_dict.placeholder(int)  # learned positions; None: data.seq_len
-    s.mlp_hidden = config_dict.placeholder(int)  # None: mlp_ratio x d_model
-    s.update(MODEL_SIZES[size])
-    # gpt | flash | agentic. FLASH (bpt.models.flash.FLASHConfig) reads the shared fields above and its
-    # own below (defaults from FLASHConfig; they must stay at them for a GPT), and ignores
-    # the GPT's heads, FFN, attention_* except attention_impl (auto | blockwise | pallas for
-    # FLASH) and *_chunk_size except loss_chunk_size.
-    s.family = "gpt"
-    for field in dataclasses.fields(FLASHConfig):
-        if field.name not in s:
-            s[field.name] = field.default
-    # agentic (bpt.models.agentic.AgenticConfig): the GPT's fields and the environment's
-    # shapes; None: from the data (data.name='exorl').
-    s.obs_dim = config_dict.placeholder(int)
-    s.act_dim = config_dict.placeholder(int)
-    s.max_timestep = config_dict.placeholder(int)
-    s.return_scale = AgenticConfig.return_scale
-    s.returns_input = AgenticConfig.returns_input
+    s.family = "gpt"  # gpt | flash | agentic: bpt.models.FAMILIES
+    shared = {field.name for field in dataclasses.fields(LMConfig)}
+    for family_name in FAMILIES:
+        for name, field in family_fields(family_name).items():
+            if name not in s:
+                s[name] = _unset(field) if name not in shared else _default(field)
+    s.update({name: value for name, value in MODEL_SIZES[size].items() if name != "num_heads"})
+    set_family(s, family, num_heads=MODEL_SIZES[size]["num_heads"])
     return s
+
+
+def set_family(model: ConfigDict, family: str, *, keep=(), num_heads: int | None = None) -> ConfigDict:
+    """Switches config.model (or a whole config) to `family`: the shared settings stay, the new
+    family's own settings that are unset take their defaults (num_heads: the MODEL_SIZES row
+    of this d_model, unless given), and every other family's are unset (None), except the
+    names in `keep` (settings given with the switch, which model_config then refuses: a
+    setting of another family is an error, never dropped). Returns the section, changed
+    in place. Config files may also assign model.family; then the other family's settings
+    they made must be unset too, or model_config names them."""
+    model = model.model if "model" in model and isinstance(model.model, ConfigDict) else model
+    fields = family_fields(family)
+    model.family = family
+    for family_name in FAMILIES:
+        for name, field in family_fields(family_name).items():
+            if name in fields:
+                if model[name] is None and name not in FROM_DATA and field.default is not None:
+                    model[name] = _default(field)
+                if name == "num_heads" and not model[name]:
+                    rows = [row for row in MODEL_SIZES.values() if row["d_model"] == model.d_model]
+                    model[name] = num_heads or (rows[0]["num_heads"] if rows else 0)
+            elif name not in keep:
+                model[name] = _unset(field)
+    return model
+
+
+def _default(field: dataclasses.Field):
+    """A field's value in a fresh tree: its dataclass default; None (a typed placeholder)
+    where the data decides or the default is None; 0 for the sizes (MODEL_SIZES fills)."""
+    if field.name in FROM_DATA or field.default is None:
+        return _unset(field)
+    return 0 if field.default is dataclasses.MISSING else field.default
+
+
+def _unset(field: dataclasses.Field):
+    """None with the field's type, so that --config.model.<name>=value still parses."""
+    kind = {"int": int, "float": float, "bool": bool, "str": str}[str(field.type).split("|")[0].strip()]
+    return config_dict.placeholder(kind)
 
 
 def data_section() -> ConfigDict:

@@ -32,12 +32,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from bpt.models.lm import (
-    DTYPES,
     LAYER_INPUT,
-    LOSS_IMPLS,
     CausalLM,
     Layer,
-    LMConfigMixin,
+    LMConfig,
     apply_rotary,
     dropout,
     final_layer_norm,
@@ -47,28 +45,33 @@ from bpt.models.lm import (
 )
 from bpt.ops.gau import IMPLS as FLASH_IMPLS
 from bpt.ops.gau import (
+    LINEAR_NORMS,
     mixed_chunk_attention,
     relative_buckets,
     relu2,
     relu2_attention_reference,
     resolve_impl,
 )
-from bpt.ops.remat import check_policy
 from bpt.parallel.gau import sharded_mixed_chunk_attention
 from bpt.parallel.mesh import Parallelism
 
 Array = jax.Array
 FLASH_ATTENTION = ("mixed_chunk", "quadratic")
 NORMS = ("scale_norm", "layer_norm")
-FLASH_POSITIONS = ("rotary", "relative_bias")
+FLASH_POSITIONS = ("rotary", "relative_bias", "rotary+relative_bias")
+ABSOLUTE_EMBEDDINGS = ("none", "scaled_sin")
 QK_INITS = ("ones", "normal")
 
 
-@dataclasses.dataclass(frozen=True)
-class FLASHConfig(LMConfigMixin):
-    vocab_size: int
-    num_layers: int
-    d_model: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FLASHConfig(LMConfig):
+    """LMConfig's shared fields (position_embedding: rotary | relative_bias, T5's bucketed
+    bias on the relu^2 scores, | rotary+relative_bias, both, as the paper's LM recipe; attention_impl: bpt.ops.gau.IMPLS; max_seq_len: n in the 1/n
+    scaling, the training context; use_bias: on the u, v, z and output dense layers, as the
+    paper's dense(): without them the backward has no column sums over every token of the
+    2e + s wide pre-activation, 3% faster at 125M and 8K but 4% higher validation loss after
+    400 steps, docs/notes/flash.md) and FLASH's own."""
+
     chunk_size: int = 256  # G: mixed_chunk's chunk of quadratic attention
     attention: str = "mixed_chunk"
     expansion: float = 2.0  # e: u and v are e * d_model wide
@@ -77,77 +80,40 @@ class FLASHConfig(LMConfigMixin):
     # or "normal" (N(0, 0.02), the paper's pseudo-code: relu^2 of scores near 0 then starts
     # with almost no gradient; 32% worse than "ones" after 400 steps, docs/notes/flash.md).
     qk_init: str = "ones"
-    # mixed_chunk's computation: "blockwise" (XLA, chunk by chunk), "pallas" (bpt.ops.kernels.gau:
-    # Triton on GPUs, interpret mode elsewhere) or "auto" (pallas on a GPU where the kernels
-    # take the sizes and the mesh shards no more than the batch).
-    attention_impl: str = "auto"
     norm: str = "scale_norm"
-    # Biases on the dense layers (u, v, z and the output), as the paper's dense(); without them
-    # the backward has no column sums over every token of the 2e + s wide pre-activation: 3%
-    # faster at 125M and 8K, but 4% higher validation loss after 400 steps (docs/notes/flash.md).
-    use_bias: bool = True
-    position_embedding: str = "rotary"  # or relative_bias: T5's bucketed bias on the relu^2 scores
-    rope_theta: float = 10000.0
     relative_buckets: int = 32
     relative_max_distance: int = 128
-    max_seq_len: int = 2048  # n in the 1/n scaling: the training context
-    tie_embeddings: bool = True
-    # The embedding holds vocab_size rounded up to a multiple of this (padded_vocab; nanoGPT's
-    # 50,304 for GPT-2), so that mesh.tensor can split it; padded ids are never predicted.
-    vocab_multiple: int = 128
-    dropout: float = 0.0
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    layer_norm_epsilon: float = 1e-5
-    scan_layers: bool = True
-    scan_unroll: int = 1  # layers per iteration of the stack's loop, as GPTConfig's
-    remat_layer: str = "nothing_saveable"
-    remat_group: int = 1
-    offload_layer_inputs: bool = False
-    loss_impl: str = "auto"  # auto: chunked (linear memory, as every other part of FLASH)
-    loss_chunk_size: int = 512
+    # The linear part over earlier chunks: "sum" (their running sum times lin_scale = 1/n) or
+    # "mean" (the paper's Code 8: the mean over them of each chunk's lin_k^T v / chunk_size).
+    linear_norm: str = "sum"
+    # An absolute position signal added to the token embedding: "scaled_sin" (the paper's
+    # ScaledSin, Code 2: the sinusoids [sin | cos] of Transformer's table times one learned
+    # scalar, from 1 / sqrt(d_model)) or "none".
+    absolute_embedding: str = "none"
 
     def __post_init__(self):
+        super().__post_init__()
         for name, options in (
             ("attention", FLASH_ATTENTION),
             ("norm", NORMS),
             ("position_embedding", FLASH_POSITIONS),
             ("qk_init", QK_INITS),
             ("attention_impl", FLASH_IMPLS),
-            ("loss_impl", LOSS_IMPLS),
-            ("dtype", DTYPES),
-            ("param_dtype", DTYPES),
+            ("linear_norm", LINEAR_NORMS),
+            ("absolute_embedding", ABSOLUTE_EMBEDDINGS),
         ):
-            if getattr(self, name) not in options:
-                raise ValueError(
-                    f"unknown model.{name} {getattr(self, name)!r} for FLASH; allowed: {', '.join(options)}"
-                )
-        check_policy(self.remat_layer, "model.remat_layer")
-        self.check_positive(
-            "vocab_size",
-            "vocab_multiple",
-            "num_layers",
-            "d_model",
-            "chunk_size",
-            "qk_dim",
-            "max_seq_len",
-            "loss_chunk_size",
-            "relative_buckets",
-            "relative_max_distance",
-        )
-        for name in ("expansion", "rope_theta", "layer_norm_epsilon"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"model.{name} must be > 0; got {getattr(self, name)!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout!r}")
-        if self.position_embedding == "rotary" and self.qk_dim % 2:
+            self.check_allowed(name, options, "FLASH")
+        self.check_positive("chunk_size", "qk_dim", "relative_buckets", "relative_max_distance")
+        self.check_above_zero("expansion")
+        if self.rotary and self.qk_dim % 2:
             raise ValueError(f"rotary positions need an even model.qk_dim; got {self.qk_dim}")
+        if self.absolute_embedding == "scaled_sin" and self.d_model % 2:
+            raise ValueError(f"model.absolute_embedding='scaled_sin' needs an even model.d_model; got {self.d_model}")
         if self.relative_buckets < 2 or self.relative_max_distance <= self.relative_buckets // 2:
             raise ValueError(
                 "model.relative_buckets must be >= 2 and model.relative_max_distance above half of it; "
                 f"got {self.relative_buckets}, {self.relative_max_distance}"
             )
-        self.check_stack()
 
     @property
     def chunked_loss(self) -> bool:
@@ -177,18 +143,30 @@ class FLASHConfig(LMConfigMixin):
         return 1.0 / (self.chunk_size if self.attention == "mixed_chunk" else self.max_seq_len)
 
     @property
+    def rotary(self) -> bool:
+        """Whether queries and keys are rotated (RoPE)."""
+        return self.position_embedding in ("rotary", "rotary+relative_bias")
+
+    @property
+    def relative_bias(self) -> bool:
+        """Whether the relu^2 scores get a learned relative position bias."""
+        return self.position_embedding in ("relative_bias", "rotary+relative_bias")
+
+    @property
     def lin_scale(self) -> float:
-        return 1.0 / self.max_seq_len
+        """The linear part's scale: 1/n over the running sum, or the paper's 1/chunk_size
+        over each chunk's lin_k^T v, averaged over the earlier chunks (linear_norm)."""
+        return 1.0 / (self.chunk_size if self.linear_norm == "mean" else self.max_seq_len)
 
     def num_params(self, *, embeddings: bool = True) -> int:
         """Parameter count (weights and biases), computed from the shapes alone; the
         vocabulary's padding rows (padded_vocab) are not counted: nothing reads them."""
         d, e, s = self.d_model, self.hidden_dim, self.qk_dim
         norm = 1 if self.norm == "scale_norm" else 2 * d
-        bias = self.relative_buckets if self.position_embedding == "relative_bias" else 0
+        bias = self.relative_buckets if self.relative_bias else 0
         biases = (2 * e + s + d) if self.use_bias else 0
         per_layer = norm + 2 * d * e + d * s + 2 * self.num_qk * s + e * d + biases + bias
-        total = self.num_layers * per_layer + norm
+        total = self.num_layers * per_layer + norm + (self.absolute_embedding == "scaled_sin")
         if embeddings:
             total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return total
@@ -218,6 +196,14 @@ def scale_norm(x: Array, scale: Array, eps: float) -> Array:
     x32 = x.astype(jnp.float32)
     norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=-1, keepdims=True))
     return (x32 * (scale.astype(jnp.float32) / jnp.maximum(norm, eps))).astype(x.dtype)
+
+
+def sinusoids(positions: Array, width: int) -> Array:
+    """[..., width] float32: [sin | cos] of positions times Transformer's frequencies
+    (1 / 10000^(2i / width), i < width / 2)."""
+    frequencies = 1.0 / 10000.0 ** (jnp.arange(0, width, 2, dtype=jnp.float32) / width)
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * frequencies
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
 
 
 def near_one(stddev: float):
@@ -265,7 +251,7 @@ class GAULayer(Layer):
         p["w_o"] = self._param("w_o", (e, d), ("mlp", "embed"), residual)
         if cfg.use_bias:
             p["b_o"] = self._param("b_o", (d,), ("embed",), zeros)
-        if cfg.position_embedding == "relative_bias":
+        if cfg.relative_bias:
             p["relative_bias"] = self._param("relative_bias", (cfg.relative_buckets,), (None,), zeros)
         return p
 
@@ -304,7 +290,7 @@ class GAULayer(Layer):
                 uvz = uvz + jnp.concatenate([p[f"b_{n}"] for n in names])
             u, v, z = jnp.split(jax.nn.silu(uvz), [cfg.hidden_dim, 2 * cfg.hidden_dim], axis=-1)
         qk = z[..., None, :] * p["qk_scale"] + p["qk_offset"]  # [batch, seq, num_qk, s]
-        if cfg.position_embedding == "rotary":
+        if cfg.rotary:
             qk = apply_rotary(qk, *rotary_tables(positions, cfg.qk_dim, cfg.rope_theta))
         qk = [qk[:, :, i] for i in range(cfg.num_qk)]
         table = p.get("relative_bias")
@@ -348,6 +334,7 @@ class GAULayer(Layer):
             lin_scale=cfg.lin_scale,
             bias=bias,
             impl=impl,
+            linear_norm=cfg.linear_norm,
         )
         par = self.parallel
         if par is not None and par.sequence > 1:  # chunks on their devices, one running sum across
@@ -361,6 +348,7 @@ class GAULayer(Layer):
                 bias=bias,
                 segment_ids=segment_ids,
                 impl=impl,
+                linear_norm=cfg.linear_norm,
             )[:, :t]
         if impl == "pallas" and par is not None and par.mesh.size > 1:  # a kernel XLA cannot split
             rows = par.logical("batch").spec
@@ -425,7 +413,7 @@ class GAULayer(Layer):
         elif length == 1:
             a, caches = _mixed_decode_token(cfg, qk, v, table, positions[:, 0], caches)
         else:
-            a, caches = _mixed_decode_chunks(cfg, qk, v, table, valid, caches)
+            a, caches = _mixed_decode_chunks(cfg, qk, v, table, valid, positions[:, 0], caches)
         new = [caches[n] for n in names]
         if stacks is None:
             for variable, value in zip(own, new):
@@ -502,15 +490,18 @@ def _mixed_decode_token(cfg, qk, v, table, position, caches):
     w = _buffer_scores(cfg, quad_q, caches["quad_k"], table, position[:, None], key_pos, cfg.quad_scale)
     quad = jnp.einsum("bqk,bke->bqe", w, caches["v"], preferred_element_type=jnp.float32)
     lin = jnp.einsum("bqs,bse->bqe", lin_q.astype(jnp.float32), caches["state"]) * cfg.lin_scale
+    if cfg.linear_norm == "mean":  # the state holds the position // G chunks before this one
+        lin = lin / jnp.maximum(position // g, 1)[:, None, None].astype(jnp.float32)
     return (quad + lin).astype(v.dtype), caches
 
 
-def _mixed_decode_chunks(cfg, qk, v, table, valid, caches):
+def _mixed_decode_chunks(cfg, qk, v, table, valid, start, caches):
     """Several tokens of each sequence, starting at a chunk boundary (a prefill, or a prompt's
     later chunk): the last chunk before them is folded into the state, they attend chunk by
     chunk as in training (bpt.ops.gau.mixed_chunk_attention, from that state), and the
     state then holds every chunk before the one of the last valid token, which becomes
-    the current chunk. Rows with no valid token keep their cache as it was."""
+    the current chunk. Rows with no valid token keep their cache as it was. start [batch]:
+    the position of each sequence's first token here (the state holds start // G chunks)."""
     g = cfg.chunk_size
     batch, t = v.shape[:2]
     active = valid > 0
@@ -534,6 +525,8 @@ def _mixed_decode_chunks(cfg, qk, v, table, valid, caches):
         lin_scale=cfg.lin_scale,
         bias=bias,
         initial_state=caches["state"],
+        initial_count=start // g,
+        linear_norm=cfg.linear_norm,
         return_states=True,  # the XLA path (a prefill; the kernels serve training)
     )
     a = a[:, :t]
@@ -572,6 +565,12 @@ class FLASH(CausalLM):
         return cache_shapes(self.config, batch, slots)
 
     def position_inputs(self, x: Array, positions: Array, valid, decode: bool):
+        """The layers read the positions (rotary, relative bias; with the decode call's valid
+        counts); with absolute_embedding="scaled_sin" the embedding gets ScaledSin as well."""
+        cfg = self.config
+        if cfg.absolute_embedding == "scaled_sin":
+            scale = logical_param(self, "sin_scale", (), (), nn.initializers.constant(cfg.d_model**-0.5))
+            x = x + (scale * sinusoids(positions, cfg.d_model)).astype(x.dtype)
         return x, ((positions, valid) if decode else positions)
 
     def final_norm(self):

@@ -26,12 +26,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from bpt.models.lm import (
-    DTYPES,
     LAYER_INPUT,
-    LOSS_IMPLS,
     CausalLM,
     Layer,
-    LMConfigMixin,
+    LMConfig,
     apply_rotary,
     dropout,
     final_layer_norm,
@@ -41,10 +39,10 @@ from bpt.models.lm import (
     rms_norm,
     rotary_tables,
 )
-from bpt.ops.attention import attention, check_impl, select_impl
+from bpt.ops.attention import ATTENTION, MERGED, attention
 from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
 from bpt.ops.chunked import CrossEntropy, from_chunks, scan_chunks
-from bpt.ops.decode import decode_attention, quantize_kv, resolve_decode_impl, write_cache
+from bpt.ops.decode import DECODE, decode_attention, quantize_kv, write_cache
 from bpt.ops.remat import check_policy, remat
 from bpt.parallel.mesh import Parallelism
 from bpt.parallel.ring import context_parallel_attention
@@ -82,11 +80,12 @@ def row_major(x: Array) -> Array:
     return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
-@dataclasses.dataclass(frozen=True)
-class GPTConfig(LMConfigMixin):
-    vocab_size: int
-    num_layers: int
-    d_model: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig(LMConfig):
+    """LMConfig's shared fields (position_embedding: rotary | learned; attention_impl: see
+    bpt.ops.attention.IMPLS; use_bias: on q, k, v, the output projection and the FFN, Llama
+    has none) and the GPT's own."""
+
     num_heads: int
     num_kv_heads: int | None = None  # None: as many as query heads (GQA/MQA when fewer)
     head_dim: int | None = None  # None: d_model // num_heads
@@ -95,84 +94,34 @@ class GPTConfig(LMConfigMixin):
     # The FFN: "gelu" (GPT-2's: tanh-GELU(x W1 + b1) W2 + b2), "relu" (the same with ReLU) or
     # "swiglu" (Llama's: (silu(x W1) * x W3) W2, a third matrix W3 of the same shape as W1).
     mlp_activation: str = "gelu"
-    use_bias: bool = True  # biases on q, k, v, the output projection and the FFN (Llama: none)
     rms_norm: bool = False  # RMSNorm (a scale, no bias) instead of LayerNorm, in every norm
-    max_seq_len: int = 2048  # size of the learned position table
-    position_embedding: str = "rotary"
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = True
-    # The embedding holds vocab_size rounded up to a multiple of this (padded_vocab; nanoGPT's
-    # 50,304 for GPT-2), so that mesh.tensor can split it; padded ids are never predicted.
-    vocab_multiple: int = 128
-    dropout: float = 0.0
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
-    layer_norm_epsilon: float = 1e-5
     attention_mode: str = "blockwise_parallel"
-    attention_impl: str = "auto"  # see bpt.ops.attention.IMPLS
-    decode_impl: str = "auto"  # attention over the key/value cache: see bpt.ops.decode.DECODE_IMPLS
+    decode_impl: str = "auto"  # attention over the key/value cache: see bpt.ops.decode.DECODE
     # The key/value cache while decoding: "auto" keeps keys and values in the compute dtype;
     # "int8" stores them as int8 with a float32 scale per token and head (bpt.ops.decode.
     # quantize_kv): 0.53x the bytes of bf16, so twice the context fits and each step reads half.
     cache_dtype: str = "auto"
     q_chunk_size: int = 512
     kv_chunk_size: int = 512
-    loss_chunk_size: int = 512
-    scan_layers: bool = True
-    # Layers per iteration of the scanned stack's loop (lax.scan's unroll; num_layers: the
-    # whole stack in one iteration). The parameters stay stacked [layers, ...] either way; a
-    # loop of one iteration lets the residuals the backward keeps go without the loop's
-    # per-layer copies into stacks (docs/notes/flash.md: with remat_layer none, FLASH-125M 22%
-    # and GPT-125M 13% faster at 8K on an H100).
-    scan_unroll: int = 1
-    remat_layer: str = "nothing_saveable"
     remat_attention: str = "none"
     remat_ffn: str = "nothing_saveable"
-    # Nested rematerialization of the layer stack: with G > 1 layers a group, the backward
-    # keeps only every G-th layer's input (L / G of them) and recomputes a group's G inputs
-    # when it reaches it: L / G + G saved layer inputs instead of L. Needs scan_layers.
-    remat_group: int = 1
-    # Keep the saved layer inputs in host memory (pinned_host) instead of on the device: the
-    # backward copies each back when it reaches its layer. Needs remat_layer and remat_group=1.
-    offload_layer_inputs: bool = False
-    # The LM loss: "chunked" computes logits and cross-entropy loss_chunk_size tokens at a time
-    # (never [seq, vocab] at once); "full" materializes the logits; "auto": chunked in the
-    # blockwise_parallel mode only, as in the paper.
-    loss_impl: str = "auto"
 
     def __post_init__(self):
-        def allowed(name, value, options):
-            if value not in options:
-                raise ValueError(f"unknown model.{name} {value!r}; allowed: {', '.join(options)}")
-
-        allowed("attention_mode", self.attention_mode, ATTENTION_MODES)
-        allowed("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
-        allowed("dtype", self.dtype, DTYPES)
-        allowed("param_dtype", self.param_dtype, DTYPES)
-        allowed("loss_impl", self.loss_impl, LOSS_IMPLS)
-        allowed("cache_dtype", self.cache_dtype, CACHE_DTYPES)
-        allowed("mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
-        check_impl(self.attention_impl, "model.attention_impl")
-        resolve_decode_impl(self.decode_impl, "model.decode_impl")
-        for name in ("remat_layer", "remat_attention", "remat_ffn"):
+        super().__post_init__()
+        for name, options in (
+            ("attention_mode", ATTENTION_MODES),
+            ("position_embedding", POSITION_EMBEDDINGS),
+            ("cache_dtype", CACHE_DTYPES),
+            ("mlp_activation", MLP_ACTIVATIONS),
+        ):
+            self.check_allowed(name, options)
+        self.check_allowed("attention_impl", ATTENTION.names)
+        self.check_allowed("decode_impl", DECODE.names)
+        for name in ("remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
-        self.check_positive(
-            "vocab_size",
-            "vocab_multiple",
-            "num_layers",
-            "d_model",
-            "num_heads",
-            "max_seq_len",
-            "q_chunk_size",
-            "kv_chunk_size",
-            "loss_chunk_size",
-        )
+        self.check_positive("num_heads", "q_chunk_size", "kv_chunk_size")
         self.check_positive("num_kv_heads", "head_dim", "mlp_hidden", optional=True)
-        for name in ("mlp_ratio", "rope_theta", "layer_norm_epsilon"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"model.{name} must be > 0; got {getattr(self, name)!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout!r}")
+        self.check_above_zero("mlp_ratio")
         if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
@@ -185,7 +134,6 @@ class GPTConfig(LMConfigMixin):
             )
         if self.position_embedding == "rotary" and self.dim_per_head % 2:
             raise ValueError(f"rotary positions need an even head_dim; got {self.dim_per_head}")
-        self.check_stack()
 
     @property
     def kv_heads(self) -> int:
@@ -404,22 +352,29 @@ class Block(Layer):
         return (chunk_loop(x, a, weights, shards) if out is None else out), None
 
     def _attention_impl(self, q: Array, k: Array, segment_ids) -> str:
-        """The attention implementation this layer runs: the reference for vanilla attention,
-        model.attention_impl as set, or auto's choice for the shapes one device computes (its
-        thresholds were measured on one device)."""
-        cfg = self.config
+        """The attention implementation this layer runs, resolved here once from the shapes
+        one device computes (auto's thresholds were measured per device): the reference for
+        vanilla attention; across sequence shards one of bpt.ops.attention.MERGED (each
+        shard's logsumexp merges them), else one of ATTENTION. An implementation set by name
+        that cannot take the inputs is an error naming model.attention_impl."""
+        cfg, par = self.config, self.parallel
         if cfg.attention_mode == "vanilla":
             return "reference"
-        if cfg.attention_impl != "auto":
-            return cfg.attention_impl
-        local = (
-            (q, k)
-            if self.parallel is None
-            else tuple(jax.ShapeDtypeStruct(self.parallel.local_shape(x.shape), x.dtype) for x in (q, k))
-        )
-        return select_impl(
-            *local, causal=True, segment_ids=segment_ids, q_chunk_size=cfg.q_chunk_size, kv_chunk_size=cfg.kv_chunk_size
-        )
+        if par is not None:
+            q, k = (jax.ShapeDtypeStruct(par.local_shape(x.shape), x.dtype) for x in (q, k))
+        registry = MERGED if par is not None and par.sequence > 1 and not self.decode else ATTENTION
+        try:
+            return registry.resolve(
+                cfg.attention_impl,
+                q,
+                k,
+                causal=True,
+                segment_ids=segment_ids,
+                q_chunk_size=cfg.q_chunk_size,
+                kv_chunk_size=cfg.kv_chunk_size,
+            )
+        except ValueError as error:
+            raise ValueError(f"model.attention_impl={cfg.attention_impl!r}: {error}") from None
 
     def _attend(self, q: Array, k: Array, v: Array, impl: str, segment_ids) -> Array:
         """Causal attention of the layer's heads, under model.remat_attention: inside shard_map

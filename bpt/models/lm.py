@@ -15,14 +15,14 @@ A family subclass has the fields `config` and `parallel` and brings four things:
                                                positions (and of a decode call's valid counts)
     final_norm()                               -> (norm(params, x), params)
 
-Families share these config fields: vocab_size, num_layers, d_model, max_seq_len,
-tie_embeddings, dropout, dtype, param_dtype, scan_layers, remat_layer, remat_group,
-offload_layer_inputs, loss_impl, loss_chunk_size; their configs have the properties
-layer_policy (LMConfigMixin) and chunked_loss.
+Every family's config is an LMConfig: the shared fields with their checks, and the
+properties padded_vocab and layer_policy; a family adds its own fields and checks and the
+property chunked_loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy
-from bpt.ops.remat import POLICIES
+from bpt.ops.remat import POLICIES, check_policy
 from bpt.parallel.mesh import Parallelism
 from bpt.parallel.ring import from_layout, layout_permutation, to_layout
 
@@ -51,8 +51,69 @@ def check_positive_int(value, name: str, *, optional: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}; got {value!r}")
 
 
-class LMConfigMixin:
-    """Properties every family's config derives the same way from the shared fields."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LMConfig:
+    """The settings every family shares, with one check each (__post_init__; a family's
+    config adds its own fields and checks, and the allowed values of position_embedding and
+    attention_impl), and the properties every family derives the same way from them."""
+
+    vocab_size: int
+    num_layers: int
+    d_model: int
+    max_seq_len: int = 2048  # the learned position table's size (GPT); FLASH's n in 1/n scaling
+    # The embedding holds vocab_size rounded up to a multiple of this (padded_vocab; nanoGPT's
+    # 50,304 for GPT-2), so that mesh.tensor can split it; padded ids are never predicted.
+    vocab_multiple: int = 128
+    tie_embeddings: bool = True
+    position_embedding: str = "rotary"  # the family lists what else it takes
+    rope_theta: float = 10000.0
+    use_bias: bool = True  # biases on the dense layers (the family says which)
+    dropout: float = 0.0
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    layer_norm_epsilon: float = 1e-5
+    attention_impl: str = "auto"  # the family lists what it takes (GPT: bpt.ops.attention.IMPLS)
+    scan_layers: bool = True
+    # Layers per iteration of the scanned stack's loop (lax.scan's unroll; num_layers: the
+    # whole stack in one iteration). The parameters stay stacked [layers, ...] either way; a
+    # loop of one iteration lets the residuals the backward keeps go without the loop's
+    # per-layer copies into stacks (docs/notes/flash.md).
+    scan_unroll: int = 1
+    remat_layer: str = "nothing_saveable"
+    # Nested rematerialization of the layer stack: with G > 1 layers a group, the backward
+    # keeps only every G-th layer's input (L / G of them) and recomputes a group's G inputs
+    # when it reaches it: L / G + G saved layer inputs instead of L. Needs scan_layers.
+    remat_group: int = 1
+    # Keep the saved layer inputs in host memory (pinned_host) instead of on the device: the
+    # backward copies each back when it reaches its layer. Needs remat_layer and remat_group=1.
+    offload_layer_inputs: bool = False
+    # The LM loss: "chunked" computes logits and cross-entropy loss_chunk_size tokens at a time
+    # (never [seq, vocab] at once); "full" materializes the logits; "auto": the family's choice
+    # (GPT: chunked in the blockwise_parallel mode only, as in the paper; FLASH: chunked).
+    loss_impl: str = "auto"
+    loss_chunk_size: int = 512
+
+    def __post_init__(self):
+        for name, options in (("dtype", DTYPES), ("param_dtype", DTYPES), ("loss_impl", LOSS_IMPLS)):
+            self.check_allowed(name, options)
+        check_policy(self.remat_layer, "model.remat_layer")
+        self.check_positive("vocab_size", "vocab_multiple", "num_layers", "d_model", "max_seq_len", "loss_chunk_size")
+        self.check_above_zero("rope_theta", "layer_norm_epsilon")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout!r}")
+        self.check_stack()
+
+    def check_allowed(self, name: str, options, family: str = "") -> None:
+        """Raises ValueError unless the field's value is one of options (of `family`, where
+        another family allows other values)."""
+        if getattr(self, name) not in options:
+            whose = f" for {family}" if family else ""
+            raise ValueError(f"unknown model.{name} {getattr(self, name)!r}{whose}; allowed: {', '.join(options)}")
+
+    def check_above_zero(self, *names: str) -> None:
+        for name in names:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name} must be > 0; got {getattr(self, name)!r}")
 
     @property
     def padded_vocab(self) -> int:

@@ -1,4 +1,7 @@
-"""One entry point for attention: attention(q, k, v, *, impl=..., causal=..., segment_ids=...).
+"""One entry point for attention: attention(q, k, v, *, impl=..., causal=..., segment_ids=...),
+and the registries its implementations live in (bpt.ops.registry): ATTENTION, whose auto
+(select_impl) is resolved from one device's shapes, and MERGED, the implementations that
+return a piece's output and logsumexp for a merge (context parallelism's hops).
 
 | impl        | memory      | where                    | takes segment_ids |
 |-------------|-------------|--------------------------|-------------------|
@@ -13,6 +16,9 @@
 |             | 8K and up, and at batch 8 of 2K); on a GPU otherwise cudnn where it supports
 |             | the inputs, else pallas for bf16/fp16; off the GPU blockwise (reference
 |             | when one chunk covers it) |
+
+An implementation named explicitly runs where it takes the inputs and is an error
+elsewhere (never replaced by another).
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bpt.ops.blockwise import blockwise_attention
+from bpt.ops.blockwise import blockwise_attention, blockwise_backward, blockwise_forward
 from bpt.ops.kernels import attention_hopper
-from bpt.ops.kernels.attention import flash_attention
+from bpt.ops.kernels.attention import flash_attention, flash_backward, flash_forward
 from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
+from bpt.ops.registry import Implementation, Registry
 
 Array = jax.Array
 # bpt's Hopper kernels against cuDNN (causal, d=128, batch 1, 16 heads, H100), forward+
@@ -32,19 +39,10 @@ Array = jax.Array
 # (docs/notes/attention_kernels.md). A larger SMALL would also take that batched shape.
 SHORT = 4096  # tokens
 SMALL = 16 * 4096**2  # batch x heads x seq^2 (query-key pairs, counting both triangles)
-# pallas_fp8: bpt's Triton forward with its matmuls in float8_e4m3fn (flash_attention's
-# fp8=True), chosen by name only: auto never picks it.
-IMPLS = ("reference", "blockwise", "cudnn", "pallas", "pallas_fp8", "auto")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def check_impl(impl: str, setting: str = "impl") -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"unknown attention {setting} {impl!r}; allowed: {', '.join(IMPLS)}")
-    return impl
-
-
-def cudnn_unsupported_reason(q: Array, k: Array, *, causal: bool, segment_ids: SegmentIds) -> str | None:
+def cudnn_unsupported_reason(q: Array, k: Array, *, causal: bool, segment_ids: SegmentIds, **chunks) -> str | None:
     """Why cuDNN's fused attention (through jax.nn) cannot take these inputs, or None."""
     if jax.default_backend() != "gpu":
         return f"it needs an NVIDIA GPU and this process runs on {jax.default_backend()!r}"
@@ -62,7 +60,8 @@ def cudnn_unsupported_reason(q: Array, k: Array, *, causal: bool, segment_ids: S
 def select_impl(
     q: Array, k: Array, *, causal: bool, segment_ids: SegmentIds, q_chunk_size: int, kv_chunk_size: int
 ) -> str:
-    """The implementation impl='auto' runs for these inputs on this platform."""
+    """The implementation impl='auto' runs for these inputs (one device's shapes: the
+    thresholds were measured per device) on this platform."""
     if (
         causal
         and k.shape[1] <= SHORT
@@ -84,6 +83,45 @@ def select_impl(
     return "blockwise"
 
 
+def _reference(q, k, v, *, causal, segment_ids, q_chunk_size, kv_chunk_size):
+    return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+def _blockwise(q, k, v, **settings):
+    return blockwise_attention(q, k, v, **settings)
+
+
+def _cudnn(q, k, v, *, causal, segment_ids, q_chunk_size, kv_chunk_size):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def _pallas(fp8: bool):
+    def run(q, k, v, *, causal, segment_ids, q_chunk_size, kv_chunk_size):
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, fp8=fp8)
+
+    return run
+
+
+ATTENTION = Registry(
+    "attention",
+    [
+        Implementation("reference", "materialized scores, O(seq^2) memory; any dtype, segment ids, GQA; anywhere",
+                       run=_reference),
+        Implementation("blockwise", "online softmax over query and key/value chunks (lax.scan), O(seq) memory; "
+                       "any dtype, segment ids, GQA; anywhere", run=_blockwise),
+        Implementation("cudnn", "cuDNN's fused attention (jax.nn); bf16/fp16, head_dim a multiple of 8 up to "
+                       "256, GQA, no segment ids; NVIDIA GPUs", why_not=cudnn_unsupported_reason, run=_cudnn),
+        Implementation("pallas", "bpt's FlashAttention-2 kernels (Mosaic GPU on H100-class GPUs where they "
+                       "take the inputs, else Triton); segment ids, GQA; GPUs, elsewhere interpret mode",
+                       run=_pallas(False)),
+        Implementation("pallas_fp8", "the Triton forward with float8_e4m3fn matmuls; chosen by name only",
+                       run=_pallas(True), auto=False),
+    ],
+    select_impl,
+)  # fmt: skip
+IMPLS = ATTENTION.names
+
+
 def attention(
     q: Array,
     k: Array,
@@ -101,34 +139,60 @@ def attention(
     chunk sizes are used by the blockwise implementation and ignored by the others (the
     Pallas kernel picks its own blocks).
     """
-    check_impl(impl)
     check_qkv(q, k, v)
-    if impl == "auto":
-        impl = select_impl(
-            q,
-            k,
-            causal=causal,
-            segment_ids=segment_ids,
-            q_chunk_size=q_chunk_size,
-            kv_chunk_size=kv_chunk_size,
-        )
-    if impl == "reference":
-        return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
-    if impl == "blockwise":
-        return blockwise_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=segment_ids,
-            q_chunk_size=q_chunk_size,
-            kv_chunk_size=kv_chunk_size,
-        )
-    if impl in ("pallas", "pallas_fp8"):
-        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, fp8=impl == "pallas_fp8")
-    reason = cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids)
-    if reason is not None:
-        raise ValueError(
-            f"impl='cudnn' cannot run here: {reason}; use impl auto, pallas or blockwise"
-        )
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    settings = dict(causal=causal, segment_ids=segment_ids, q_chunk_size=q_chunk_size, kv_chunk_size=kv_chunk_size)
+    return ATTENTION[ATTENTION.resolve(impl, q, k, **settings)].run(q, k, v, **settings)
+
+
+# Attention whose partial results merge: each piece (a ring hop's key/value shard) returns
+# its output and logsumexp, and takes its share of the merged attention's gradient. Queries
+# sit at q_offset + i against keys at j (q_offset=-1: causal without the diagonal).
+
+
+def _pallas_forward(q, k, v, *, causal, q_offset, segment_ids, q_chunk_size, kv_chunk_size):
+    if q_offset:
+        k, v, segment_ids = _shift_keys(k, v, segment_ids, q_offset)
+    return flash_forward(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+def _pallas_backward(q, k, v, out, lse, d_out, d_lse, *, causal, q_offset, segment_ids, q_chunk_size, kv_chunk_size):
+    if q_offset:
+        k, v, segment_ids = _shift_keys(k, v, segment_ids, q_offset)
+    dq, dk, dv = flash_backward(q, k, v, out, lse, d_out, d_lse, causal=causal, segment_ids=segment_ids)
+    if q_offset:  # key slot j + 1 held key j
+        dk, dv = (jnp.pad(d[:, 1:], ((0, 0), (0, 1), (0, 0), (0, 0))) for d in (dk, dv))
+    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+
+def _shift_keys(k, v, segment_ids, q_offset: int):
+    """Causal without the diagonal (q_offset=-1) as causal with it, for kernels without an
+    offset: key j moves to slot j + 1 and slot 0 gets a segment no query has (the last key,
+    which no query may see, drops out)."""
+    if q_offset != -1:
+        raise ValueError(f"the kernels take q_offset 0 or -1; got {q_offset}")
+    shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+    if segment_ids is None:
+        segment_ids = (jnp.zeros(k.shape[:2], jnp.int32),) * 2
+    q_seg = segment_ids[0].astype(jnp.int32)
+    nobody = jnp.min(q_seg) - 1
+    kv_seg = jnp.concatenate(
+        [jnp.full((k.shape[0], 1), nobody, jnp.int32), segment_ids[1][:, :-1].astype(jnp.int32)], 1
+    )
+    return shift(k), shift(v), (q_seg, kv_seg)
+
+
+def select_merged(q: Array, *args, **settings) -> str:
+    """auto for merged attention: the kernels on a GPU for 16-bit inputs, else the scan."""
+    return "pallas" if jax.default_backend() == "gpu" and jnp.dtype(q.dtype).itemsize == 2 else "blockwise"
+
+
+MERGED = Registry(
+    "merged attention (a piece's output and logsumexp)",
+    [
+        Implementation("blockwise", "the blockwise scan's forward and backward; any dtype, segment ids, GQA; "
+                       "anywhere", forward=blockwise_forward, backward=blockwise_backward),
+        Implementation("pallas", "bpt's Triton FlashAttention-2 kernels; segment ids, GQA; GPUs, elsewhere "
+                       "interpret mode", forward=_pallas_forward, backward=_pallas_backward),
+    ],
+    select_merged,
+)  # fmt: skip

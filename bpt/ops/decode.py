@@ -18,8 +18,12 @@ arithmetic. Every implementation here takes the same arguments and returns the s
   cache at 2.4-3.0 TB/s from 128K slots on (1.0-1.1x cuDNN), up to 3.2x split_kv
   (docs/notes/decoding.md).
 
-Partial and attend_cache (one partial softmax by split_kv or pallas) serve tree decoding
+Partial and attend_cache (one partial softmax by any implementation) serve tree decoding
 across devices too (bpt.parallel.tree), which merges one partial per device.
+
+The implementations live in the registry DECODE (bpt.ops.registry): each declares what it
+takes and its partial softmax (forward); an implementation named explicitly is never
+replaced by another.
 
 Every implementation also reads an int8 cache (quantize_kv: each token's key or value of one
 head scaled by its absolute maximum / 127) given its k_scale and v_scale, and a model's whole
@@ -35,21 +39,15 @@ import jax.numpy as jnp
 
 from bpt.ops.kernels.decode import MIN_BLOCK_K, decode_partial
 from bpt.ops.reference import Partial, check_qkv, group_heads, logsumexp_merge, masked_attention
+from bpt.ops.registry import Implementation, Registry
 
 Array = jax.Array
-DECODE_IMPLS = ("auto", "reference", "split_kv", "pallas")
 AUTO_KERNEL_ROWS = 64  # auto takes the kernel on a GPU while q_len x (heads / kv_heads) is this small
 
 
-def resolve_decode_impl(
-    impl: str, setting: str = "impl", *, q_shape=None, kv_heads: int = 1, cache_len: int | None = None
-) -> str:
-    """impl checked, with auto resolved for queries of q_shape [batch, q_len, heads, head_dim]
-    over cache_len slots (see the module docstring)."""
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"{setting} must be one of {', '.join(DECODE_IMPLS)}; got {impl!r}")
-    if impl != "auto":
-        return impl
+def select_decode(q_shape=None, kv_heads: int = 1, cache_len: int | None = None) -> str:
+    """auto for queries of q_shape [batch, q_len, heads, head_dim] over cache_len slots (see
+    the module docstring)."""
     if q_shape is None or jax.default_backend() != "gpu":
         return "split_kv"
     _, q_len, heads, head_dim = q_shape
@@ -57,6 +55,11 @@ def resolve_decode_impl(
     kernel_fits = head_dim >= 16 and not head_dim & (head_dim - 1) and rows <= AUTO_KERNEL_ROWS
     kernel_fits = kernel_fits and (cache_len is None or cache_len % MIN_BLOCK_K == 0)
     return "pallas" if kernel_fits else "split_kv"
+
+
+def resolve_decode_impl(impl: str, *, q_shape=None, kv_heads: int = 1, cache_len: int | None = None) -> str:
+    """impl checked, with auto resolved (DECODE.resolve)."""
+    return DECODE.resolve(impl, q_shape, kv_heads=kv_heads, cache_len=cache_len)
 
 
 def last_visible_slot(q_positions: Array, batch: int, lengths: Array | None = None) -> Array:
@@ -231,18 +234,50 @@ def attend_cache(
     v_scale: Array | None = None,
     **kernel_options,
 ) -> Partial:
-    """The partial softmax of q over the cache by split_kv or pallas (impl as resolved by
-    resolve_decode_impl), row r of sequence b seeing slots <= last[b, r]. layer: the caches
-    are stacks [layers, ...] and this layer's is read (the kernel reads it in place).
-    kernel_options go to the pallas kernel (bpt.ops.kernels.decode.decode_partial:
-    num_splits, block_k, schedule, num_warps, num_stages); split_kv takes none."""
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
-    if impl == "split_kv":
-        k_cache, v_cache, scales = _one_layer_of(layer, k_cache, v_cache, scales)
-        return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size, **scales)
-    if impl != "pallas":
-        raise ValueError(f"attend_cache takes impl split_kv or pallas; got {impl!r}")
-    return decode_partial(q, k_cache, v_cache, last, layer=layer, **scales, **kernel_options)
+    """The partial softmax of q over the cache by a DECODE implementation (auto resolved),
+    row r of sequence b seeing slots <= last[b, r]. layer: the caches are stacks
+    [layers, ...] and this layer's is read (the kernel reads it in place). kernel_options go
+    to the pallas kernel (bpt.ops.kernels.decode.decode_partial: num_splits, block_k,
+    schedule, num_warps, num_stages); the other implementations have no such settings."""
+    impl = resolve_decode_impl(impl, q_shape=q.shape, kv_heads=k_cache.shape[-2], cache_len=k_cache.shape[-3])
+    options = kernel_options if impl == "pallas" else {}  # (the kernel's settings: nothing else has them)
+    partial = DECODE[impl].forward
+    return partial(q, k_cache, v_cache, last, chunk_size=chunk_size, layer=layer, k_scale=k_scale, v_scale=v_scale, **options)
+
+
+def _reference_partial(q, k_cache, v_cache, last, *, chunk_size, layer, **scales) -> Partial:
+    k_cache, v_cache, scales = _one_layer_of(layer, k_cache, v_cache, scales)
+    mask = decode_mask(last, jnp.arange(k_cache.shape[1]))
+    return partial_attention(q, k_cache, v_cache, mask, scales["k_scale"], scales["v_scale"])
+
+
+def _reference_run(q, k_cache, v_cache, last, *, chunk_size, layer, **scales) -> Array:
+    k_cache, v_cache, scales = _one_layer_of(layer, k_cache, v_cache, scales)
+    return reference_decode(q, k_cache, v_cache, last, **scales)
+
+
+def _split_kv_partial(q, k_cache, v_cache, last, *, chunk_size, layer, **scales) -> Partial:
+    k_cache, v_cache, scales = _one_layer_of(layer, k_cache, v_cache, scales)
+    return split_kv_partial(q, k_cache, v_cache, last, chunk_size=chunk_size, **scales)
+
+
+def _pallas_partial(q, k_cache, v_cache, last, *, chunk_size, layer, **options) -> Partial:
+    return decode_partial(q, k_cache, v_cache, last, layer=layer, **options)
+
+
+DECODE = Registry(
+    "decode attention",
+    [
+        Implementation("reference", "the scores over every slot materialized, one softmax; GQA, int8 caches; "
+                       "anywhere", run=_reference_run, forward=_reference_partial),
+        Implementation("split_kv", "flash-decoding in plain JAX over chunks of slots; GQA, int8 caches; anywhere",
+                       forward=_split_kv_partial),
+        Implementation("pallas", "bpt's split-KV decode kernel; GQA, int8 caches, ragged batches; GPUs (Triton), "
+                       "elsewhere interpret mode", forward=_pallas_partial),
+    ],
+    select_decode,
+)  # fmt: skip
+DECODE_IMPLS = DECODE.names
 
 
 def decode_attention(
@@ -287,9 +322,8 @@ def decode_attention(
     if (k_scale is None) != (v_scale is None):
         raise ValueError("an int8 cache needs both k_scale and v_scale")
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    if impl == "reference":
-        k_cache, v_cache, scales = _one_layer_of(layer, k_cache, v_cache, scales)
-        return reference_decode(q, k_cache, v_cache, last, **scales)
+    if DECODE[impl].run is not None:  # (the reference: its output directly, not a partial)
+        return DECODE[impl].run(q, k_cache, v_cache, last, chunk_size=chunk_size, layer=layer, **scales)
     part = attend_cache(
         q, k_cache, v_cache, last, impl=impl, chunk_size=chunk_size, layer=layer, **scales, **kernel_options
     )

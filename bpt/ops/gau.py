@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from bpt.ops.kernels import gau as kernels
+from bpt.ops.registry import Implementation, Registry
 from bpt.ops.remat import ATTENTION_OUT, ATTENTION_RESIDUAL
 
 Array = jax.Array
@@ -93,9 +94,11 @@ def mixed_chunk_reference(
     lin_scale: float,
     bias: Array | None = None,
     segment_ids: Array | None = None,
+    linear_norm: str = "sum",
 ) -> Array:
     """Causal mixed chunk attention, materialized as two [seq, seq] matrices (bias [seq, seq]
-    applies to the quadratic part)."""
+    applies to the quadratic part). linear_norm "mean": each query's linear part divided by
+    the number of earlier chunks it sees keys of."""
     t = quad_q.shape[1]
     pos = jnp.arange(t)
     chunk = pos // chunk_size
@@ -104,6 +107,10 @@ def mixed_chunk_reference(
     earlier = (chunk[:, None] > chunk[None, :]) & same
     quad = jnp.where(inside, relu2(_scores(quad_q, quad_k, quad_scale, bias)), 0.0)
     lin = jnp.where(earlier, _scores(lin_q, lin_k, lin_scale, None), 0.0)
+    if check_linear_norm(linear_norm) == "mean":
+        b = quad_q.shape[0]
+        seen = earlier.reshape(b, t, t // chunk_size, chunk_size).any(-1).sum(-1)  # [b, t]: earlier chunks seen
+        lin = lin / jnp.maximum(seen, 1)[..., None]
     return jnp.einsum("bij,bje->bie", quad + lin, v, preferred_element_type=jnp.float32).astype(v.dtype)
 
 
@@ -159,6 +166,41 @@ def _reached_by_initial(x: Array, seg: Array | None) -> Array:
     return jnp.where((seg[:, :, 0] == seg[:, :1, 0])[..., None, None], x, 0.0)
 
 
+LINEAR_NORMS = ("sum", "mean")
+
+
+def check_linear_norm(linear_norm: str) -> str:
+    if linear_norm not in LINEAR_NORMS:
+        raise ValueError(f"unknown linear_norm {linear_norm!r}; allowed: {', '.join(LINEAR_NORMS)}")
+    return linear_norm
+
+
+def chunks_entering(seg: Array | None, batch: int, chunks: int, initial_count: Array | None = None) -> Array:
+    """float32 [batch, chunks]: how many earlier chunks the state entering each chunk sums over
+    (_states_entering_chunks' chunks: with segment ids those holding tokens of the document
+    the chunk starts in), plus initial_count [batch] (the chunks before the sequence, where
+    the initial state reaches: _reached_by_initial). The paper's linear part (FLASH, Code 7
+    and 8) is the mean over those chunks: the sum divided by this count."""
+    if seg is None:
+        counts = jnp.broadcast_to(jnp.arange(chunks, dtype=jnp.float32), (batch, chunks))
+    else:
+        first = seg[:, :, 0]
+        following = jnp.concatenate([first[:, 1:], first[:, -1:]], axis=1)
+        holds = jnp.any(seg == following[..., None], axis=-1).astype(jnp.float32)  # chunk c has c + 1's document
+        carry = (following == first).astype(jnp.float32)
+
+        def combine(left, right):
+            (a1, n1), (a2, n2) = left, right
+            return a1 * a2, a2 * n1 + n2
+
+        _, inclusive = jax.lax.associative_scan(combine, (carry, holds), axis=1)
+        counts = jnp.concatenate([jnp.zeros_like(holds[:, :1]), inclusive[:, :-1]], axis=1)
+    if initial_count is not None:
+        initial = jnp.broadcast_to(jnp.asarray(initial_count, jnp.float32), (batch,))[:, None, None, None]
+        counts = counts + _reached_by_initial(initial, seg)[..., 0, 0]
+    return counts
+
+
 def _chunk_masks(seg: Array | None, g: int) -> tuple[Array, Array | None]:
     """The quadratic part's [.., G, G] visibility inside each chunk (causal, same document),
     and [batch, chunks, G]: the queries that see earlier chunks (those in the document their
@@ -167,9 +209,6 @@ def _chunk_masks(seg: Array | None, g: int) -> tuple[Array, Array | None]:
     if seg is None:
         return causal, None
     return causal & (seg[..., :, None] == seg[..., None, :]), seg == seg[:, :, :1]
-
-
-IMPLS = ("auto", "blockwise", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,18 +221,34 @@ class _Static:
     kernel: kernels.GAUKernelConfig | None  # None: the XLA path
 
 
+def _kernels_why_not(chunk: int, qk_dim: int, value_dim: int) -> str | None:
+    reason = kernels.unsupported_reason(chunk, qk_dim, value_dim)
+    return None if reason is None else f"the kernels cannot take these sizes: {reason}"
+
+
+def _select(chunk: int, qk_dim: int, value_dim: int) -> str:
+    """auto: the kernels on a GPU where they take the sizes, else the XLA path."""
+    on_gpu = jax.default_backend() == "gpu"
+    return "pallas" if on_gpu and _kernels_why_not(chunk, qk_dim, value_dim) is None else "blockwise"
+
+
+MIXED_CHUNK = Registry(
+    "mixed chunk attention",
+    [
+        Implementation("blockwise", "XLA, chunk by chunk (a scan over the chunks); any sizes and dtype; anywhere"),
+        Implementation("pallas", "bpt.ops.kernels.gau: chunk, qk_dim and the value width's blocks powers of two; "
+                       "GPUs (Triton), elsewhere interpret mode", why_not=_kernels_why_not),
+    ],
+    _select,
+)  # fmt: skip
+IMPLS = MIXED_CHUNK.names
+
+
 def resolve_impl(impl: str, chunk: int, qk_dim: int, value_dim: int) -> str:
     """The path `impl` stands for: "blockwise" (XLA, chunk by chunk) or "pallas"
     (bpt.ops.kernels.gau). auto takes the kernels on a GPU where they take the sizes;
     pallas elsewhere runs them in interpret mode (tests)."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown FLASH attention impl {impl!r}; allowed: {', '.join(IMPLS)}")
-    reason = kernels.unsupported_reason(chunk, qk_dim, value_dim)
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and reason is None else "blockwise"
-    if impl == "pallas" and reason is not None:
-        raise ValueError(f"FLASH's Pallas kernels cannot take these sizes: {reason}")
-    return impl
+    return MIXED_CHUNK.resolve(impl, chunk, qk_dim, value_dim)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -370,6 +425,8 @@ def mixed_chunk_attention(
     bias: Array | None = None,
     segment_ids: Array | None = None,
     initial_state: Array | None = None,
+    initial_count: Array | int | None = None,
+    linear_norm: str = "sum",
     return_states: bool = False,
     impl: str = "blockwise",
     kernel_options: dict | None = None,
@@ -382,6 +439,11 @@ def mixed_chunk_attention(
     bpt.parallel.gau); with segment ids those tokens belong to the document the sequence
     starts in, so only the chunks that start in it take the sum. return_states: also the
     float32 linear sum entering each chunk, [batch, chunks, s, e] (what decoding keeps).
+
+    linear_norm: "sum" (the running sum times lin_scale) or "mean" (the paper's Code 8: the
+    sum divided by the number of earlier chunks it holds, chunks_entering; with lin_scale
+    1/chunk_size each chunk's lin_k^T v is averaged). With "mean", initial_count [batch] is
+    how many chunks initial_state sums over.
 
     impl: "blockwise" (XLA), "pallas" (bpt.ops.kernels.gau: Triton on GPUs, interpret mode
     elsewhere; kernel_options: fields of its GAUKernelConfig, the blocks and the Triton
@@ -397,6 +459,15 @@ def mixed_chunk_attention(
     c, g = t // chunk_size, chunk_size
     chunks = lambda x: x.reshape(b, c, g, x.shape[-1])  # noqa: E731
     seg = None if segment_ids is None else segment_ids.reshape(b, c, g)
+    lin_q = chunks(lin_q)
+    if check_linear_norm(linear_norm) == "mean":
+        if initial_state is not None and initial_count is None:
+            raise ValueError("linear_norm='mean' with an initial_state needs initial_count: the chunks it sums")
+        # The mean as a per-chunk scale of the linear queries: the states stay sums, and the
+        # backward (and the kernels) see scaled queries.
+        counts = chunks_entering(seg, b, c, None if initial_state is None else initial_count)
+        inverse = (1.0 / jnp.maximum(counts, 1.0))[..., None, None]
+        lin_q = (lin_q.astype(jnp.float32) * inverse).astype(lin_q.dtype)
     e = v.shape[-1]
     kernel = None
     if resolve_impl(impl, g, quad_q.shape[-1], e) == "pallas" and not return_states:
@@ -410,7 +481,7 @@ def mixed_chunk_attention(
             **(kernel_options or {}),
         )
     static = _Static(g, float(quad_scale), float(lin_scale), kernel)
-    args = (chunks(quad_q), chunks(quad_k), chunks(lin_q), chunks(lin_k), chunks(v), bias, seg, initial_state)
+    args = (chunks(quad_q), chunks(quad_k), lin_q, chunks(lin_k), chunks(v), bias, seg, initial_state)
     if return_states:  # decoding: the states are an output too (autodiff would go through them)
         out, state, _ = _mixed_chunks_forward(static, *args)
     else:

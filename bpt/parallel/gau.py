@@ -49,6 +49,7 @@ def sharded_mixed_chunk_attention(
     bias: Array | None = None,
     segment_ids: Array | None = None,
     impl: str = "blockwise",
+    linear_norm: str = "sum",
     axis: str = "sequence",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     value_axis: str = "tensor",
@@ -57,7 +58,8 @@ def sharded_mixed_chunk_attention(
     order) with the tokens split in contiguous shards over mesh[axis], the batch over
     batch_axes and the values' width over value_axis (each output column needs only its own
     value column; not with the Pallas kernels). Each device's share of the sequence must be
-    a multiple of chunk_size."""
+    a multiple of chunk_size. linear_norm "mean": the count of earlier chunks crosses the
+    devices with the sum (bpt.ops.gau.chunks_entering)."""
     shards = mesh.shape[axis] if axis in mesh.axis_names else 1
     t = quad_q.shape[1]
     if t % (shards * chunk_size):
@@ -66,7 +68,12 @@ def sharded_mixed_chunk_attention(
             f"{chunk_size} tokens, so that no chunk straddles two devices; got {t}"
         )
     attend = functools.partial(
-        mixed_chunk_attention, chunk_size=chunk_size, quad_scale=quad_scale, lin_scale=lin_scale, impl=impl
+        mixed_chunk_attention,
+        chunk_size=chunk_size,
+        quad_scale=quad_scale,
+        lin_scale=lin_scale,
+        impl=impl,
+        linear_norm=linear_norm,
     )
     rows = PartitionSpec(mesh_axes(mesh, batch_axes), axis if shards > 1 else None)
     columns = mesh_axes(mesh, (value_axis,))
@@ -77,8 +84,12 @@ def sharded_mixed_chunk_attention(
     values = PartitionSpec(*rows, columns)
 
     def body(quad_q, quad_k, lin_q, lin_k, v, bias, seg):
-        carry = None if shards == 1 else _state_from_earlier_devices(lin_k, v, seg, axis, shards)
-        return attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg, initial_state=carry)
+        if shards == 1:
+            return attend(quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg)
+        carry, count = _state_from_earlier_devices(lin_k, v, seg, axis, shards, chunk_size)
+        return attend(
+            quad_q, quad_k, lin_q, lin_k, v, bias=bias, segment_ids=seg, initial_state=carry, initial_count=count
+        )
 
     seg_spec = None if segment_ids is None else rows
     # The bias table is the same on every device; shard_map sums its gradient over them.
@@ -92,26 +103,30 @@ def sharded_mixed_chunk_attention(
     )(quad_q, quad_k, lin_q, lin_k, v, bias, segment_ids)
 
 
-def _state_from_earlier_devices(lin_k, v, seg, axis: str, shards: int) -> Array:
+def _state_from_earlier_devices(lin_k, v, seg, axis: str, shards: int, chunk: int) -> tuple[Array, Array]:
     """The float32 [batch, s, e] linear sum this device's first document takes from the
-    devices before it (every token of theirs without segment ids)."""
+    devices before it (every token of theirs without segment ids), and [batch] the number of
+    their chunks that sum holds (for the mean, bpt.ops.gau.chunks_entering)."""
     index = lax.axis_index(axis)
+    b, t = lin_k.shape[:2]
     if seg is None:
         total = jnp.einsum("bts,bte->bse", lin_k, v, preferred_element_type=jnp.float32)
         totals = lax.all_gather(total, axis)  # [shards, batch, s, e]
         before = (jnp.arange(shards) < index).astype(jnp.float32)
-        return jnp.einsum("d,dbse->bse", before, totals)
+        return jnp.einsum("d,dbse->bse", before, totals), jnp.full((b,), index * (t // chunk), jnp.float32)
     first, last = seg[:, 0], seg[:, -1]  # [batch]
     tail = jnp.einsum(
         "bts,bte->bse", jnp.where((seg == last[:, None])[..., None], lin_k, 0), v,
         preferred_element_type=jnp.float32,
     )  # fmt: skip
-    tails, firsts, lasts = (lax.all_gather(x, axis) for x in (tail, first, last))  # [shards, batch, ...]
+    # The chunks holding tokens of the last document: the device's last ones (documents are contiguous).
+    held = jnp.any((seg == last[:, None]).reshape(b, t // chunk, chunk), axis=-1).sum(-1).astype(jnp.float32)
+    tails, helds, firsts, lasts = (lax.all_gather(x, axis) for x in (tail, held, first, last))  # [shards, batch, ...]
     # Device d < index passes its tail on when it ends in this device's first document and
     # every device strictly between holds that document alone.
     r = jnp.arange(shards)
     whole = (firsts == lasts) & (firsts == first[None])  # [shards, batch]
     between = (r[:, None] > r[None, :]) & (r[:, None] < index)  # [m, d]: d < m < index
     blocked = jnp.any(between[..., None] & ~whole[:, None, :], axis=0)  # [d, batch]
-    passes = (r < index)[:, None] & (lasts == first[None]) & ~blocked  # [shards, batch]
-    return jnp.einsum("db,dbse->bse", passes.astype(jnp.float32), tails)
+    passes = ((r < index)[:, None] & (lasts == first[None]) & ~blocked).astype(jnp.float32)  # [shards, batch]
+    return jnp.einsum("db,dbse->bse", passes, tails), jnp.einsum("db,db->b", passes, helds)

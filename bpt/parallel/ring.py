@@ -33,8 +33,9 @@ permuted once per batch (layout_permutation) before they are sharded:
   attention zigzag would not balance.
 - none: contiguous shards (a device skips the hops whose keys all lie after its queries).
 
-Inside a hop the local attention is bpt's flash kernels on GPUs and the blockwise scan
-elsewhere (bpt.ops.kernels.flash_forward/backward, bpt.ops.blockwise_forward/backward).
+Inside a hop the local attention is an implementation of bpt.ops.attention.MERGED (auto:
+bpt's flash kernels on GPUs for 16-bit inputs, the blockwise scan elsewhere); one that
+returns no logsumexp (cudnn, reference) is an error here, not replaced.
 """
 
 from __future__ import annotations
@@ -50,9 +51,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
-from bpt.ops.attention import attention
-from bpt.ops.blockwise import blockwise_backward, blockwise_forward
-from bpt.ops.kernels.attention import flash_backward, flash_forward
+from bpt.ops.attention import MERGED, attention
 from bpt.ops.reference import check_qkv, logsumexp_merge, split_segment_ids
 from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT
 from bpt.parallel.mesh import mesh_axes
@@ -60,7 +59,6 @@ from bpt.parallel.mesh import mesh_axes
 Array = jax.Array
 LAYOUTS = ("zigzag", "striped", "none")
 STRATEGIES = ("ring", "all_gather")
-LOCAL_IMPLS = ("blockwise", "pallas", "auto")
 # head_groups="auto" splits the heads until one group's float32 dK/dV sums (the ring's
 # travelling accumulators; all of the gathered shards' for all_gather) are at most this.
 GROUP_BYTES = 1 << 30
@@ -123,69 +121,25 @@ class _Settings:
 def _local_forward(s: _Settings, kind: str, q, k, v, q_seg, kv_seg):
     """(out, lse) of q over one key/value shard; kind: causal | full | strict (causal without
     the diagonal). lse is -inf where a query sees no key of this shard."""
-    if s.impl == "pallas":
-        if kind == "strict":
-            k, v, q_seg, kv_seg = _shift_keys(k, v, q_seg, kv_seg)
-        seg = None if q_seg is None else (q_seg, kv_seg)
-        out, lse = flash_forward(q, k, v, causal=kind != "full", segment_ids=seg)
-    else:
-        seg = None if q_seg is None else (q_seg, kv_seg)
-        out, lse = blockwise_forward(
-            q,
-            k,
-            v,
-            causal=kind != "full",
-            q_offset=-1 if kind == "strict" else 0,
-            segment_ids=seg,
-            q_chunk_size=s.q_chunk_size,
-            kv_chunk_size=s.kv_chunk_size,
-        )
+    out, lse = MERGED[s.impl].forward(q, k, v, **_local_settings(s, kind, q_seg, kv_seg))
     return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
 
 
 def _local_backward(s: _Settings, kind: str, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
     """(dq, dk, dv), float32: this shard's share of the gradient of the merged attention
     (out, lse are the merged results; lse is +inf where a query sees no key at all)."""
-    if s.impl == "pallas":
-        shifted = kind == "strict"
-        if shifted:
-            k, v, q_seg, kv_seg = _shift_keys(k, v, q_seg, kv_seg)
-        seg = None if q_seg is None else (q_seg, kv_seg)
-        dq, dk, dv = flash_backward(q, k, v, out, lse, d_out, d_lse, causal=kind != "full", segment_ids=seg)
-        if shifted:  # key slot j + 1 held key j
-            dk, dv = (jnp.pad(d[:, 1:], ((0, 0), (0, 1), (0, 0), (0, 0))) for d in (dk, dv))
-        return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
-    seg = None if q_seg is None else (q_seg, kv_seg)
-    return blockwise_backward(
-        q,
-        k,
-        v,
-        out,
-        lse,
-        d_out,
-        d_lse,
+    backward = MERGED[s.impl].backward
+    return backward(q, k, v, out, lse, d_out, d_lse, **_local_settings(s, kind, q_seg, kv_seg))
+
+
+def _local_settings(s: _Settings, kind: str, q_seg, kv_seg) -> dict:
+    return dict(
         causal=kind != "full",
         q_offset=-1 if kind == "strict" else 0,
-        segment_ids=seg,
+        segment_ids=None if q_seg is None else (q_seg, kv_seg),
         q_chunk_size=s.q_chunk_size,
         kv_chunk_size=s.kv_chunk_size,
     )
-
-
-def _shift_keys(k, v, q_seg, kv_seg):
-    """Causal without the diagonal as causal with the diagonal, for kernels without an offset:
-    key j moves to slot j + 1 and slot 0 gets a segment no query has (the last key, which no
-    query may see, drops out)."""
-    shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
-    if q_seg is None:
-        q_seg = jnp.zeros(k.shape[:2], jnp.int32)
-        kv_seg = jnp.zeros(k.shape[:2], jnp.int32)
-    q_seg = q_seg.astype(jnp.int32)
-    nobody = jnp.min(q_seg) - 1
-    kv_seg = jnp.concatenate(
-        [jnp.full((k.shape[0], 1), nobody, jnp.int32), kv_seg[:, :-1].astype(jnp.int32)], 1
-    )
-    return shift(k), shift(v), q_seg, kv_seg
 
 
 # ----------------------------------------------------------------------------- one hop
@@ -445,24 +399,6 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 # ----------------------------------------------------------------------------- public functions
 
 
-def local_impl(impl: str, dtype) -> str:
-    """The attention a hop runs for the model's impl: bpt's flash kernels on a GPU for 16-bit
-    inputs where impl is 'auto', 'pallas' or 'cudnn' (auto's per-device choice of cuDNN
-    becomes the kernels here: a hop returns its logsumexp for the merge, which cuDNN's
-    attention does not), else the blockwise scan ('reference' too: the scan computes the same
-    function). An explicit cudnn or reference with mesh.sequence > 1 is refused by the
-    config check (bpt.config.check_mesh) before it gets here; with one sequence shard (data
-    or fsdp meshes) an explicit cudnn still runs the kernels: the attention registry that
-    will say so is not written yet."""
-    allowed = LOCAL_IMPLS + ("reference", "cudnn")
-    if impl not in allowed:
-        raise ValueError(f"unknown attention impl {impl!r}; allowed: {', '.join(allowed)}")
-    if impl == "pallas":
-        return "pallas"
-    on_gpu = jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
-    return "pallas" if impl in ("auto", "cudnn") and on_gpu else "blockwise"
-
-
 def head_groups_for(
     batch: int, local_tokens: int, kv_heads: int, head_dim: int, *, shards: int, strategy: str
 ) -> int:
@@ -518,11 +454,6 @@ def context_parallel_attention(
         )
     if seq % (shards * (2 if layout == "zigzag" and causal else 1)):
         raise ValueError(f"sequence length {seq} does not split into {shards} {layout} shards")
-    if impl == "pallas_fp8" and shards > 1:
-        raise ValueError(
-            f"attention impl 'pallas_fp8' runs on one sequence shard; mesh.{axis}={shards} needs "
-            "model.attention_impl=pallas, auto or blockwise"
-        )
     q_seg, kv_seg = split_segment_ids(segment_ids, seq, seq)
     local = seq // shards
     chunk = lambda c: min(c, local // 2 if layout == "zigzag" and causal and shards > 1 else local)  # noqa: E731
@@ -532,37 +463,29 @@ def context_parallel_attention(
     rows = PartitionSpec(batch, seq_axis, heads, None)
     segs = PartitionSpec(batch, seq_axis)
 
+    local_chunks = (chunk(q_chunk_size), chunk(kv_chunk_size))
     if shards == 1:  # nothing to send: one device's attention (sharded over batch and heads)
-
-        def body(q, k, v, q_seg, kv_seg):
-            seg = None if q_seg is None else (q_seg, kv_seg)
-            return attention(
-                q,
-                k,
-                v,
-                impl=impl,
-                causal=causal,
-                segment_ids=seg,
-                q_chunk_size=chunk(q_chunk_size),
-                kv_chunk_size=chunk(kv_chunk_size),
-            )
+        body = functools.partial(_one_shard, impl=impl, causal=causal, chunks=local_chunks)
     else:
-        impl = local_impl(impl, q.dtype)  # what each hop runs
+        impl = MERGED.resolve(impl, q)  # what each hop runs: its logsumexp merges the hops
         local_kv_heads = k.shape[2] // math.prod(mesh.shape[a] for a in heads or ())
         batch_size = q.shape[0] // math.prod(mesh.shape[a] for a in batch or ())
         groups = _check_head_groups(head_groups, local_kv_heads)
         if groups == "auto":
-            groups = head_groups_for(
-                batch_size, local, local_kv_heads, q.shape[3], shards=shards, strategy=strategy
-            )
-        settings = _Settings(
-            axis, shards, strategy, layout, causal, impl, chunk(q_chunk_size), chunk(kv_chunk_size), groups
-        )
-        body = functools.partial(_attend, settings)
+            groups = head_groups_for(batch_size, local, local_kv_heads, q.shape[3], shards=shards, strategy=strategy)
+        body = functools.partial(_attend, _Settings(axis, shards, strategy, layout, causal, impl, *local_chunks, groups))
     seg_specs = (None, None) if q_seg is None else (segs, segs)
     return jax.shard_map(
         body, mesh=mesh, in_specs=(rows, rows, rows, *seg_specs), out_specs=rows, check_vma=False
     )(q, k, v, q_seg, kv_seg)
+
+
+def _one_shard(q, k, v, q_seg, kv_seg, *, impl: str, causal: bool, chunks: tuple[int, int]):
+    """One device's attention over its own (unsplit) sequence."""
+    seg = None if q_seg is None else (q_seg, kv_seg)
+    return attention(
+        q, k, v, impl=impl, causal=causal, segment_ids=seg, q_chunk_size=chunks[0], kv_chunk_size=chunks[1]
+    )
 
 
 def _check_head_groups(head_groups, kv_heads: int):

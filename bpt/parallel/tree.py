@@ -68,9 +68,9 @@ def _shard_partial(q, k, v, last, index, shards, layout, **options):
 
 
 def _shard_impl(impl: str, q: Array, k_cache: Array) -> str:
-    """A shard's impl: reference runs as split_kv (either way one partial per shard)."""
-    impl = resolve_decode_impl(impl, q_shape=q.shape, kv_heads=k_cache.shape[-2])
-    return "split_kv" if impl == "reference" else impl
+    """A shard's implementation (auto resolved once, for every shard): each gives the partial
+    softmax of its slots (bpt.ops.decode.DECODE's forward), merged across the devices."""
+    return resolve_decode_impl(impl, q_shape=q.shape, kv_heads=k_cache.shape[-2])
 
 
 def _slot_shards(cache: Array, mesh: Mesh, axis: str, slot_axis: int = -3) -> int:

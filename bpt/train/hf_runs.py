@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from bpt.config import check_config, model_config
+from bpt.config import check_config, model_config, set_family
 from bpt.data.tokenizers import load_tokenizer
 from bpt.models.gpt import GPT
 from bpt.models.hf import SHAPE_FIELDS, hf_positions, load_hf, read_hf_config, save_hf_gpt2
@@ -67,7 +67,7 @@ def import_run(
 
     c = ConfigDict(config.to_dict())  # unlocked copy
     c.model.update({name: getattr(cfg, name) for name in SHAPE_FIELDS})
-    c.model.family = "gpt"
+    set_family(c, "gpt")
     c.data.seq_len = seq_len
     for name in ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
         c.model[name] = min(c.model[name], seq_len)

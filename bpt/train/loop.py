@@ -17,7 +17,7 @@ from ml_collections import ConfigDict
 from tqdm.auto import tqdm
 
 import bpt.rl.data  # noqa: F401  (registers data.name=exorl with make_dataset)
-from bpt.config import base_config, check_config, model_config
+from bpt.config import base_config, check_config, model_config, set_family
 from bpt.data.datasets import Prefetcher, make_dataset, put_batch
 from bpt.models import make_model
 from bpt.models.lm import CausalLM
@@ -285,6 +285,9 @@ def restore_run(workdir: str | Path, mesh: dict | None = None):
         raise FileNotFoundError(f"{config_path} not found: --workdir must be a bpt-train run")
     config = base_config()  # today's defaults under the saved settings: older runs still load
     config.update(json.loads(config_path.read_text()))
+    # Runs saved before each family had its own settings hold every family's; only the
+    # run's own were ever read.
+    set_family(config, config.model.family)
     config.data.verify_checksums = False  # training checked them; sizes are still checked
     own = own_tokenizer_path(workdir)
     if own is not None and config.data.name != "prepared":
@@ -357,12 +360,13 @@ def out_of_memory_message(
         hints.append(
             "model.offload_layer_inputs=True" + (" with model.remat_group=1" if m.remat_group > 1 else "")
         )
-    if m.family == "gpt" and m.attention_mode != "blockwise_parallel":
+    if m.family != "flash" and m.attention_mode != "blockwise_parallel":
         hints.append("model.attention_mode=blockwise_parallel")
     if m.family == "flash" and m.attention == "quadratic":
         hints.append("model.attention=mixed_chunk")
-    if max(m.q_chunk_size, m.kv_chunk_size, m.loss_chunk_size) > 512:
-        hints.append("smaller model.q_chunk_size / kv_chunk_size / loss_chunk_size")
+    chunks = ("loss_chunk_size",) if m.family == "flash" else ("q_chunk_size", "kv_chunk_size", "loss_chunk_size")
+    if max(m[name] for name in chunks) > 512:
+        hints.append("smaller " + " / ".join(f"model.{name}" for name in chunks))
     if config.train.optimizer_state_dtype == "float32":
         hints.append("train.optimizer_state_dtype=bfloat16")
     if config.train.batch_size // config.train.grad_accum_steps > 1:
@@ -524,31 +528,7 @@ def _loop(config, workdir, dataset, model, state, checkpoints, files: RunFiles, 
     start = int(state.step)
     step_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
     meta = {"config": json.loads(config.to_json_best_effort()), "seed": config.seed}
-    batches = iter(
-        Prefetcher(
-            lambda s: dataset.train_batch(s, tc.batch_size),
-            range(start, tc.steps),
-            depth=config.data.prefetch,
-            sharding=batch_sharding,
-        )
-    )
-    bar = tqdm(  # counted by hand: a Ctrl-C leaves the loop with the bar on the last step
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-        initial=start,
-        total=tc.steps,
-        disable=jax.process_index() != 0,
-    )
-    eval_host = dataset.eval_batches(tc.eval_batches, tc.batch_size)
-    reporter = Reporter(config, workdir, eval_host, bar, model, eval_fn, batch_sharding, held=True)
-    if files.new:
-        _commit(files, reporter, None)  # nothing to lose: its metrics are followed from the start
-    elif tc.checkpoint_every:
-        first = min(tc.steps, (start // tc.checkpoint_every + 1) * tc.checkpoint_every)
-        say(f"metrics.jsonl and config.json are updated at the first new checkpoint (step {first})")
-    reporter.start_timer(start)  # preflight compiled the step: even a one-step run is timed
-    phases.enter("training", resume_hint(checkpoints))
+    batches, bar, reporter = _start_loop(config, workdir, dataset, model, checkpoints, files, steps, start)
     # The steps logged since the last row: a run stopped between two rows saved them.
     pending, last, done, running = list(window), {}, start, start + 1
     with StopRequest() as stop:
@@ -598,6 +578,39 @@ def _loop(config, workdir, dataset, model, state, checkpoints, files: RunFiles, 
             bar.close()
             reporter.close()
     return last, state
+
+
+def _start_loop(config, workdir, dataset, model, checkpoints, files: RunFiles, steps, start: int) -> tuple:
+    """(the batches from step `start` on, fetched ahead; the progress bar; the Reporter),
+    with the run's files committed where nothing of it can be lost yet."""
+    tc = config.train
+    _, eval_fn, batch_sharding = steps
+    batches = iter(
+        Prefetcher(
+            lambda s: dataset.train_batch(s, tc.batch_size),
+            range(start, tc.steps),
+            depth=config.data.prefetch,
+            sharding=batch_sharding,
+        )
+    )
+    bar = tqdm(  # counted by hand: a Ctrl-C leaves the loop with the bar on the last step
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        initial=start,
+        total=tc.steps,
+        disable=jax.process_index() != 0,
+    )
+    eval_host = dataset.eval_batches(tc.eval_batches, tc.batch_size)
+    reporter = Reporter(config, workdir, eval_host, bar, model, eval_fn, batch_sharding, held=True)
+    if files.new:
+        _commit(files, reporter, None)  # nothing to lose: its metrics are followed from the start
+    elif tc.checkpoint_every:
+        first = min(tc.steps, (start // tc.checkpoint_every + 1) * tc.checkpoint_every)
+        say(f"metrics.jsonl and config.json are updated at the first new checkpoint (step {first})")
+    reporter.start_timer(start)  # preflight compiled the step: even a one-step run is timed
+    phases.enter("training", resume_hint(checkpoints))
+    return batches, bar, reporter
 
 
 def _host_metrics(metrics: dict) -> dict:

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest's helpers
 from conftest import rel_err, with_xla_flags  # noqa: E402
 
-from bpt.config import base_config  # noqa: E402
+from bpt.config import base_config, set_family  # noqa: E402
 from bpt.data.datasets import put_batch  # noqa: E402
 from bpt.ops import decode_attention, reference_attention  # noqa: E402
 from bpt.parallel import (  # noqa: E402
@@ -105,6 +105,17 @@ def test_ring_with_the_pallas_kernels_in_interpret_mode(key, layout):
     q, k, v, cot = qkv(key, batch=1, seq=64, heads=2, kv_heads=1)
     fn = lambda q, k, v: ring_attention(q, k, v, mesh=sequence_mesh(2), layout=layout, impl="pallas")  # noqa: E731
     assert_equals_reference(fn, q, k, v, cot, causal=True, segment_ids=None)
+
+
+def test_an_implementation_without_a_logsumexp_is_refused_across_shards_not_replaced(key):
+    """cudnn and reference return no logsumexp for the merge: across sequence shards they are
+    an error (bpt.ops.attention.MERGED), never swapped for another; on one shard they run."""
+    q, k, v, _ = qkv(key, batch=1, seq=32, heads=2, kv_heads=1)
+    for impl in ("cudnn", "reference", "pallas_fp8"):
+        with pytest.raises(ValueError, match=f"merged attention .* implementation '{impl}'; allowed: blockwise, pallas, auto"):
+            ring_attention(q, k, v, mesh=sequence_mesh(2), impl=impl)
+    one = ring_attention(q, k, v, mesh=sequence_mesh(1), impl="reference")
+    assert rel_err(one, reference_attention(q, k, v, causal=True)) < TOL
 
 
 def test_ring_over_a_mesh_with_batch_and_head_axes(key):
@@ -273,11 +284,11 @@ def test_auto_chooses_the_attention_from_what_each_device_holds(monkeypatch):
     """attention_impl=auto reads the shapes one device computes (its thresholds were
     measured on one device): with the batch over mesh.data=8, a batch of 8 is one sequence
     a device, and with the heads over mesh.tensor=2 half the heads."""
-    import bpt.models.gpt as gpt
+    from bpt.ops.attention import ATTENTION
 
     seen = []
-    real = gpt.select_impl
-    monkeypatch.setattr(gpt, "select_impl", lambda q, k, **kw: seen.append(q.shape) or real(q, k, **kw))
+    real = ATTENTION.choose
+    monkeypatch.setattr(ATTENTION, "choose", lambda q, k, **kw: seen.append(q.shape) or real(q, k, **kw))
     for mesh, expected in ((dict(data=8), (1, 64, 4, 32)), (dict(data=4, tensor=2), (2, 64, 2, 32))):
         c = tiny_config(**mesh)
         c.model.attention_impl = "auto"
@@ -304,6 +315,7 @@ def striped(cache, shards: int):
         (dict(data=2, sequence=4), "split_kv", "striped"),
         (dict(sequence=4), "pallas", "contiguous"),
         (dict(sequence=4), "pallas", "striped"),
+        (dict(sequence=4), "reference", "striped"),  # each shard's partial by the reference, not split_kv
     ],
     ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()),
 )
@@ -488,7 +500,7 @@ def test_sequence_sharding_divides_the_activation_memory_per_device(family):
         c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 64
         c.model.vocab_size = 256
         if family == "flash":
-            c.model.update(family="flash", chunk_size=64, qk_dim=16)
+            set_family(c, "flash").update(chunk_size=64, qk_dim=16)
         return TrainingStep(c, devices=jax.devices()[:shards]).memory().temp
 
     growth = {n: temp_bytes(4096, n) - temp_bytes(2048, n) for n in (2, 8)}
@@ -592,15 +604,18 @@ def test_two_processes_train_as_one(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "mesh,impl,packed",
-    [(dict(sequence=4), "blockwise", True), (dict(data=2, sequence=4), "blockwise", True),
-     (dict(sequence=8), "blockwise", False), (dict(sequence=2), "pallas", False)],
-    ids=["sequence4-packed", "data2-sequence4-packed", "sequence8", "sequence2-pallas"],
+    "mesh,impl,packed,norm",
+    [(dict(sequence=4), "blockwise", True, "sum"), (dict(data=2, sequence=4), "blockwise", True, "sum"),
+     (dict(sequence=8), "blockwise", False, "sum"), (dict(sequence=2), "pallas", False, "sum"),
+     (dict(sequence=4), "blockwise", True, "mean"), (dict(sequence=8), "blockwise", False, "mean")],
+    ids=["sequence4-packed", "data2-sequence4-packed", "sequence8", "sequence2-pallas", "sequence4-packed-mean",
+         "sequence8-mean"],
 )  # fmt: skip
-def test_flash_attention_over_sequence_shards_equals_one_device(key, mesh, impl, packed):
+def test_flash_attention_over_sequence_shards_equals_one_device(key, mesh, impl, packed, norm):
     """Mixed chunk attention with the tokens over 2-8 devices, against the one-device op:
     outputs and the gradients of all five inputs and the relative bias (documents that span
-    several devices, one of them holding nothing else; fp32)."""
+    several devices, one of them holding nothing else; fp32). linear_norm mean: the count of
+    earlier chunks crosses the devices with the sum."""
     from bpt.ops.gau import mixed_chunk_attention
     from bpt.parallel.gau import sharded_mixed_chunk_attention
 
@@ -611,7 +626,7 @@ def test_flash_attention_over_sequence_shards_equals_one_device(key, mesh, impl,
     args += [jax.random.normal(keys[4], (b, t, e)), 0.1 * jax.random.normal(keys[5], (g, g))]
     cot = jax.random.normal(keys[6], (b, t, e))
     seg = jnp.array([[0] * 10 + [1] * 60 + [2] * 58, [0] * 40 + [1] * 8 + [2] * 80]) if packed else None
-    settings = dict(chunk_size=g, quad_scale=0.3, lin_scale=0.05, segment_ids=seg)
+    settings = dict(chunk_size=g, quad_scale=0.3, lin_scale=0.05, segment_ids=seg, linear_norm=norm)
 
     def one(*a):
         return mixed_chunk_attention(*a[:5], bias=a[5], **settings)
@@ -665,7 +680,7 @@ def test_flash_on_a_mesh_logs_the_one_device_losses():
 
     def flash_config(model=None, **mesh):
         c = tiny_config(**mesh)
-        c.model.update(family="flash", chunk_size=16, qk_dim=16, **(model or {}))
+        set_family(c, "flash").update(chunk_size=16, qk_dim=16, **(model or {}))
         return c
 
     expected = losses_on_one_device(flash_config())
@@ -698,7 +713,7 @@ def test_flash_on_a_mesh_logs_the_one_device_losses():
 )
 def test_flash_settings_a_sequence_mesh_cannot_take_are_clear_errors(model, mesh, message):
     c = tiny_config(**mesh)
-    c.model.update(family="flash", chunk_size=16, qk_dim=16, **model)
+    set_family(c, "flash").update(chunk_size=16, qk_dim=16, **model)
     with pytest.raises(ValueError, match=message):
         setup(c)
 
