@@ -33,6 +33,16 @@ machines: train each family with --quality_families gpt (or flash) into its own 
 folder, put the two runs' folders together (metrics.jsonl and bench_flash.json suffice), and
 run the part once more to get the tables and plot.
 
+ablation (by name only: it trains six models): the FLASH paper's LM recipe against bpt's
+defaults on each --flash config, one change at a time (LayerNorm; RoPE with the relative
+bias, one weight per distance inside a chunk; ScaledSin; the linear part's mean; then all of
+them: bpt.config.FLASH_RECIPES["paper"]), trained as the quality part trains (--steps,
+--seq_len, --batch_size, --set, --quality_dir to keep and resume the runs); the table gives
+each variant's final training and validation loss against bpt's defaults.
+
+    python scripts/bench_flash.py --parts ablation --steps 1000 --seq_len 8192 \
+        --set data.name=text --set data.path=data/python --quality_dir results/flash_ablation
+
 Prints markdown tables last; --out writes results.json, table.md and flash.png.
 """
 
@@ -60,7 +70,26 @@ from benchlib import (  # noqa: E402
     write_results,
 )
 
-PARTS = ("flops", "speed", "max_context", "quality")
+PARTS = ("flops", "speed", "max_context", "quality", "ablation")
+DEFAULT_PARTS = PARTS[:4]  # the ablation trains six models: asked for by name
+
+
+def ablation_variants(config: str) -> list[tuple[str, list[str]]]:
+    """(name, model settings) of the FLASH paper's LM recipe against bpt's defaults, one change
+    at a time (bpt.config.FLASH_RECIPES): bpt's, each of the recipe's changes alone, all."""
+    from bpt.config import FLASH_RECIPES, load_config_file
+
+    chunk = load_config_file(config).model.chunk_size
+    bias = [f"model.relative_buckets={2 * chunk}", f"model.relative_max_distance={2 * chunk}"]
+    changes = {
+        "norm": ["model.norm=layer_norm"],
+        "position_embedding": ["model.position_embedding=rotary+relative_bias", *bias],
+        "absolute_embedding": ["model.absolute_embedding=scaled_sin"],
+        "linear_norm": ["model.linear_norm=mean"],
+    }
+    assert changes.keys() == FLASH_RECIPES["paper"].keys()
+    every = [setting for settings in changes.values() for setting in settings]
+    return [("bpt", []), *((f"{name} alone", settings) for name, settings in changes.items()), ("paper", every)]
 
 
 def family(path: str) -> str:
@@ -181,14 +210,18 @@ def check_run_settings(run: Path, settings: list[str]) -> None:
         )
 
 
-def quality_part(args, configs, workdir: Path) -> list[dict]:
+def quality_part(args, configs, workdir: Path, variants: list[tuple[str, list[str]]] | None = None) -> list[dict]:
     """Trains each config with bpt-train in workdir/<its stem>; a run already finished there
     under the same settings is read back, an unfinished one resumes from its checkpoint (so a
     kept --quality_dir makes the part resumable, and its runs can be trained on different
-    machines: --quality_families trains some and reads the others back)."""
+    machines: --quality_families trains some and reads the others back). variants: (name,
+    settings) of runs of each config with those settings too, in workdir/<stem>-<name>."""
     rows = []
-    for path in configs:
-        run = workdir / Path(path).stem
+    entries = [(path, "", []) for path in configs] if variants is None else [
+        (path, name, extra) for path in configs for name, extra in variants
+    ]  # fmt: skip
+    for path, variant, extra in entries:
+        run = workdir / (Path(path).stem + (f"-{variant.replace(' ', '_')}" if variant else ""))
         settings = [
             f"data.seq_len={args.seq_len}",
             f"train.steps={args.steps}",
@@ -197,6 +230,7 @@ def quality_part(args, configs, workdir: Path) -> list[dict]:
             "train.eval_every=0",
             "train.sample_tokens=0",
             *args.set,
+            *extra,
         ]
         records = None
         if run.is_dir():
@@ -224,6 +258,7 @@ def quality_part(args, configs, workdir: Path) -> list[dict]:
             dict(
                 config=path,
                 family=family(path),
+                **({"variant": variant} if variant else {}),
                 ok=True,
                 steps=[r["step"] for r in records],
                 loss=[r["loss"] for r in records],
@@ -297,8 +332,31 @@ def run_configs(args) -> list[str]:
     return list(dict.fromkeys(path for pair in pairs(args) for path in pair))
 
 
-def tables(args, flops, speed, longest, quality, equal_loss) -> str:
+def tables(args, flops, speed, longest, quality, equal_loss, ablation=()) -> str:
     out = []
+    if ablation:
+        base = {r["config"]: r for r in ablation if r.get("variant") == "bpt" and r.get("ok")}
+        out += [
+            f"The FLASH paper's LM recipe against bpt's defaults, one change at a time ({args.steps} steps of "
+            f"{args.batch_size} x {human_tokens(args.seq_len)} tokens each)",
+            "",
+            "| config | variant | final training loss | validation loss | vs bpt's | tokens/s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in ablation:
+            if not r.get("ok"):
+                out.append(f"| {Path(r['config']).stem} | {r.get('variant', '')} | failed: {r['error']} | | | |")
+                continue
+            ref = base.get(r["config"])
+            ref_loss = ref and ref.get("eval_loss")
+            versus = f"{100 * (r['eval_loss'] / ref_loss - 1):+.2f}%" if ref_loss and r.get("eval_loss") else "–"
+            rates = [x for x in r["tokens_per_sec"][1:] if x] or [x for x in r["tokens_per_sec"] if x]
+            rate = f"{statistics.median(rates):,.0f}" if rates else "–"
+            evaluated = f"{r['eval_loss']:.4f}" if r.get("eval_loss") is not None else "–"
+            out.append(
+                f"| {Path(r['config']).stem} | {r['variant']} | {r['loss'][-1]:.4f} | {evaluated} | {versus} | {rate} |"
+            )
+        out.append("")
     if flops:
         per_token = {(r["config"], r["context"]): r["flops_per_token"] for r in flops}
         out += [
@@ -479,7 +537,9 @@ def plot(speed, quality, path: Path) -> None:
 
 def main() -> None:
     parser = script_parser(__doc__, out_help="a folder: results.json, table.md and flash.png", settings=True, memory=True)
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
+    parser.add_argument(
+        "--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated: {', '.join(PARTS)} (ablation: by name)"
+    )
     parser.add_argument("--gpt", default="configs/gpt_125m.py", help="GPT configs, comma-separated")
     parser.add_argument(
         "--flash", default="configs/flash_125m.py", help="FLASH configs matched to them, comma-separated"
@@ -528,16 +588,27 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory() as scratch:  # the runs' checkpoints are not kept
             quality = quality_part(args, configs, Path(scratch))
+    ablation = []
+    if "ablation" in parts:  # the FLASH configs of the pairs, each in every variant
+        flash_configs = list(dict.fromkeys(args.flash))
+        if args.quality_dir:
+            ablation = quality_part(args, flash_configs, Path(args.quality_dir), ablation_variants(flash_configs[0]))
+        else:
+            with tempfile.TemporaryDirectory() as scratch:
+                ablation = quality_part(args, flash_configs, Path(scratch), ablation_variants(flash_configs[0]))
     runs = {r["config"]: r for r in quality if r.get("ok")}
     equal_loss = [
         dict(gpt=gpt, flash=flash, **time_to_quality(runs[gpt], runs[flash]))
         for gpt, flash in pairs(args)
         if gpt in runs and flash in runs
     ]
-    table = tables(args, flops, speed, longest, quality, equal_loss)
+    table = tables(args, flops, speed, longest, quality, equal_loss, ablation)
     if args.out:
         meta = run_meta(parts=parts, settings=args.set)
-        results = dict(meta=meta, flops=flops, speed=speed, max_context=longest, quality=quality, equal_loss=equal_loss)
+        results = dict(
+            meta=meta, flops=flops, speed=speed, max_context=longest, quality=quality, equal_loss=equal_loss,
+            ablation=ablation,
+        )  # fmt: skip
         write_results(args.out, results, table=table)
         plot(speed, quality, Path(args.out) / "flash.png")
     print(table)

@@ -290,6 +290,25 @@ def test_flash_script_end_to_end(tmp_path):
     assert proc.returncode != 0 and "was trained with" in proc.stderr and "train.steps=4" in proc.stderr
 
 
+def test_flash_script_ablates_the_papers_recipe_one_change_at_a_time(tmp_path):
+    """--parts ablation trains FLASH tiny six ways (bpt's defaults, each change of the paper's
+    recipe alone, all of them) and tables each run's losses against bpt's defaults."""
+    flash = ROOT / "configs/flash_tiny.py"
+    run_script(
+        "bench_flash.py", f"--flash={flash}", f"--gpt={TINY}", "--parts=ablation", "--seq_len=128", "--steps=2",
+        "--batch_size=2", "--set=model.loss_chunk_size=64", f"--quality_dir={tmp_path / 'runs'}",
+        f"--out={tmp_path / 'out'}", cwd=tmp_path,
+    )  # fmt: skip
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["ablation"]
+    names = ["bpt", "norm alone", "position_embedding alone", "absolute_embedding alone", "linear_norm alone", "paper"]
+    assert [r["variant"] for r in rows] == names and all(r["ok"] for r in rows), rows
+    saved = json.loads((tmp_path / "runs" / "flash_tiny-paper" / "config.json").read_text())["model"]
+    assert (saved["norm"], saved["linear_norm"], saved["absolute_embedding"]) == ("layer_norm", "mean", "scaled_sin")
+    assert saved["position_embedding"] == "rotary+relative_bias" and saved["relative_buckets"] == 128
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "| flash_tiny | bpt |" in table and "| flash_tiny | paper |" in table and "+0.00%" in table
+
+
 def test_flash_script_counts_each_familys_flops_at_each_context():
     """The flops part: FLASH's model FLOPs a token stay flat with the context, the GPT's grow
     by its attention's (QK^T and PV, forward and backward, over half the causal window); the
