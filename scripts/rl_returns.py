@@ -157,10 +157,13 @@ def train_argv(args, task: str, method: str, seed: int, workdir: Path) -> list[s
     return argv + [f"--config.{k}={v}" for k, v in settings.items()]
 
 
-def eval_argv(args, method: str, seed: int, workdir: Path) -> list[str]:
+def eval_argv(args, method: str, seed: int, workdir: Path, *, hindsight: bool = False) -> list[str]:
+    """bpt-eval-rl for a cell, the protocol named either way (as played: eval_rl.json; hindsight,
+    bpt-eval-rl's default: eval_rl_hindsight.json)."""
     trials = METHODS[method][3]
     return [sys.executable, "-m", "bpt.cli.eval_rl", "--workdir", str(workdir), "--episodes", str(args.episodes),
-            "--trials", str(trials), "--seed", str(args.env_seed)]  # fmt: skip
+            "--trials", str(trials), "--seed", str(args.env_seed),
+            "--hindsight" if hindsight else "--nohindsight"]  # fmt: skip
 
 
 def run_logged(argv: list[str], log: Path, env: dict) -> tuple[int, float]:
@@ -214,7 +217,7 @@ def run_cell(args, task: str, method: str, seed: int, env: dict) -> dict:
         result = workdir / "eval_rl.json"
         if code == 0 and result.is_file() and args.hindsight and METHODS[method][3] > 1:
             # the same model again, its finished trials relabeled as the training chains are
-            again, seconds = run_logged(eval_argv(args, method, seed, workdir) + ["--hindsight"], log, env)
+            again, seconds = run_logged(eval_argv(args, method, seed, workdir, hindsight=True), log, env)
             cell["eval_s"] += seconds
             relabeled = workdir / "eval_rl_hindsight.json"
             if again == 0 and relabeled.is_file():  # (else report --hindsight says it is missing)

@@ -203,7 +203,7 @@ def test_bpt_train_and_bpt_eval_rl_on_collected_episodes(tmp_path):
     assert [r["step"] for r in records] == [10, 20]
     assert records[-1]["loss"] < records[0]["loss"] and "eval_loss" in last and "eval_perplexity" not in last
     assert (tmp_path / "exorl" / "cartpole" / "relabeled_cartpole_swingup.npz").is_file()  # cached
-    for extra, name in (([], "eval_rl.json"), (["--hindsight"], "eval_rl_hindsight.json")):
+    for extra, name in ((["--nohindsight"], "eval_rl.json"), ([], "eval_rl_hindsight.json")):
         result = subprocess.run(
             [sys.executable, "-m", "bpt.cli.eval_rl", "--workdir", str(tmp_path / "run"), "--episodes", "2",
              "--trials", "2", *extra],
@@ -213,7 +213,7 @@ def test_bpt_train_and_bpt_eval_rl_on_collected_episodes(tmp_path):
         assert "trial 2: return" in result.stdout
         saved = json.loads((tmp_path / "run" / name).read_text())
         assert saved["step"] == 20 and len(saved["returns"]) == 2 and len(saved["returns"][0]) == 2
-        assert saved["hindsight"] == bool(extra)
+        assert saved["hindsight"] == (not extra)  # relabeled in hindsight by default, as training
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,11 @@
 
 Each of --episodes environments plays --trials trials in one context, conditioned on
 --target_return (default: the best return among the run's training trajectories) and on its
-own earlier trials. Prints the mean and std of the returns by trial and writes them to
-WORKDIR/eval_rl.json. --hindsight relabels each finished trial's completion flag by its
-return before the next trial, as the training chains are labeled (bpt.rl.evaluate), and
-writes WORKDIR/eval_rl_hindsight.json instead.
+own earlier trials. By default each finished trial's completion flag is relabeled by its
+return before the next trial, as the training chains are labeled (bpt.rl.evaluate): the
+protocol that matches training; the mean and std of the returns by trial go to
+WORKDIR/eval_rl_hindsight.json. --nohindsight plays the trials as they come (the context
+keeps each trial's flags as played) and writes WORKDIR/eval_rl.json.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ def define_flags() -> SimpleNamespace:
         target_return=flags.DEFINE_float("target_return", None, "The return asked for (default: the best in the data)."),
         seed=flags.DEFINE_integer("seed", 0, "Environment i is seeded with seed + i."),
         hindsight=flags.DEFINE_boolean(
-            "hindsight", False, "Relabel finished trials' completion flags by their returns (as in training)."
+            "hindsight",
+            True,
+            "Relabel finished trials' completion flags by their returns, as the training chains are "
+            "(--nohindsight: as played).",
         ),
     )
 
