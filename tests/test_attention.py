@@ -323,6 +323,8 @@ def test_every_registry_resolves_auto_once_and_never_replaces_a_named_implementa
     with pytest.raises(ValueError, match="unknown decode attention implementation 'fast'") as error:
         DECODE.resolve("fast", q.shape)
     assert "model." not in str(error.value)
+    with pytest.raises(ValueError, match="'auto' names no implementation"):
+        ATTENTION["auto"]
     toy = Registry(
         "toy",
         [Implementation("any", "anything"), Implementation("even", "even n", why_not=lambda n: None if n % 2 == 0 else "odd")],

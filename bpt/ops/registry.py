@@ -63,7 +63,10 @@ class Registry:
         return (*self.implementations, AUTO)
 
     def __getitem__(self, name: str) -> Implementation:
-        return self.implementations[self.check(name)]
+        """A named implementation (auto stands for none until resolve chooses one)."""
+        if self.check(name) == AUTO:
+            raise ValueError(f"{self.operation}: 'auto' names no implementation; resolve() chooses one")
+        return self.implementations[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
