@@ -86,14 +86,20 @@ def prefill_length(prompt_len: int, *chunk_sizes: int) -> int:
     return -(-prompt_len // unit) * unit
 
 
-def prefill_chunks(prompt_len: int, prefill_chunk: int, *chunk_sizes: int) -> tuple[int, int]:
+def prefill_chunks(prompt_len: int, prefill_chunk: int, *chunk_sizes: int, multiple: int = 1) -> tuple[int, int]:
     """(count, size): the prompt is read as count chunks of size tokens (the last padded at the
     end): as few as chunks of at most prefill_chunk allow, made as equal as prefill_length
-    (over the model's chunk_sizes) allows, so the padding stays under one unit a chunk."""
+    (over the model's chunk_sizes) allows, so the padding stays under one unit a chunk.
+    multiple: where the prompt takes several chunks, each is a multiple of this (the model's
+    prefill_multiple: FLASH's later chunks must start at its chunk borders)."""
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1; got {prefill_chunk}")
     count = -(-prompt_len // prefill_chunk)
-    return count, prefill_length(-(-prompt_len // count), *chunk_sizes)
+    size = prefill_length(-(-prompt_len // count), *chunk_sizes)
+    if count > 1 and size % multiple:
+        size = -(-size // multiple) * multiple
+        count = -(-prompt_len // size)
+    return count, size
 
 
 def context_window(max_len: int) -> int:
@@ -187,7 +193,9 @@ def _sample(
     """[len(texts), num_tokens] tokens after the texts, decoded in one cache of max_len."""
     lengths = np.array([len(t) for t in texts], np.int32)
     cfg = model.config
-    count, chunk = prefill_chunks(int(lengths.max()), prefill_chunk, cfg.q_chunk_size, cfg.kv_chunk_size)
+    count, chunk = prefill_chunks(
+        int(lengths.max()), prefill_chunk, cfg.q_chunk_size, cfg.kv_chunk_size, multiple=cfg.prefill_multiple
+    )
     padded_len = count * chunk
     if padded_len > max_len:
         raise ValueError(

@@ -218,7 +218,9 @@ def sample_part(args) -> list[dict]:
         )
         params = init()
         prompt_len = context - args.new_tokens
-        count, chunk = prefill_chunks(prompt_len, args.prefill_chunk, cfg.q_chunk_size, cfg.kv_chunk_size)
+        count, chunk = prefill_chunks(
+            prompt_len, args.prefill_chunk, cfg.q_chunk_size, cfg.kv_chunk_size, multiple=cfg.prefill_multiple
+        )
         padded = jnp.asarray(
             np.random.default_rng(0).integers(0, cfg.vocab_size, (1, count * chunk)), jnp.int32
         )

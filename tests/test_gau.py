@@ -697,3 +697,24 @@ def test_the_papers_recipe_is_a_preset_and_a_config_file():
     assert (default.norm, default.linear_norm, default.absolute_embedding) == ("scale_norm", "sum", "none")
     with pytest.raises(ValueError, match="unknown recipe 'cheap'; allowed: bpt, paper"):
         flash_config("125m", recipe="cheap")
+
+
+@pytest.mark.parametrize("norm", ["sum", "mean"])
+def test_a_prompt_read_in_chunks_starts_each_at_a_flash_chunk_border(norm, key):
+    """A 21-token prompt read at most 8 tokens a call: GPT would take 3 calls of 7 tokens, but
+    FLASH's later calls must start at its chunk borders (prefill_multiple), or the decode
+    cache's sum over whole chunks would not be training's. The last prompt token's logits
+    equal the full forward's (fp32, 1e-5)."""
+    from bpt.sample import prefill, prefill_chunks
+
+    model = FLASH(small_flash(linear_norm=norm))
+    params = random_params(model, key)
+    cfg = model.config
+    assert prefill_chunks(21, 8, cfg.q_chunk_size, cfg.kv_chunk_size) == (3, 7)  # (any length would do for a GPT)
+    count, chunk = prefill_chunks(21, 8, cfg.q_chunk_size, cfg.kv_chunk_size, multiple=cfg.prefill_multiple)
+    assert (count, chunk) == (3, 8)
+    prompt = jax.random.randint(jax.random.fold_in(key, 3), (1, 21), 0, 40)
+    padded = jnp.zeros((1, count * chunk), jnp.int32).at[:, :21].set(prompt)
+    _, last = prefill(model, params, padded, jnp.asarray([21]), max_len=64, chunk=chunk)
+    full = model.apply({"params": params}, prompt)[0, -1]
+    assert rel_err(last[0], full) < 1e-5

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from bpt.models.gpt import GPT, GPTConfig
-from bpt.models.lm import dropout, logical_param
+from bpt.models.lm import logical_param
 from bpt.ops.chunked import Loss
 
 Array = jax.Array
@@ -115,10 +115,7 @@ class AgenticTransformer(GPT):
         if decode:  # (init makes the cache: a prefill of the chain's length)
             extend = not self.is_initializing()
             cache_index, positions = self.decode_positions(jnp.zeros(x.shape[:2], jnp.int32), extend)
-        x, extra = self.position_inputs(x, positions, None, decode)
-        if not deterministic and cfg.dropout > 0:
-            x = dropout(x, cfg.dropout, self.make_rng("dropout"))
-        x = self.layers(x, None, extra, cache_index, deterministic=deterministic, decode=decode)
+        x = self.stack(x, positions, None, cache_index, deterministic=deterministic, decode=decode)
         norm, norm_params = self.final_norm()
         states_out = norm(norm_params, x).reshape(batch, steps, TOKENS_PER_STEP, cfg.d_model)[:, :, 1]
         actions = jnp.tanh(self.linear("action_out", states_out.astype(jnp.float32), out=cfg.act_dim))

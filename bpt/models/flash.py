@@ -139,6 +139,12 @@ class FLASHConfig(LMConfig):
         return self.chunk_size
 
     @property
+    def prefill_multiple(self) -> int:
+        """mixed_chunk's decode cache is the sum over whole chunks before the current one: a
+        prompt's later chunks must start at chunk borders, as training's chunks do."""
+        return self.chunk_size if self.attention == "mixed_chunk" else 1
+
+    @property
     def quad_scale(self) -> float:
         return 1.0 / (self.chunk_size if self.attention == "mixed_chunk" else self.max_seq_len)
 

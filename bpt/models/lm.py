@@ -5,7 +5,8 @@ load-balanced token layout under sequence sharding, the token embedding, the lay
 (nn.scan with remat, nested remat groups, offloaded layer inputs, or unrolled; while
 decoding, the layers' caches carried through the scan as stacks [layers, batch, ...] that
 each layer updates in place), the final norm, the LM head and the loss (chunked or full).
-A family subclass has the fields `config` and `parallel` and brings four things:
+A family subclass has the fields `config` and `parallel` and brings four things (a family
+with inputs of its own, AT, embeds them itself and runs the rest through `stack`):
 
     layer_class()                              its layer: layer(config, deterministic, decode,
                                                parallel)(x, segment_ids, extra, cache_index,
@@ -129,6 +130,12 @@ class LMConfig:
     def vocab_padding_params(self) -> int:
         """Parameters the padding rows hold (zeros; num_params does not count them)."""
         return (self.padded_vocab - self.vocab_size) * self.d_model * (1 if self.tie_embeddings else 2)
+
+    @property
+    def prefill_multiple(self) -> int:
+        """A prompt read in several chunks (bpt.sample) has chunks of a multiple of this: 1,
+        any length (a family whose decode cache holds every position)."""
+        return 1
 
     @property
     def layer_policy(self):
@@ -345,7 +352,6 @@ class CausalLM(nn.Module):
         this call's tokens are real, the rest padding (a family whose cache is a recurrent
         state keeps padding out of it; one that keeps every position overwrites it later).
         """
-        cfg = self.config
         seq_len = tokens.shape[1]
         cache_index = None
         if decode:
@@ -356,10 +362,7 @@ class CausalLM(nn.Module):
             seq_len, decode, tokens, targets, loss_mask, segment_ids, positions
         )
         x, embedding = self.embed(tokens, decode)
-        x, extra = self.position_inputs(x, positions, valid, decode)
-        if not deterministic and cfg.dropout > 0:
-            x = dropout(x, cfg.dropout, self.make_rng("dropout"))
-        x = self.layers(x, segment_ids, extra, cache_index, deterministic=deterministic, decode=decode)
+        x = self.stack(x, positions, segment_ids, cache_index, valid=valid, deterministic=deterministic, decode=decode)
         norm, norm_params = self.final_norm()
         return self.output(
             x,
@@ -384,6 +387,15 @@ class CausalLM(nn.Module):
         return jnp.zeros((1, 1), jnp.int32)
 
     # ------------------------------------------------------------------------ the pieces
+
+    def stack(self, x, positions, segment_ids, cache_index, *, valid=None, deterministic: bool, decode: bool):
+        """Embedded inputs x [batch, seq, d_model] through what every family's call shares:
+        the family's position inputs, the input dropout and the layer stack (before the
+        final norm). A family with inputs of its own (AT) embeds them and calls this."""
+        x, extra = self.position_inputs(x, positions, valid, decode)
+        if not deterministic and self.config.dropout > 0:
+            x = dropout(x, self.config.dropout, self.make_rng("dropout"))
+        return self.layers(x, segment_ids, extra, cache_index, deterministic=deterministic, decode=decode)
 
     def decode_positions(self, tokens: Array, extend: bool):
         """(cache_index, positions [batch, seq]) while decoding, and the cache "index" [batch]
