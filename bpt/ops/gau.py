@@ -142,16 +142,26 @@ def _states_entering_chunks(lin_k: Array, v: Array, seg: Array | None) -> Array:
     first token belongs to (all tokens before it without segment ids)."""
     if seg is None:
         return exclusive_chunk_sum(chunk_sums(lin_k, v))
-    first = seg[:, :, 0]  # the document each chunk starts in
-    following = jnp.concatenate([first[:, 1:], first[:, -1:]], axis=1)  # ... and the next one
-    # S_(c+1) = carry_c * S_c + (chunk c's tokens of the document chunk c + 1 starts in): the
-    # state carries on while one document spans the chunk boundary, and restarts otherwise.
-    added = chunk_sums(lin_k, v, seg == following[..., None])
-    carry = (following == first).astype(jnp.float32)
+    following, carry = _next_documents(seg)
+    return _within_documents(carry, chunk_sums(lin_k, v, seg == following[..., None]))
+
+
+def _next_documents(seg: Array) -> tuple[Array, Array]:
+    """[batch, chunks] each: the document the next chunk starts in, and 1.0 where that is the
+    document this chunk starts in (one document spans the border: a sum carries on)."""
+    first = seg[:, :, 0]
+    following = jnp.concatenate([first[:, 1:], first[:, -1:]], axis=1)
+    return following, (following == first).astype(jnp.float32)
+
+
+def _within_documents(carry: Array, added: Array) -> Array:
+    """The exclusive running sum over chunks that restarts where carry [batch, chunks] is 0:
+    X_(c+1) = carry_c * X_c + added_c, X_0 = 0; added [batch, chunks, ...] (chunk c's part of
+    the document chunk c + 1 starts in)."""
 
     def combine(left, right):
-        (a1, s1), (a2, s2) = left, right
-        return a1 * a2, a2[..., None, None] * s1 + s2
+        (a1, x1), (a2, x2) = left, right
+        return a1 * a2, a2.reshape(a2.shape + (1,) * (x1.ndim - a2.ndim)) * x1 + x2
 
     _, inclusive = jax.lax.associative_scan(combine, (carry, added), axis=1)
     return jnp.concatenate([jnp.zeros_like(added[:, :1]), inclusive[:, :-1]], axis=1)
@@ -183,18 +193,9 @@ def chunks_entering(seg: Array | None, batch: int, chunks: int, initial_count: A
     and 8) is the mean over those chunks: the sum divided by this count."""
     if seg is None:
         counts = jnp.broadcast_to(jnp.arange(chunks, dtype=jnp.float32), (batch, chunks))
-    else:
-        first = seg[:, :, 0]
-        following = jnp.concatenate([first[:, 1:], first[:, -1:]], axis=1)
-        holds = jnp.any(seg == following[..., None], axis=-1).astype(jnp.float32)  # chunk c has c + 1's document
-        carry = (following == first).astype(jnp.float32)
-
-        def combine(left, right):
-            (a1, n1), (a2, n2) = left, right
-            return a1 * a2, a2 * n1 + n2
-
-        _, inclusive = jax.lax.associative_scan(combine, (carry, holds), axis=1)
-        counts = jnp.concatenate([jnp.zeros_like(holds[:, :1]), inclusive[:, :-1]], axis=1)
+    else:  # the states' recurrence, counting the chunks that hold the next one's document
+        following, carry = _next_documents(seg)
+        counts = _within_documents(carry, jnp.any(seg == following[..., None], axis=-1).astype(jnp.float32))
     if initial_count is not None:
         initial = jnp.broadcast_to(jnp.asarray(initial_count, jnp.float32), (batch,))[:, None, None, None]
         counts = counts + _reached_by_initial(initial, seg)[..., 0, 0]
