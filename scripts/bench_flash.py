@@ -49,6 +49,7 @@ Prints markdown tables last; --out writes results.json, table.md and flash.png.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -59,6 +60,7 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
+from bench_scaleout import gpu_count  # noqa: E402
 from benchlib import (  # noqa: E402
     benchmark_config,
     human_tokens,
@@ -75,21 +77,35 @@ DEFAULT_PARTS = PARTS[:4]  # the ablation trains six models: asked for by name
 
 
 def ablation_variants(config: str) -> list[tuple[str, list[str]]]:
-    """(name, model settings) of the FLASH paper's LM recipe against bpt's defaults, one change
-    at a time (bpt.config.FLASH_RECIPES): bpt's, each of the recipe's changes alone, all."""
-    from bpt.config import FLASH_RECIPES, load_config_file
+    """(name, model settings) of the FLASH paper's LM recipe against bpt's earlier choices,
+    one change at a time: bpt's, each of the paper's changes alone, all of them (the
+    paper's recipe, bpt.config.FLASH_RECIPES). Every variant names every setting it
+    compares, so a kept run means the same whatever FLASHConfig's defaults."""
+    from bpt.config import load_config_file
 
     chunk = load_config_file(config).model.chunk_size
-    bias = [f"model.relative_buckets={2 * chunk}", f"model.relative_max_distance={2 * chunk}"]
-    changes = {
+    bpt = {
+        "norm": ["model.norm=scale_norm"],
+        "position_embedding": ["model.position_embedding=rotary", "model.relative_buckets=32",
+                               "model.relative_max_distance=128"],
+        "absolute_embedding": ["model.absolute_embedding=none"],
+        "linear_norm": ["model.linear_norm=sum"],
+    }  # fmt: skip
+    paper = {
         "norm": ["model.norm=layer_norm"],
-        "position_embedding": ["model.position_embedding=rotary+relative_bias", *bias],
+        # Code 4's Toeplitz bias: one weight per distance inside a chunk (T5's buckets are
+        # exact below half their number)
+        "position_embedding": ["model.position_embedding=rotary+relative_bias",
+                               f"model.relative_buckets={2 * chunk}", f"model.relative_max_distance={2 * chunk}"],
         "absolute_embedding": ["model.absolute_embedding=scaled_sin"],
         "linear_norm": ["model.linear_norm=mean"],
-    }
-    assert changes.keys() == FLASH_RECIPES["paper"].keys()
-    every = [setting for settings in changes.values() for setting in settings]
-    return [("bpt", []), *((f"{name} alone", settings) for name, settings in changes.items()), ("paper", every)]
+    }  # fmt: skip
+
+    def settings(changed) -> list[str]:
+        return [s for name in bpt for s in (paper if name in changed else bpt)[name]]
+
+    alone = [(f"{name} alone", settings({name})) for name in paper]
+    return [("bpt", settings(set())), *alone, ("paper", settings(set(paper)))]
 
 
 def family(path: str) -> str:
@@ -215,11 +231,13 @@ def quality_part(args, configs, workdir: Path, variants: list[tuple[str, list[st
     under the same settings is read back, an unfinished one resumes from its checkpoint (so a
     kept --quality_dir makes the part resumable, and its runs can be trained on different
     machines: --quality_families trains some and reads the others back). variants: (name,
-    settings) of runs of each config with those settings too, in workdir/<stem>-<name>."""
-    rows = []
+    settings) of runs of each config with those settings too, in workdir/<stem>-<name>.
+    --quality_jobs N trains N runs at once, spread over the GPUs (each GPU's memory shared
+    by the runs on it)."""
     entries = [(path, "", []) for path in configs] if variants is None else [
         (path, name, extra) for path in configs for name, extra in variants
     ]  # fmt: skip
+    planned = []  # (path, variant, run, settings, records or None, error or None)
     for path, variant, extra in entries:
         run = workdir / (Path(path).stem + (f"-{variant.replace(' ', '_')}" if variant else ""))
         settings = [
@@ -232,28 +250,44 @@ def quality_part(args, configs, workdir: Path, variants: list[tuple[str, list[st
             *args.set,
             *extra,
         ]
-        records = None
+        records, error = None, None
         if run.is_dir():
             check_run_settings(run, settings)
             records = finished_run(run, args.steps)
         if records is not None:
-            print(f"# {path}: read back the finished run in {run}", flush=True)
+            print(f"# {path} {variant}: read back the finished run in {run}", flush=True)
         elif family(path) not in args.quality_families:
             error = f"not in --quality_families and no finished run in {run}"
-            rows.append(dict(config=path, family=family(path), ok=False, error=error))
             print(f"# {path}: {error}", flush=True)
+        planned.append([path, variant, run, settings, records, error])
+    todo = [p for p in planned if p[4] is None and p[5] is None]
+    gpus = max(gpu_count(), 1)
+    per_gpu = -(-min(args.quality_jobs, len(todo) or 1) // gpus)
+
+    def train(index_entry):
+        index, entry = index_entry
+        path, _, run, settings, _, _ = entry
+        run.mkdir(parents=True, exist_ok=True)
+        (run / QUALITY_RUN).write_text(json.dumps(dict(settings=settings), indent=1))
+        cmd = [sys.executable, "-m", "bpt.cli.train", "--config", path, "--workdir", str(run)]
+        env = dict(os.environ)
+        if args.quality_jobs > 1 and gpu_count():  # this run's GPU, and its share of it
+            env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / per_gpu:.3f}"
+        proc = subprocess.run(cmd + [f"--config.{s}" for s in settings], capture_output=True, text=True, env=env)
+        entry[4] = finished_run(run, args.steps)
+        if proc.returncode or entry[4] is None:
+            entry[4] = None
+            entry[5] = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])[-300:]
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.quality_jobs)) as pool:
+        list(pool.map(train, enumerate(todo)))
+    rows = []
+    for path, variant, _, _, records, error in planned:
+        if records is None:
+            rows.append(dict(config=path, family=family(path), **({"variant": variant} if variant else {}),
+                             ok=False, error=error or "no finished run"))  # fmt: skip
             continue
-        else:  # a new run, or one that resumes from its checkpoint (its settings checked above)
-            run.mkdir(parents=True, exist_ok=True)
-            (run / QUALITY_RUN).write_text(json.dumps(dict(settings=settings), indent=1))
-            cmd = [sys.executable, "-m", "bpt.cli.train", "--config", path, "--workdir", str(run)]
-            cmd += [f"--config.{s}" for s in settings]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            records = finished_run(run, args.steps)
-            if proc.returncode or records is None:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
-                rows.append(dict(config=path, family=family(path), ok=False, error=" | ".join(tail)[-300:]))
-                continue
         rows.append(
             dict(
                 config=path,
@@ -562,6 +596,12 @@ def main() -> None:
         "--quality_families",
         default="gpt,flash",
         help="quality: the families this call trains (the others' runs are read back from --quality_dir)",
+    )
+    parser.add_argument(
+        "--quality_jobs",
+        type=int,
+        default=1,
+        help="quality, ablation: runs trained at once, spread over the GPUs (their speed is then shared)",
     )
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
     parser.add_argument("--one_context", type=int, default=0, help=argparse.SUPPRESS)

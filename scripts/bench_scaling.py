@@ -29,6 +29,7 @@ as one GPU's baseline measured apart from the multi-GPU setups.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -66,7 +67,7 @@ def ring_part(args) -> list[dict]:
         shape = (1, seq, heads, head_dim)
         sharded = NamedSharding(mesh, PartitionSpec(None, "sequence"))
         q, k, v, cot = (jax.device_put(jax.random.normal(kk, shape, jnp.bfloat16), sharded) for kk in key)
-        row = {"devices": n, "tokens_per_device": tokens, "context": seq}
+        row = {"devices": n, "tokens_per_device": tokens, "context": seq, "heads": heads}
         for strategy in ("ring", "all_gather"):
 
             def loss(q, k, v, cot, strategy=strategy):
@@ -107,6 +108,20 @@ def ring_part(args) -> list[dict]:
         row["kernels"] = seconds_per_call(
             jax.jit(jax.grad(kernels_loss, argnums=(0, 1, 2))), local_q, own_kv, own_kv
         )
+        # A zigzag hop's two shapes on one device (fwd+bwd): T queries over the first half of a
+        # shard from before, the last T/2 queries over a whole shard from after (as one call,
+        # and as two over its halves). The devices wait for the slower shape.
+        def hop_loss(q, k, v, pieces):
+            return sum(jnp.sum(flash_attention(q[:, a], k[:, b], v[:, b]).astype(jnp.float32)) for a, b in pieces)
+
+        whole, first, second = slice(None), slice(None, tokens // 2), slice(tokens // 2, None)
+        for name, pieces in {
+            "hop_q_over_half": [(whole, first)],
+            "hop_half_over_k": [(second, whole)],
+            "hop_half_over_halves": [(second, first), (second, second)],
+        }.items():
+            grad = jax.jit(jax.grad(functools.partial(hop_loss, pieces=pieces), argnums=(0, 1, 2)))
+            row[name] = seconds_per_call(grad, local_q, own_kv, own_kv)
         row["ring_over_local"] = row["ring"] / row["local"]
         row["ring_over_kernels"] = row["ring"] / row["kernels"]
         row["all_gather_over_local"] = row["all_gather"] / row["local"]
@@ -175,6 +190,21 @@ def tables(ring_rows: list[dict], train_rows: list[dict]) -> str:
                 f"{r['ring_over_local']:.3f} | {r['all_gather_over_local']:.3f} | {r['ring_over_kernels']:.3f} |"
             )
         out.append("")
+        shaped = [r for r in ring_rows if "hop_half_over_k" in r]
+        if shaped:
+            out += [
+                "A zigzag hop's shapes on one GPU (fwd+bwd ms, T tokens per GPU; TFLOP/s of the score pairs)",
+                "",
+                "| T | [T q, T/2 k] | [T/2 q, T k] | [T/2 q, T k] as two [T/2, T/2] |",
+                "|---|---|---|---|",
+            ]
+            for r in shaped:
+                pairs = r["tokens_per_device"] ** 2 / 2 * r.get("heads", 16)
+                flops = 14 * 128 * pairs  # 2 flops a multiply-add, head_dim 128: forward 2 matmuls, backward 5
+                cells = [f"{r[n] * 1e3:.1f} ({flops / r[n] / 1e12:.0f})" for n in
+                         ("hop_q_over_half", "hop_half_over_k", "hop_half_over_halves")]  # fmt: skip
+                out.append(f"| {human_tokens(r['tokens_per_device'])} | " + " | ".join(cells) + " |")
+            out.append("")
     if train_rows:
         out += [
             "Training throughput (tokens/s per GPU, MFU; ratio to one GPU at the same tokens per GPU, "

@@ -14,6 +14,11 @@ settings a user would type) on all N GPUs, a few steps long, checkpoints off:
   sequence, tensor x sequence). The data and the initial parameters do not depend on the mesh,
   so every run's losses must equal the one-GPU run's (relative 1e-4; matmuls at full float32
   precision). Tensor parallelism splits the byte vocabulary padded to model.vocab_multiple.
+- processes: the multi-host command on this one host, a bpt-train process a GPU joined by
+  jax.distributed on localhost (each taking its GPU with --local_device_ids, then each seeing
+  only its own through CUDA_VISIBLE_DEVICES), against one process over all GPUs: GPT-125M at
+  8K, data parallel. Equal losses (relative 1e-3, bf16) and a clean exit pass; the table adds
+  the speed and peak memory against the one process's.
 - GPT-1B (configs/gpt_1b.py, bf16) over data, fsdp, tensor, the ring (zigzag, striped) and
   all_gather at 128K, the ring and all_gather at 512K, fsdp x sequence and tensor x sequence
   at 512K, and the longest context the mesh holds, ring and all_gather (searched by compiled
@@ -21,7 +26,8 @@ settings a user would type) on all N GPUs, a few steps long, checkpoints off:
 - GPT-7B (configs/gpt_7b.py) with fsdp at 32K, fsdp x sequence (sequence alone on 2 GPUs) at
   128K, and at its longest.
 
-A row passes when the run exits 0 and, for losses rows, its losses equal the one-GPU run's.
+A row passes when the run exits 0 without the coordination service's errors and, for losses
+(processes) rows, its losses equal the one-GPU (one-process) run's.
 Results go to --out: results.json (every row), report.md (the table printed last) and
 check_gpus.png (tokens/s per GPU and peak memory of each row). A finished row is not run
 again (--rerun_failed retries failed ones), so a campaign spans several calls;
@@ -36,8 +42,10 @@ import datetime
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +54,9 @@ from benchlib import human_tokens, script_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-4
+PROCESS_RTOL = 1e-3  # a process a GPU against one process: the same bf16 step, summed in another order
+# what a run that exits 0 must not say (the coordination service's errors at exit)
+EXIT_COMPLAINTS = ("Connection refused", "coordination_service", "Coordination service")
 COMMON = [  # every row: a few steps, each logged, nothing else
     "train.log_every=1",
     "train.eval_every=0",
@@ -67,6 +78,8 @@ class Row:
     steps: int = 2
     min_gpus: int = 2
     extra: tuple = ()  # more section.name=value settings
+    processes: int = 1  # >1: one bpt-train process a GPU (jax.distributed over localhost)
+    isolated: bool = False  # each process sees only its GPU (CUDA_VISIBLE_DEVICES) instead of all
 
     def settings(self, context: int) -> list[str]:
         mesh = {"data": 1, **self.mesh}
@@ -98,6 +111,15 @@ def rows_for(n: int, *, small: bool = False) -> list[Row]:
     one_b, seven_b = "configs/gpt_1b.py", "configs/gpt_7b.py"
     k = 1024 if not small else 4  # contexts scale down on CPUs
     cut = ("model.num_layers=2", "model.d_model=256", "model.num_heads=4") if small else ()
+    # The multi-host command on one host, a process a GPU, against one process over the same
+    # GPUs: equal losses, tokens/s and memory. "isolated" is the way that hides the other GPUs.
+    small_gpt = "configs/gpt_125m.py" if not small else tiny
+    process_rows = [
+        Row("processes: one over all GPUs", "processes", small_gpt, 8 * k, {"data": n}, 2 * n, steps=6),
+        Row("processes: one a GPU", "processes", small_gpt, 8 * k, {"data": n}, 2 * n, steps=6, processes=n),
+        Row("processes: one a GPU, isolated", "processes", small_gpt, 8 * k, {"data": n}, 2 * n, steps=6,
+            processes=n, isolated=True),
+    ][: 2 if small else 3]  # fmt: skip  (CPU devices have nothing to isolate)
     big = [
         Row("1B ring zigzag 128K", "1b", one_b, 128 * k, {"sequence": n}, 1, extra=cut),
         Row("7B fsdp 32K", "7b", seven_b, 32 * k, {"fsdp": n}, n, extra=cut),
@@ -116,7 +138,7 @@ def rows_for(n: int, *, small: bool = False) -> list[Row]:
         Row("1B all_gather longest", "1b", one_b, 0, {"sequence": n, "context_parallel": "all_gather"}, 1, steps=1, extra=cut),
         Row("7B ring longest", "7b", seven_b, 0, {"sequence": n}, 1, steps=1, extra=cut),
     ]  # fmt: skip
-    return loss_rows + big
+    return loss_rows + process_rows + big
 
 
 def environment(n: int, on_gpu: bool, group: str) -> dict:
@@ -183,13 +205,15 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
     result.update(context=context, settings=settings, command=" ".join(["bpt-train", *argv[len(bpt_train()):]]))
     if note:
         result["search"] = note
-    try:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        code, text = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as expired:
-        output = expired.stdout or b""  # bytes, even with text=True
-        output = output.decode(errors="replace") if isinstance(output, bytes) else output
-        code, text = None, output[-4000:] + f"\nstill running after {timeout} s: stopped"
+    if row.processes > 1:
+        code, text = run_processes(row, argv, env, on_gpu, timeout)
+        result["processes"] = row.processes
+    else:
+        try:
+            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            code, text = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as expired:
+            code, text = None, _said(expired.stdout)[-4000:] + f"\nstill running after {timeout} s: stopped"
     result["seconds"] = time.perf_counter() - start
     (out / "logs").mkdir(exist_ok=True)
     (out / "logs" / f"{slug(row.name)}.log").write_text(text)
@@ -207,8 +231,11 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
             mfu=last.get("mfu"),
             peak_gib=max((m.get("peak_memory_gib") or 0) for m in metrics) or None,
         )
-    if code == 0 and len(metrics) == row.steps:
+    complaints = [line.strip() for line in text.splitlines() if any(c in line for c in EXIT_COMPLAINTS)]
+    if code == 0 and len(metrics) == row.steps and not complaints:
         result["status"] = "pass"
+    elif code == 0 and complaints:
+        result.update(status="fail", error=f"exited 0 but said: {complaints[0][:200]}")
     else:
         if code is None:
             said = [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
@@ -218,6 +245,51 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
             result.update(status="fail", error=f"exit {code}: {error_line(text)}")
     shutil.rmtree(workdir, ignore_errors=True)
     return result
+
+
+def run_processes(row: Row, argv: list[str], env: dict, on_gpu: bool, timeout: int) -> tuple[int | None, str]:
+    """argv as row.processes processes of one jax.distributed run on this host (the README's
+    multi-host command, --coordinator_address on localhost), process i on GPU i: every GPU
+    visible and taken with --local_device_ids, or (row.isolated) hidden by
+    CUDA_VISIBLE_DEVICES. The exit status is the first nonzero one; the text, every
+    process's output in turn."""
+    with socket.socket() as free:
+        free.bind(("localhost", 0))
+        port = free.getsockname()[1]
+    children = []
+    for i in range(row.processes):
+        own = dict(env)
+        flags = [f"--coordinator_address=localhost:{port}", f"--num_processes={row.processes}", f"--process_id={i}"]
+        if not on_gpu:
+            own["JAX_NUM_CPU_DEVICES"] = "1"
+        elif row.isolated:
+            own["CUDA_VISIBLE_DEVICES"] = str(i)
+        else:
+            flags.append(f"--local_device_ids={i}")
+        log = tempfile.TemporaryFile("w+")
+        children.append((subprocess.Popen([*argv, *flags], cwd=ROOT, env=own, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline, codes = time.monotonic() + timeout, []
+    for child, _ in children:
+        try:
+            codes.append(child.wait(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            codes.append(None)
+    texts = []
+    for i, (child, log) in enumerate(children):
+        child.wait()
+        log.seek(0)
+        texts.append(f"--- process {i} ---\n{log.read()}")
+        log.close()
+    text = "\n".join(texts)
+    if None in codes:
+        return None, text[-4000:] + f"\nstill running after {timeout} s: stopped"
+    return next((c for c in codes if c), 0), text
+
+
+def _said(output) -> str:
+    output = output or b""  # bytes, even with text=True
+    return output.decode(errors="replace") if isinstance(output, bytes) else output
 
 
 def row_gpus(row: Row, n: int) -> int:
@@ -247,17 +319,29 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_")
 
 
+REFERENCES = {  # group: (the row the others must equal, tolerance, what it is called)
+    "losses": ("losses: 1 GPU", LOSS_RTOL, "one GPU"),
+    "processes": ("processes: one over all GPUs", PROCESS_RTOL, "one process"),
+}
+
+
 def check_losses(results: list[dict]) -> None:
-    """Marks each losses row that ran but whose losses differ from the one-GPU row's."""
-    reference = next((r for r in results if r["name"] == "losses: 1 GPU" and r.get("status") == "pass"), None)
-    for r in results:
-        if r["group"] != "losses" or r is reference or r.get("status") != "pass" or reference is None:
-            continue
-        ref, got = reference["losses"], r["losses"]
-        worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref)) if len(got) == len(ref) else float("inf")
-        r["loss_rel_diff"] = worst
-        if worst > LOSS_RTOL:
-            r.update(status="fail", error=f"losses differ from one GPU's by {worst:.2e} (allowed {LOSS_RTOL:g})")
+    """Marks each losses (processes) row that ran but whose losses differ from the one-GPU
+    (one-process) row's; a processes row also gets its speed and memory against that row's."""
+    for group, (name, rtol, called) in REFERENCES.items():
+        reference = next((r for r in results if r["name"] == name and r.get("status") == "pass"), None)
+        for r in results:
+            if r["group"] != group or r is reference or r.get("status") != "pass" or reference is None:
+                continue
+            ref, got = reference["losses"], r["losses"]
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref)) if len(got) == len(ref) else float("inf")
+            r["loss_rel_diff"] = worst
+            if group == "processes" and r.get("tokens_per_sec") and reference.get("tokens_per_sec"):
+                speed = r["tokens_per_sec"] / reference["tokens_per_sec"]
+                memory = (r.get("peak_gib") or 0) - (reference.get("peak_gib") or 0)
+                r["note"] = f"{speed:.2f}x one process's tokens/s, {memory:+.1f} GiB"
+            if worst > rtol:
+                r.update(status="fail", error=f"losses differ from {called}'s by {worst:.2e} (allowed {rtol:g})")
 
 
 def table(results: list[dict]) -> str:
@@ -271,6 +355,8 @@ def table(results: list[dict]) -> str:
         if "loss_rel_diff" in r:
             losses += f" (rel. {r['loss_rel_diff']:.1e})"
         verdict = r["status"] if r["status"] != "fail" else f"fail: {r.get('error', '')[:160]}"
+        if r.get("note"):
+            verdict += f" ({r['note']})"
         cells = (
             r["name"],
             str(r.get("gpus", "")),

@@ -54,6 +54,8 @@ def test_help_lists_the_commands_own_flags(name):
         (["--config", "configs/nothere.py"], "config file configs/nothere.py not found"),
         (["--config.train.learning_rate=-0.1"], "train.learning_rate must be > 0.0; got -0.1"),
         (["--config.data.name=owt"], "unknown data.name 'owt'; allowed: shakespeare"),
+        (["--local_device_ids=0"], "--local_device_ids is for a run of several processes"),
+        (["--local_device_ids=0,x", "--num_processes=2"], "--local_device_ids must be distinct GPU indices"),
     ],
 )
 def test_a_bad_setting_is_one_sentence_and_writes_nothing(tmp_path, args, sentence):

@@ -296,7 +296,7 @@ def test_flash_script_ablates_the_papers_recipe_one_change_at_a_time(tmp_path):
     flash = ROOT / "configs/flash_tiny.py"
     run_script(
         "bench_flash.py", f"--flash={flash}", f"--gpt={TINY}", "--parts=ablation", "--seq_len=128", "--steps=2",
-        "--batch_size=2", "--set=model.loss_chunk_size=64", f"--quality_dir={tmp_path / 'runs'}",
+        "--batch_size=2", "--set=model.loss_chunk_size=64", f"--quality_dir={tmp_path / 'runs'}", "--quality_jobs=2",
         f"--out={tmp_path / 'out'}", cwd=tmp_path,
     )  # fmt: skip
     rows = json.loads((tmp_path / "out" / "results.json").read_text())["ablation"]

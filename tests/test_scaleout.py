@@ -187,3 +187,24 @@ def test_check_gpus_runs_bpt_train_on_each_mesh_with_one_devices_losses(tmp_path
     state["results"][1]["status"] = "pass"
     check.check_losses(state["results"])
     assert state["results"][1]["status"] == "fail" and "losses differ from one GPU's" in state["results"][1]["error"]
+
+
+def test_check_gpus_runs_a_process_a_device_with_one_process_losses(tmp_path):
+    """The multi-host command on one host (scripts/check_gpus.py's processes rows): two
+    bpt-train processes joined by jax.distributed on localhost, one simulated device each,
+    log one process's losses over both devices, and both exit 0 with nothing of the
+    coordination service's errors in their logs (what GPUs showed before bpt-train left
+    through jax.distributed.shutdown; CPU processes did not show it either way)."""
+    out = tmp_path / "check"
+    argv = [sys.executable, str(REPO / "scripts" / "check_gpus.py"), "--out", str(out), "--cpu_devices", "2"]
+    done = subprocess.run([*argv, "--rows", "processes"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    assert set(rows) == {"processes: one over all GPUs", "processes: one a GPU"}
+    split = rows["processes: one a GPU"]
+    assert split["status"] == "pass" and split["processes"] == 2 and len(split["losses"]) == 6, split
+    assert split["loss_rel_diff"] <= 1e-5 and "one process's tokens/s" in split["note"]
+    log = (out / "logs" / "processes__one_a_GPU.log").read_text()
+    assert log.count("bpt-train: starting") == 2 and "--- process 1 ---" in log
+    check = load_script("check_gpus")
+    assert not any(c in log for c in check.EXIT_COMPLAINTS)

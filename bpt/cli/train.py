@@ -39,6 +39,12 @@ def define_flags() -> SimpleNamespace:
         process_id=flags.DEFINE_integer(
             "process_id", -1, "Several processes: this one's index (or JAX_PROCESS_ID)."
         ),
+        local_device_ids=flags.DEFINE_string(
+            "local_device_ids",
+            "",
+            "Several processes on one host, each seeing every GPU: this one's GPUs, comma-separated "
+            "(e.g. its process id). Without it (or CUDA_VISIBLE_DEVICES) each process takes every GPU.",
+        ),
     )
 
 
@@ -48,7 +54,9 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
     common.set_memory_fraction(config.train.memory_fraction)  # before jax creates its backend
     from bpt.parallel.distributed import initialize, shutdown
 
-    joined = initialize(f.coordinator.value, f.num_processes.value, f.process_id.value)  # before jax sees devices
+    joined = initialize(  # before jax sees devices
+        f.coordinator.value, f.num_processes.value, f.process_id.value, f.local_device_ids.value
+    )
     from bpt.train.loop import train  # after flag parsing: keeps --help fast
 
     try:

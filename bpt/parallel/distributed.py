@@ -4,6 +4,11 @@ A run is one of several processes when the coordinator's address, the process co
 process's index are given, as flags of bpt-train or as the environment variables
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, or when SLURM started it as one
 of several tasks (jax.distributed then reads SLURM's variables itself).
+
+Several processes on one host (one a GPU) either each see only their GPU
+(CUDA_VISIBLE_DEVICES) or see every GPU and take theirs with local_device_ids (bpt-train
+--local_device_ids); without either, each would take every GPU of the host. NCCL joins the
+processes' GPUs over NVLink either way (docs/notes/multi_gpu.md).
 """
 
 from __future__ import annotations
@@ -13,9 +18,13 @@ import os
 import jax
 
 
-def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> bool:
+def initialize(
+    coordinator_address: str = "", num_processes: int = 0, process_id: int = -1, local_device_ids: str = ""
+) -> bool:
     """Joins the distributed runtime if this process is one of several; True if it did.
+    local_device_ids: this process's GPUs of the host, comma-separated ("" : all it sees).
     Must run before anything else touches jax's devices."""
+    local = parse_device_ids(local_device_ids)
     address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
     count = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
     index = process_id if process_id >= 0 else int(os.environ.get("JAX_PROCESS_ID", "-1") or -1)
@@ -33,16 +42,34 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
             raise ValueError(f"a run of several processes needs {', '.join(missing)} as well")
         if not 0 <= index < count:
             raise ValueError(f"--process_id={index} must be in [0, --num_processes={count})")
-        jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index)
+        jax.distributed.initialize(
+            coordinator_address=address, num_processes=count, process_id=index, local_device_ids=local
+        )
         return True
     if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in os.environ:
-        jax.distributed.initialize()
+        jax.distributed.initialize(local_device_ids=local)
         return True
+    if local is not None:
+        raise ValueError("--local_device_ids is for a run of several processes (--num_processes > 1)")
     return False
+
+
+def parse_device_ids(text: str) -> list[int] | None:
+    """'0,1' -> [0, 1]; '' -> None."""
+    if not text.strip():
+        return None
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise ValueError(f"--local_device_ids must be distinct GPU indices such as 0 or 0,1; got {text!r}")
+    return ids
 
 
 def shutdown() -> None:
     """Leaves the distributed runtime. Every process waits there for the others, so process
-    0, which serves the coordination, exits last: without it the others' heartbeats found
-    its port closed ("coordination_service ... Connection refused" at the end of a run)."""
+    0, which serves the coordination, stops serving last. (On jax 0.11.2 GPUs each process's
+    backend still logs a "WatchTasksAsync failed ... Connection refused" warning as the
+    service stops at the end of a clean run: docs/notes/multi_gpu.md.)"""
     jax.distributed.shutdown()
