@@ -1,5 +1,6 @@
 """FLASH tiny: configs/tiny.py's run with 4 Gated Attention Units (twice its layers, about its
-parameters), mixed chunk attention in chunks of 64; 60 steps take about a minute on a CPU."""
+parameters), mixed chunk attention in chunks of 64, the FLASH paper's LM recipe (FLASHConfig's
+defaults); 60 steps take about a minute on a CPU."""
 
 from pathlib import Path
 

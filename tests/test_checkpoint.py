@@ -360,6 +360,25 @@ def test_a_run_saved_before_the_vocabulary_was_padded_still_restores_and_resumes
         load_params(tmp_path / "straight", create_state(small, five, jax.random.PRNGKey(0)).params, vocab_size=5)
 
 
+def test_a_flash_run_saved_before_the_papers_recipe_restores_as_it_was_trained(tmp_path):
+    """A FLASH run saved before model.linear_norm and model.absolute_embedding existed (its
+    config.json lacks them) restores with what it computed then (the sum, no ScaledSin:
+    bpt.config.ADDED_SETTINGS), not today's defaults (the mean, ScaledSin), whose parameters
+    and function differ."""
+    from bpt.config import FLASH_RECIPES, set_family
+
+    c = run_config(steps=4)
+    set_family(c, "flash").update(num_layers=2, chunk_size=16, qk_dim=16, **FLASH_RECIPES["bpt"])
+    last = train(c, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for name in ("linear_norm", "absolute_embedding"):
+        del saved["model"][name]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    config, _, model, _ = loop.restore_run(tmp_path)
+    assert (model.config.linear_norm, model.config.absolute_embedding) == ("sum", "none")
+    assert evaluate_checkpoint(tmp_path)["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
+
+
 def test_checkpoint_every_zero_trains_without_checkpoints(tmp_path):
     c = run_config(steps=3)
     c.train.checkpoint_every = 0

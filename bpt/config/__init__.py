@@ -29,6 +29,7 @@ from bpt.config.presets import (
 )
 from bpt.config.schema import (
     DATASETS,
+    ADDED_SETTINGS,
     FROM_DATA,
     MODEL_SIZES,
     RANGES,
@@ -46,6 +47,7 @@ __all__ = [
     "BASELINES",
     "FLASH_RECIPES",
     "DATASETS",
+    "ADDED_SETTINGS",
     "FROM_DATA",
     "MODEL_SIZES",
     "RANGES",

@@ -95,18 +95,27 @@ def agentic_config(
 # the mean over earlier chunks. FLASHConfig's defaults are bpt's first choices (ScaleNorm,
 # RoPE alone, the running sum), measured in docs/notes/flash.md; the recipe's quality
 # against them is the ablation issue still to measure, after which the defaults follow it.
-FLASH_RECIPES = {
-    "bpt": {},
+FLASH_RECIPES = {  # model settings; "paper" is FLASHConfig's defaults, written out
     "paper": dict(
         norm="layer_norm",
         position_embedding="rotary+relative_bias",
+        relative_buckets=0,  # twice the chunk: one weight per distance inside a chunk
+        relative_max_distance=0,
         absolute_embedding="scaled_sin",
         linear_norm="mean",
+    ),
+    "bpt": dict(  # bpt's choices before the paper's recipe became the default (2026-11-28)
+        norm="scale_norm",
+        position_embedding="rotary",
+        relative_buckets=32,
+        relative_max_distance=128,
+        absolute_embedding="none",
+        linear_norm="sum",
     ),
 }
 
 
-def flash_config(size: str, d_model: int = 0, recipe: str = "bpt") -> ConfigDict:
+def flash_config(size: str, d_model: int = 0, recipe: str = "paper") -> ConfigDict:
     """FLASH matched to the GPT of a size by parameter count: twice the layers (a GAU with
     expansion 2 has about half a transformer layer's weights), otherwise paper_config's
     settings (bf16 compute, 8K context, the layer stack unrolled at UNROLLED_SIZES, with the
@@ -120,17 +129,13 @@ def flash_config(size: str, d_model: int = 0, recipe: str = "bpt") -> ConfigDict
     for the same matmul FLOPs: faster steps, for somewhat higher loss (docs/notes/flash.md,
     "Depth and width at matched parameters").
 
-    recipe: "bpt" (FLASHConfig's defaults) or "paper" (FLASH_RECIPES: the paper's LM recipe)."""
+    recipe: "paper" (FLASHConfig's defaults: the paper's LM recipe) or "bpt" (bpt's earlier
+    choices: ScaleNorm, RoPE alone, the linear part as a sum; FLASH_RECIPES)."""
     if recipe not in FLASH_RECIPES:
         raise ValueError(f"flash_config: unknown recipe {recipe!r}; allowed: {', '.join(FLASH_RECIPES)}")
     c = paper_config(size)
     set_family(c, "flash")
     c.model.update(FLASH_RECIPES[recipe])
-    if recipe == "paper":
-        # Code 4's Toeplitz bias (for chunks under 512): one weight per distance inside a
-        # chunk. T5's buckets are exact below half their number, so twice the chunk's worth
-        # (the far half stays unused inside mixed_chunk's chunks).
-        c.model.relative_buckets = c.model.relative_max_distance = 2 * c.model.chunk_size
     if d_model:
         c.model.num_layers = matched_depth(size, c, d_model)
         c.model.d_model = d_model

@@ -70,6 +70,9 @@ def base_config(size: str = "small") -> ConfigDict:
 # and the Agentic Transformer's environment shapes (bpt.rl.data). Also None: the GPT's
 # num_kv_heads, head_dim and mlp_hidden (their own defaults say what None means).
 FROM_DATA = ("vocab_size", "max_seq_len", "obs_dim", "act_dim", "max_timestep")
+# Model settings added after runs were saved, by family, with what a run saved without them
+# computed: a restored run (bpt.train.loop.restore_run) gets these, not today's defaults.
+ADDED_SETTINGS = {"flash": {"linear_norm": "sum", "absolute_embedding": "none"}}
 
 
 def family_fields(family: str) -> dict[str, dataclasses.Field]:
@@ -97,8 +100,9 @@ def model_section(size: str, family: str = "gpt") -> ConfigDict:
 
 
 def set_family(model: ConfigDict, family: str, *, keep=(), num_heads: int | None = None) -> ConfigDict:
-    """Switches config.model (or a whole config) to `family`: the shared settings stay, the new
-    family's own settings that are unset take their defaults (num_heads: the MODEL_SIZES row
+    """Switches config.model (or a whole config) to `family`: the shared settings stay (those
+    still at the old family's default, where the new family's differs, take the new one's:
+    FLASH's position_embedding), the new family's own settings that are unset take their defaults (num_heads: the MODEL_SIZES row
     of this d_model, unless given), and every other family's are unset (None), except the
     names in `keep` (settings given with the switch, which model_config then refuses: a
     setting of another family is an error, never dropped). Returns the section, changed
@@ -106,6 +110,11 @@ def set_family(model: ConfigDict, family: str, *, keep=(), num_heads: int | None
     they made must be unset too, or model_config names them."""
     model = model.model if "model" in model and isinstance(model.model, ConfigDict) else model
     fields = family_fields(family)
+    before = family_fields(model.family) if model.get("family") in FAMILIES else {}
+    for name, field in fields.items():  # a shared setting whose default is the family's own
+        old = before.get(name)
+        if old is not None and field.default != old.default and model.get(name) == old.default:
+            model[name] = field.default  # still at the other family's default: take this one's
     model.family = family
     for family_name in FAMILIES:
         for name, field in family_fields(family_name).items():

@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from bpt.models.lm import (
     LAYER_INPUT,
@@ -80,16 +81,22 @@ class FLASHConfig(LMConfig):
     # or "normal" (N(0, 0.02), the paper's pseudo-code: relu^2 of scores near 0 then starts
     # with almost no gradient; 32% worse than "ones" after 400 steps, docs/notes/flash.md).
     qk_init: str = "ones"
-    norm: str = "scale_norm"
-    relative_buckets: int = 32
-    relative_max_distance: int = 128
-    # The linear part over earlier chunks: "sum" (their running sum times lin_scale = 1/n) or
-    # "mean" (the paper's Code 8: the mean over them of each chunk's lin_k^T v / chunk_size).
-    linear_norm: str = "sum"
+    # The defaults below are the FLASH paper's LM recipe (its Tables 9 and 10, Codes 2-8);
+    # bpt.config.FLASH_RECIPES["bpt"] holds bpt's earlier choices.
+    position_embedding: str = "rotary+relative_bias"
+    norm: str = "layer_norm"  # or "scale_norm" (the paper's for masked LMs)
+    # The relative bias: T5's buckets (exact below half their number, log-spaced beyond, up to
+    # relative_max_distance). 0: twice the chunk (and the distance alike), one weight per
+    # distance inside a chunk, Code 4's Toeplitz bias.
+    relative_buckets: int = 0
+    relative_max_distance: int = 0
+    # The linear part over earlier chunks: "mean" (the paper's Code 8: the mean over them of
+    # each chunk's lin_k^T v / chunk_size) or "sum" (their running sum times 1/max_seq_len).
+    linear_norm: str = "mean"
     # An absolute position signal added to the token embedding: "scaled_sin" (the paper's
     # ScaledSin, Code 2: the sinusoids [sin | cos] of Transformer's table times one learned
     # scalar, from 1 / sqrt(d_model)) or "none".
-    absolute_embedding: str = "none"
+    absolute_embedding: str = "scaled_sin"
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,7 +110,14 @@ class FLASHConfig(LMConfig):
             ("absolute_embedding", ABSOLUTE_EMBEDDINGS),
         ):
             self.check_allowed(name, options, "FLASH")
-        self.check_positive("chunk_size", "qk_dim", "relative_buckets", "relative_max_distance")
+        self.check_positive("chunk_size", "qk_dim")
+        for name in ("relative_buckets", "relative_max_distance"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name} must be >= 0 (0: twice model.chunk_size); got {getattr(self, name)}")
+        if not self.relative_buckets:  # frozen: the resolved sizes are set once, here
+            object.__setattr__(self, "relative_buckets", 2 * self.chunk_size)
+        if not self.relative_max_distance:
+            object.__setattr__(self, "relative_max_distance", self.relative_buckets)
         self.check_above_zero("expansion")
         if self.rotary and self.qk_dim % 2:
             raise ValueError(f"rotary positions need an even model.qk_dim; got {self.qk_dim}")
@@ -332,13 +346,12 @@ class GAULayer(Layer):
                 segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
         pos = jnp.arange(g)
         bias = None if table is None else bias_table(table, pos[:, None] - pos[None, :], cfg)
-        impl = self._chunk_impl(bias is not None)
+        impl = self._chunk_impl()
         attend = functools.partial(
             mixed_chunk_attention,
             chunk_size=g,
             quad_scale=cfg.quad_scale,
             lin_scale=cfg.lin_scale,
-            bias=bias,
             impl=impl,
             linear_norm=cfg.linear_norm,
         )
@@ -359,32 +372,32 @@ class GAULayer(Layer):
         if impl == "pallas" and par is not None and par.mesh.size > 1:  # a kernel XLA cannot split
             rows = par.logical("batch").spec
             seg_spec = None if segment_ids is None else rows
+            # the bias is whole on every device; shard_map sums its gradient over the devices
             per_device = jax.shard_map(
-                lambda *a: attend(*a[:5], segment_ids=a[5]),
+                lambda *a: attend(*a[:5], segment_ids=a[5], bias=a[6]),
                 mesh=par.mesh,
-                in_specs=(rows,) * 5 + (seg_spec,),
+                in_specs=(rows,) * 5 + (seg_spec, None if bias is None else PartitionSpec()),
                 out_specs=rows,
                 check_vma=False,
             )
-            return per_device(*qk, v, segment_ids)[:, :t]
-        return attend(*qk, v, segment_ids=segment_ids)[:, :t]
+            return per_device(*qk, v, segment_ids, bias)[:, :t]
+        return attend(*qk, v, segment_ids=segment_ids, bias=bias)[:, :t]
 
-    def _chunk_impl(self, has_bias: bool) -> str:
+    def _chunk_impl(self) -> str:
         """model.attention_impl resolved for these sizes and this layer's mesh: the kernels run
         per device under shard_map, over batch shards only (a tensor-sharded value width
-        would need their contractions summed across devices, and a shared bias its gradient)."""
+        would need their contractions summed across devices)."""
         cfg = self.config
         impl = resolve_impl(cfg.attention_impl, cfg.chunk_size, cfg.qk_dim, cfg.hidden_dim)
         par = self.parallel
         if impl != "pallas" or par is None or par.mesh.size == 1:
             return impl
-        if par.shards("mlp") == 1 and not has_bias:
+        if par.shards("mlp") == 1:
             return impl  # per device, under shard_map over the batch shards
         if cfg.attention_impl == "pallas":
             raise ValueError(
                 "model.attention_impl='pallas' for FLASH runs on meshes that shard the batch only "
-                "(mesh.tensor=1) and without position_embedding='relative_bias' on several devices; "
-                "use model.attention_impl='blockwise' or 'auto'"
+                "(mesh.tensor=1) on several devices; use model.attention_impl='blockwise' or 'auto'"
             )
         return "blockwise"
 

@@ -17,7 +17,7 @@ from ml_collections import ConfigDict
 from tqdm.auto import tqdm
 
 import bpt.rl.data  # noqa: F401  (registers data.name=exorl with make_dataset)
-from bpt.config import base_config, check_config, model_config, set_family
+from bpt.config import ADDED_SETTINGS, base_config, check_config, model_config, set_family
 from bpt.data.datasets import Prefetcher, make_dataset, put_batch
 from bpt.models import make_model
 from bpt.models.lm import CausalLM
@@ -284,7 +284,11 @@ def restore_run(workdir: str | Path, mesh: dict | None = None):
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: --workdir must be a bpt-train run")
     config = base_config()  # today's defaults under the saved settings: older runs still load
-    config.update(json.loads(config_path.read_text()))
+    saved = json.loads(config_path.read_text())
+    model = saved.setdefault("model", {})
+    for name, value in ADDED_SETTINGS.get(model.get("family", "gpt"), {}).items():
+        model.setdefault(name, value)  # saved before the setting existed: what the run computed
+    config.update(saved)
     # Runs saved before each family had its own settings hold every family's; only the
     # run's own were ever read.
     set_family(config, config.model.family)
