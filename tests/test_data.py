@@ -345,6 +345,22 @@ def test_copy_task_targets_repeat_the_first_half():
     assert tokens.max() <= 5 and task.vocab_size == 6
 
 
+def test_each_process_reads_its_own_rows_of_the_copy_tasks_global_batch():
+    """In a run of several processes each gives its share of the global batch (a copy of the
+    whole batch from each doubled the work while the losses stayed equal)."""
+    whole = CopyTask(seq_len=16, num_symbols=5, seed=3)
+    parts = [CopyTask(seq_len=16, num_symbols=5, seed=3, process_index=i, process_count=2) for i in (0, 1)]
+    assert all(len(p.train_batch(7, 4)["tokens"]) == 2 for p in parts)
+    for key in ("tokens", "targets", "loss_mask"):
+        np.testing.assert_array_equal(np.concatenate([p.train_batch(7, 4)[key] for p in parts]), whole.train_batch(7, 4)[key])
+        for b in range(2):
+            np.testing.assert_array_equal(
+                np.concatenate([p.eval_batches(2, 4)[b][key] for p in parts]), whole.eval_batches(2, 4)[b][key]
+            )
+    with pytest.raises(ValueError, match="a batch of 3 does not split over 2 processes"):
+        parts[0].train_batch(0, 3)
+
+
 def test_prefetcher_yields_every_batch_in_order_and_surfaces_errors():
     task = CopyTask(seq_len=8, num_symbols=5, seed=0)
     make = lambda s: task.train_batch(s, 2)

@@ -96,13 +96,7 @@ class TokenDataset:
         return self._tokenizer
 
     def _local(self, starts: np.ndarray) -> np.ndarray:
-        if len(starts) % self.process_count:
-            raise ValueError(
-                f"a batch of {len(starts)} does not split over {self.process_count} processes; "
-                "make train.batch_size a multiple of the process count"
-            )
-        n = len(starts) // self.process_count
-        return starts[self.process_index * n : (self.process_index + 1) * n]
+        return starts[process_rows(len(starts), self.process_index, self.process_count)]
 
     def _batch(self, windows: _Windows, starts: np.ndarray) -> Batch:
         w = windows.take(starts)
@@ -129,17 +123,31 @@ class TokenDataset:
         return [self._batch(self.val, self._local(s)) for s in np.split(starts, num_batches)]
 
 
+def process_rows(rows: int, process_index: int, process_count: int) -> slice:
+    """This process's rows of a global batch of `rows` (an equal share each)."""
+    if rows % process_count:
+        raise ValueError(
+            f"a batch of {rows} does not split over {process_count} processes; "
+            "make train.batch_size a multiple of the process count"
+        )
+    n = rows // process_count
+    return slice(process_index * n, (process_index + 1) * n)
+
+
 class CopyTask:
     """Synthetic long-range task: a random string, a separator, then the string again.
 
     The loss counts only the second copy, where every target is seq_len / 2 positions back:
-    a model that learns to look that far back drives the loss to zero.
+    a model that learns to look that far back drives the loss to zero. Each process of a run
+    of several draws the whole global batch and keeps its own rows, so the data do not
+    depend on how many processes read them.
     """
 
     separator = 0
 
-    def __init__(self, seq_len: int, num_symbols: int, seed: int):
+    def __init__(self, seq_len: int, num_symbols: int, seed: int, *, process_index: int = 0, process_count: int = 1):
         self.seq_len, self.num_symbols, self.seed = seq_len, num_symbols, seed
+        self.process_index, self.process_count = process_index, process_count
 
     @property
     def vocab_size(self) -> int:
@@ -150,13 +158,10 @@ class CopyTask:
         string = rng.integers(1, self.num_symbols + 1, size=(batch_size, half))
         sep = np.full((batch_size, 1), self.separator)
         seq = np.concatenate([string, sep, string], axis=1)  # seq_len + 1 tokens
-        mask = np.zeros((batch_size, self.seq_len), np.float32)
+        seq = seq[process_rows(batch_size, self.process_index, self.process_count)]
+        mask = np.zeros((len(seq), self.seq_len), np.float32)
         mask[:, half:] = 1.0
-        return {
-            "tokens": seq[:, :-1].astype(np.int32),
-            "targets": seq[:, 1:].astype(np.int32),
-            "loss_mask": mask,
-        }
+        return {"tokens": seq[:, :-1].astype(np.int32), "targets": seq[:, 1:].astype(np.int32), "loss_mask": mask}
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
         return self._batch(np.random.default_rng([self.seed, step]), batch_size)
@@ -237,7 +242,9 @@ def register_dataset(name: str, make: Callable[..., object]) -> None:
 def make_dataset(data: ConfigDict, seed: int):
     """The dataset config.data names (see bpt.config.DATASETS), sliced for this process."""
     if data.name == "copy":
-        return CopyTask(data.seq_len, data.copy_symbols, seed)
+        return CopyTask(
+            data.seq_len, data.copy_symbols, seed, process_index=jax.process_index(), process_count=jax.process_count()
+        )
     if data.name in DATASET_MAKERS:
         make = DATASET_MAKERS[data.name]
         return make(data, seed, process_index=jax.process_index(), process_count=jax.process_count())

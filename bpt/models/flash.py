@@ -30,7 +30,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
 
 from bpt.models.lm import (
     LAYER_INPUT,
@@ -376,7 +375,7 @@ class GAULayer(Layer):
             per_device = jax.shard_map(
                 lambda *a: attend(*a[:5], segment_ids=a[5], bias=a[6]),
                 mesh=par.mesh,
-                in_specs=(rows,) * 5 + (seg_spec, None if bias is None else PartitionSpec()),
+                in_specs=(rows,) * 5 + (seg_spec, None if bias is None else par.replicated().spec),
                 out_specs=rows,
                 check_vma=False,
             )

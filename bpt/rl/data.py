@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bpt.data.datasets import register_dataset
+from bpt.data.datasets import process_rows, register_dataset
 from bpt.models.agentic import TOKENS_PER_STEP
 from bpt.rl import exorl
 from bpt.rl.sequences import Trajectory, best_fraction, sample_chains, trajectory
@@ -110,8 +110,7 @@ class ExoRLDataset:
         self.returns = np.array([t.total for t in self.train])
 
     def _batch(self, pool: list[Trajectory], rng: np.random.Generator, batch_size: int) -> dict:
-        per = batch_size // self.process_count
-        mine = slice(self.process_index * per, (self.process_index + 1) * per)
+        mine = process_rows(batch_size, self.process_index, self.process_count)
         inputs = sample_chains(pool, self.n, batch_size, rng, length=self.length, rows=mine)
         mask = inputs.pop("mask")
         inputs.pop("trajectory")  # (the model reads the order from the positions)
