@@ -10,7 +10,8 @@ time by the XLA operation each kernel belongs to (its fusion or custom call) and
 (matmul, attention kernel, fusion, copy, collective). With a mesh (--set mesh.sequence=4, ...)
 each figure is one device's average, and each device's kernel total is printed too.
 Kernels of different streams (a collective beside a matmul) are summed, so the kernel
-time can pass the step's. The trace itself (for Perfetto or
+time can pass the step's; each device's timeline line says how much of its window some kernel
+ran (busy), how much none did (idle: the gaps) and how much ran beside another (overlapped). The trace itself (for Perfetto or
 TensorBoard) stays under --out. Prints the step time and the --top operations as a markdown
 table last; --out also gets profile.json. --fusions N adds what the N slowest elementwise
 and norm fusions compute (their opcodes) and the bandwidth they reach.
@@ -203,6 +204,27 @@ def summarize(events: list[dict], steps: int, shapes: dict[str, str] | None = No
     return {"kernel_ms_per_step": sum(by_kind.values()), "by_kind": dict(by_kind), "ops": ops}
 
 
+def timeline(events: list[dict], steps: int) -> dict[str, float]:
+    """One device's profiled window, a step's share of it (ms): span (first kernel's start to
+    last kernel's end), busy (the time any kernel runs, streams together), idle (span - busy:
+    gaps where the device waits, on the host, a launch or a transfer) and overlapped (kernel
+    time beyond busy: kernels of two streams at once, a collective beside a matmul)."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if "ts" in e)
+    if not spans:
+        return {}
+    busy, (start, end) = 0.0, spans[0]
+    first = start
+    for a, b in spans[1:]:
+        if a > end:  # a gap: close the interval
+            busy, start = busy + (end - start), a
+        end = max(end, b)
+    busy += end - start
+    span = end - first
+    total = sum(b - a for a, b in spans)
+    per = lambda us: us / 1e3 / steps  # noqa: E731
+    return {"span_ms": per(span), "busy_ms": per(busy), "idle_ms": per(span - busy), "overlapped_ms": per(total - busy)}
+
+
 def main() -> None:
     p = script_parser(__doc__, out_help="a folder for the trace and the report", settings=True)
     p.add_argument("--config", required=True)
@@ -244,6 +266,9 @@ def main() -> None:
         per_device[e["pid"]] += e["dur"] / 1e3 / args.steps
     summary = summarize(events, args.steps * max(1, len(per_device)), hlo_shapes(hlo))
     summary["devices"] = len(per_device)
+    summary["timeline_by_device"] = [
+        timeline([e for e in events if e["pid"] == pid], args.steps) for pid in sorted(per_device)
+    ]
     summary["kernel_ms_per_step_by_device"] = [per_device[pid] for pid in sorted(per_device)]
     vocab = step.model.config.vocab_size
     known = dict(
@@ -273,6 +298,12 @@ def main() -> None:
         f"\n{args.config} at {args.seq_len} x {args.batch} {' '.join(args.set)} (remat_layer {result['remat_layer']})"
     )
     print(f"step {seconds * 1e3:.1f} ms (profiled), kernels {total:.1f} ms a step")
+    for i, t in enumerate(summary["timeline_by_device"]):
+        if t:
+            print(
+                f"device {i}: {t['span_ms']:.1f} ms from first kernel to last, busy {t['busy_ms']:.1f}, "
+                f"idle {t['idle_ms']:.1f} ({t['idle_ms'] / t['span_ms']:.1%}), overlapped {t['overlapped_ms']:.1f}"
+            )
     if summary["devices"] > 1:
         by_device = ", ".join(f"{ms:.1f}" for ms in summary["kernel_ms_per_step_by_device"])
         print(

@@ -434,6 +434,21 @@ def test_remat_auto_tries_no_remat_first_for_an_unrolled_stack():
     assert paper_config("1b").model.scan_unroll == 1
 
 
+def test_profile_timeline_finds_the_gaps_and_the_overlap():
+    """profile_step.timeline: a device's window, what some kernel ran (streams together),
+    the gaps where none did, and the kernel time that ran beside another."""
+    profile_step = load_script("profile_step")
+    events = [  # microseconds over two steps: a matmul, a collective beside it, a gap, a fusion
+        {"ts": 0, "dur": 100},
+        {"ts": 60, "dur": 80},  # overlaps the first by 40
+        {"ts": 200, "dur": 50},  # after a gap of 60
+        {"ts": 210, "dur": 10},  # inside the third
+    ]
+    t = profile_step.timeline(events, steps=2)
+    assert t == {"span_ms": 0.125, "busy_ms": 0.095, "idle_ms": 0.03, "overlapped_ms": 0.025}
+    assert profile_step.timeline([], steps=1) == {}
+
+
 def test_profile_parts_of_a_step():
     """scripts/profile_step.py sums a trace's kernels by operation, then by part of the step."""
     profile_step = load_script("profile_step")
