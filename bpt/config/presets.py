@@ -92,9 +92,9 @@ def agentic_config(
 
 # The FLASH paper's LM recipe (its Tables 9 and 10, Codes 2, 4, 7 and 8): LayerNorm, RoPE
 # with the relative position bias, the ScaledSin absolute embedding, and the linear part as
-# the mean over earlier chunks. FLASHConfig's defaults are bpt's first choices (ScaleNorm,
-# RoPE alone, the running sum), measured in docs/notes/flash.md; the recipe's quality
-# against them is the ablation issue still to measure, after which the defaults follow it.
+# the mean over earlier chunks; FLASHConfig's defaults since 2026-11-28. "bpt" holds bpt's
+# first choices (ScaleNorm, RoPE alone, the running sum), which docs/notes/flash.md and
+# benchmarks.md's FLASH tables measured; scripts/bench_flash.py --parts ablation compares them.
 FLASH_RECIPES = {  # model settings; "paper" is FLASHConfig's defaults, written out
     "paper": dict(
         norm="layer_norm",

@@ -102,12 +102,13 @@ def model_section(size: str, family: str = "gpt") -> ConfigDict:
 def set_family(model: ConfigDict, family: str, *, keep=(), num_heads: int | None = None) -> ConfigDict:
     """Switches config.model (or a whole config) to `family`: the shared settings stay (those
     still at the old family's default, where the new family's differs, take the new one's:
-    FLASH's position_embedding), the new family's own settings that are unset take their defaults (num_heads: the MODEL_SIZES row
-    of this d_model, unless given), and every other family's are unset (None), except the
-    names in `keep` (settings given with the switch, which model_config then refuses: a
-    setting of another family is an error, never dropped). Returns the section, changed
-    in place. Config files may also assign model.family; then the other family's settings
-    they made must be unset too, or model_config names them."""
+    FLASH's position_embedding), the new family's own settings that are unset take their
+    defaults (num_heads: the MODEL_SIZES row of this d_model, unless given), and every other
+    family's are unset (None), except the names in `keep` (settings given with the switch,
+    which model_config then refuses: a setting of another family is an error, never
+    dropped). Returns the section, changed in place. Config files may also assign
+    model.family; then the other family's settings they made must be unset too, or
+    model_config names them."""
     model = model.model if "model" in model and isinstance(model.model, ConfigDict) else model
     fields = family_fields(family)
     before = family_fields(model.family) if model.get("family") in FAMILIES else {}
