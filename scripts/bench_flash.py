@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import statistics
@@ -226,6 +227,34 @@ def check_run_settings(run: Path, settings: list[str]) -> None:
         )
 
 
+@dataclasses.dataclass
+class QualityRun:
+    """One training run of the quality part: its config, variant and folder, the bpt-train
+    settings, and what came of it (the finished run's records, or why there are none)."""
+
+    config: str
+    variant: str
+    folder: Path
+    settings: list[str]
+    family: str
+    records: list[dict] | None = None
+    error: str = ""
+
+    def row(self) -> dict:
+        row = dict(config=self.config, family=self.family, **({"variant": self.variant} if self.variant else {}))
+        if self.records is None:
+            return dict(row, ok=False, error=self.error or "no finished run")
+        return dict(
+            row,
+            ok=True,
+            steps=[r["step"] for r in self.records],
+            loss=[r["loss"] for r in self.records],
+            eval_loss=self.records[-1].get("eval_loss"),
+            tokens_per_sec=[r.get("tokens_per_sec") for r in self.records],
+            step_seconds=[r.get("step_seconds") for r in self.records],
+        )
+
+
 def quality_part(args, configs, workdir: Path, variants: list[tuple[str, list[str]]] | None = None) -> list[dict]:
     """Trains each config with bpt-train in workdir/<its stem>; a run already finished there
     under the same settings is read back, an unfinished one resumes from its checkpoint (so a
@@ -237,9 +266,8 @@ def quality_part(args, configs, workdir: Path, variants: list[tuple[str, list[st
     entries = [(path, "", []) for path in configs] if variants is None else [
         (path, name, extra) for path in configs for name, extra in variants
     ]  # fmt: skip
-    planned = []  # (path, variant, run, settings, records or None, error or None)
+    runs = []
     for path, variant, extra in entries:
-        run = workdir / (Path(path).stem + (f"-{variant.replace(' ', '_')}" if variant else ""))
         settings = [
             f"data.seq_len={args.seq_len}",
             f"train.steps={args.steps}",
@@ -250,58 +278,40 @@ def quality_part(args, configs, workdir: Path, variants: list[tuple[str, list[st
             *args.set,
             *extra,
         ]
-        records, error = None, None
-        if run.is_dir():
-            check_run_settings(run, settings)
-            records = finished_run(run, args.steps)
-        if records is not None:
-            print(f"# {path} {variant}: read back the finished run in {run}", flush=True)
-        elif family(path) not in args.quality_families:
-            error = f"not in --quality_families and no finished run in {run}"
-            print(f"# {path}: {error}", flush=True)
-        planned.append([path, variant, run, settings, records, error])
-    todo = [p for p in planned if p[4] is None and p[5] is None]
-    gpus = max(gpu_count(), 1)
-    per_gpu = -(-min(args.quality_jobs, len(todo) or 1) // gpus)
+        folder = workdir / (Path(path).stem + (f"-{variant.replace(' ', '_')}" if variant else ""))
+        run = QualityRun(path, variant, folder, settings, family(path))
+        if folder.is_dir():
+            check_run_settings(folder, settings)
+            run.records = finished_run(folder, args.steps)
+        if run.records is not None:
+            print(f"# {path} {variant}: read back the finished run in {folder}", flush=True)
+        elif run.family not in args.quality_families:
+            run.error = f"not in --quality_families and no finished run in {folder}"
+            print(f"# {path}: {run.error}", flush=True)
+        runs.append(run)
+    todo = [run for run in runs if run.records is None and not run.error]
+    gpus = gpu_count()
+    per_gpu = -(-min(args.quality_jobs, len(todo) or 1) // max(gpus, 1))
 
-    def train(index_entry):
-        index, entry = index_entry
-        path, _, run, settings, _, _ = entry
-        run.mkdir(parents=True, exist_ok=True)
-        (run / QUALITY_RUN).write_text(json.dumps(dict(settings=settings), indent=1))
-        cmd = [sys.executable, "-m", "bpt.cli.train", "--config", path, "--workdir", str(run)]
+    def train(index: int, run: QualityRun) -> None:
+        run.folder.mkdir(parents=True, exist_ok=True)
+        (run.folder / QUALITY_RUN).write_text(json.dumps(dict(settings=run.settings), indent=1))
+        cmd = [sys.executable, "-m", "bpt.cli.train", "--config", run.config, "--workdir", str(run.folder)]
         env = dict(os.environ)
-        if args.quality_jobs > 1 and gpu_count():  # this run's GPU, and its share of it
+        if args.quality_jobs > 1 and gpus:  # this run's GPU, and its share of it
             env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / per_gpu:.3f}"
-        proc = subprocess.run(cmd + [f"--config.{s}" for s in settings], capture_output=True, text=True, env=env)
-        entry[4] = finished_run(run, args.steps)
-        if proc.returncode or entry[4] is None:
-            entry[4] = None
-            entry[5] = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])[-300:]
+        proc = subprocess.run(cmd + [f"--config.{s}" for s in run.settings], capture_output=True, text=True, env=env)
+        run.records = None if proc.returncode else finished_run(run.folder, args.steps)
+        if run.records is None:
+            run.error = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])[-300:]
 
     with concurrent.futures.ThreadPoolExecutor(max(1, args.quality_jobs)) as pool:
-        list(pool.map(train, enumerate(todo)))
-    rows = []
-    for path, variant, _, _, records, error in planned:
-        if records is None:
-            rows.append(dict(config=path, family=family(path), **({"variant": variant} if variant else {}),
-                             ok=False, error=error or "no finished run"))  # fmt: skip
-            continue
-        rows.append(
-            dict(
-                config=path,
-                family=family(path),
-                **({"variant": variant} if variant else {}),
-                ok=True,
-                steps=[r["step"] for r in records],
-                loss=[r["loss"] for r in records],
-                eval_loss=records[-1].get("eval_loss"),
-                tokens_per_sec=[r.get("tokens_per_sec") for r in records],
-                step_seconds=[r.get("step_seconds") for r in records],
-            )
-        )
-        print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, list)}), flush=True)
+        list(pool.map(train, range(len(todo)), todo))
+    rows = [run.row() for run in runs]
+    for row in rows:
+        if row["ok"]:
+            print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}), flush=True)
     return rows
 
 

@@ -695,9 +695,10 @@ def test_the_papers_recipe_is_the_default_and_bpts_a_preset():
     assert defaults == FLASH_RECIPES["paper"]  # the recipe is FLASHConfig's defaults, written out
     assert (cfg.norm, cfg.linear_norm, cfg.absolute_embedding) == ("layer_norm", "mean", "scaled_sin")
     assert cfg.lin_scale == 1 / cfg.chunk_size and cfg.rotary and cfg.relative_bias
-    assert cfg.relative_buckets == cfg.relative_max_distance == 2 * cfg.chunk_size
+    assert cfg.bias_buckets == cfg.bias_max_distance == 2 * cfg.chunk_size
+    assert dataclasses.replace(cfg, chunk_size=128).bias_buckets == 256  # derived, never stored
     distances = jnp.arange(cfg.chunk_size)  # one bias weight per distance inside a chunk (Code 4)
-    assert (relative_buckets(distances, cfg.relative_buckets, cfg.relative_max_distance) == distances).all()
+    assert (relative_buckets(distances, cfg.bias_buckets, cfg.bias_max_distance) == distances).all()
     bpt = load_config_file(REPO / "configs" / "flash_125m_bpt.py")
     old = model_config(bpt.model, vocab_size=50, seq_len=bpt.data.seq_len)
     assert {k: getattr(old, k) for k in FLASH_RECIPES["bpt"]} == FLASH_RECIPES["bpt"]

@@ -28,8 +28,8 @@ from bpt.config.presets import (
     paper_config,
 )
 from bpt.config.schema import (
-    DATASETS,
     ADDED_SETTINGS,
+    DATASETS,
     FROM_DATA,
     MODEL_SIZES,
     RANGES,
@@ -46,8 +46,8 @@ from bpt.config.schema import (
 __all__ = [
     "BASELINES",
     "FLASH_RECIPES",
-    "DATASETS",
     "ADDED_SETTINGS",
+    "DATASETS",
     "FROM_DATA",
     "MODEL_SIZES",
     "RANGES",

@@ -113,19 +113,15 @@ class FLASHConfig(LMConfig):
         for name in ("relative_buckets", "relative_max_distance"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name} must be >= 0 (0: twice model.chunk_size); got {getattr(self, name)}")
-        if not self.relative_buckets:  # frozen: the resolved sizes are set once, here
-            object.__setattr__(self, "relative_buckets", 2 * self.chunk_size)
-        if not self.relative_max_distance:
-            object.__setattr__(self, "relative_max_distance", self.relative_buckets)
         self.check_above_zero("expansion")
         if self.rotary and self.qk_dim % 2:
             raise ValueError(f"rotary positions need an even model.qk_dim; got {self.qk_dim}")
         if self.absolute_embedding == "scaled_sin" and self.d_model % 2:
             raise ValueError(f"model.absolute_embedding='scaled_sin' needs an even model.d_model; got {self.d_model}")
-        if self.relative_buckets < 2 or self.relative_max_distance <= self.relative_buckets // 2:
+        if self.bias_buckets < 2 or self.bias_max_distance <= self.bias_buckets // 2:
             raise ValueError(
                 "model.relative_buckets must be >= 2 and model.relative_max_distance above half of it; "
-                f"got {self.relative_buckets}, {self.relative_max_distance}"
+                f"got {self.bias_buckets}, {self.bias_max_distance}"
             )
 
     @property
@@ -167,6 +163,16 @@ class FLASHConfig(LMConfig):
         return self.position_embedding in ("rotary", "rotary+relative_bias")
 
     @property
+    def bias_buckets(self) -> int:
+        """The relative bias's buckets: relative_buckets, or (0) twice the chunk."""
+        return self.relative_buckets or 2 * self.chunk_size
+
+    @property
+    def bias_max_distance(self) -> int:
+        """Distances from here on share the last bucket: relative_max_distance, or (0) bias_buckets."""
+        return self.relative_max_distance or self.bias_buckets
+
+    @property
     def relative_bias(self) -> bool:
         """Whether the relu^2 scores get a learned relative position bias."""
         return self.position_embedding in ("relative_bias", "rotary+relative_bias")
@@ -182,7 +188,7 @@ class FLASHConfig(LMConfig):
         vocabulary's padding rows (padded_vocab) are not counted: nothing reads them."""
         d, e, s = self.d_model, self.hidden_dim, self.qk_dim
         norm = 1 if self.norm == "scale_norm" else 2 * d
-        bias = self.relative_buckets if self.relative_bias else 0
+        bias = self.bias_buckets if self.relative_bias else 0
         biases = (2 * e + s + d) if self.use_bias else 0
         per_layer = norm + 2 * d * e + d * s + 2 * self.num_qk * s + e * d + biases + bias
         total = self.num_layers * per_layer + norm + (self.absolute_embedding == "scaled_sin")
@@ -236,7 +242,7 @@ def near_one(stddev: float):
 
 def bias_table(table: Array, distance: Array, cfg: FLASHConfig) -> Array:
     """The relative position bias for causal distances (any shape)."""
-    return table[relative_buckets(distance, cfg.relative_buckets, cfg.relative_max_distance)]
+    return table[relative_buckets(distance, cfg.bias_buckets, cfg.bias_max_distance)]
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -271,7 +277,7 @@ class GAULayer(Layer):
         if cfg.use_bias:
             p["b_o"] = self._param("b_o", (d,), ("embed",), zeros)
         if cfg.relative_bias:
-            p["relative_bias"] = self._param("relative_bias", (cfg.relative_buckets,), (None,), zeros)
+            p["relative_bias"] = self._param("relative_bias", (cfg.bias_buckets,), (None,), zeros)
         return p
 
     @nn.compact

@@ -87,10 +87,6 @@ def _reference(q, k, v, *, causal, segment_ids, q_chunk_size, kv_chunk_size):
     return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
 
 
-def _blockwise(q, k, v, **settings):
-    return blockwise_attention(q, k, v, **settings)
-
-
 def _cudnn(q, k, v, *, causal, segment_ids, q_chunk_size, kv_chunk_size):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
@@ -108,7 +104,7 @@ ATTENTION = Registry(
         Implementation("reference", "materialized scores, O(seq^2) memory; any dtype, segment ids, GQA; anywhere",
                        run=_reference),
         Implementation("blockwise", "online softmax over query and key/value chunks (lax.scan), O(seq) memory; "
-                       "any dtype, segment ids, GQA; anywhere", run=_blockwise),
+                       "any dtype, segment ids, GQA; anywhere", run=blockwise_attention),
         Implementation("cudnn", "cuDNN's fused attention (jax.nn); bf16/fp16, head_dim a multiple of 8 up to "
                        "256, GQA, no segment ids; NVIDIA GPUs", why_not=cudnn_unsupported_reason, run=_cudnn),
         Implementation("pallas", "bpt's FlashAttention-2 kernels (Mosaic GPU on H100-class GPUs where they "
