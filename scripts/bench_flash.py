@@ -61,7 +61,7 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from bench_scaleout import gpu_count  # noqa: E402
+from bench_scaleout import visible_gpus  # noqa: E402
 from benchlib import (  # noqa: E402
     benchmark_config,
     human_tokens,
@@ -290,7 +290,8 @@ def quality_part(args, configs, workdir: Path, variants: list[tuple[str, list[st
             print(f"# {path}: {run.error}", flush=True)
         runs.append(run)
     todo = [run for run in runs if run.records is None and not run.error]
-    gpus = gpu_count()
+    visible = visible_gpus()
+    gpus = len(visible)
     per_gpu = -(-min(args.quality_jobs, len(todo) or 1) // max(gpus, 1))
 
     def train(index: int, run: QualityRun) -> None:
@@ -299,7 +300,7 @@ def quality_part(args, configs, workdir: Path, variants: list[tuple[str, list[st
         cmd = [sys.executable, "-m", "bpt.cli.train", "--config", run.config, "--workdir", str(run.folder)]
         env = dict(os.environ)
         if args.quality_jobs > 1 and gpus:  # this run's GPU, and its share of it
-            env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+            env["CUDA_VISIBLE_DEVICES"] = visible[index % gpus]
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / per_gpu:.3f}"
         proc = subprocess.run(cmd + [f"--config.{s}" for s in run.settings], capture_output=True, text=True, env=env)
         run.records = None if proc.returncode else finished_run(run.folder, args.steps)

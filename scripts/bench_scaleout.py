@@ -49,14 +49,23 @@ PARTS = ("context", "throughput", "decode", "sample")
 SETUPS = ("data", "fsdp", "sequence (ring)", "sequence (all-gather)")
 
 
-def gpu_count() -> int:
-    """GPUs on this host, counted without starting jax (which would claim their memory)."""
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA names them, found without starting jax (which
+    would claim their memory): CUDA_VISIBLE_DEVICES's list where it is set (so that
+    campaigns can share a host, each on its own GPUs), else every GPU nvidia-smi lists."""
     if not shutil.which("nvidia-smi"):
-        return 0
+        return []
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if chosen is not None:
+        return [name.strip() for name in chosen.split(",") if name.strip() and name.strip() != "-1"]
     listed = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True)
-    return (
-        sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
-    )
+    count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+    return [str(i) for i in range(count)]
+
+
+def gpu_count() -> int:
+    """How many GPUs this process may use (visible_gpus)."""
+    return len(visible_gpus())
 
 
 def device_env(n: int, on_gpu: bool, *, autotune: bool = True) -> dict:
@@ -66,7 +75,7 @@ def device_env(n: int, on_gpu: bool, *, autotune: bool = True) -> dict:
     if not autotune:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
     if on_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[:n])
     else:
         env["JAX_PLATFORMS"] = "cpu"
         env["JAX_NUM_CPU_DEVICES"] = str(n)

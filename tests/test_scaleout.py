@@ -20,6 +20,21 @@ def write_cell(out, part, n, results):
     (path / "results.json").write_text(json.dumps(results))
 
 
+def test_the_gpus_a_campaign_uses_follow_cuda_visible_devices(scaleout, monkeypatch):
+    """A campaign confined to some GPUs (CUDA_VISIBLE_DEVICES) counts and hands out only
+    those, by their CUDA names; without it, every GPU nvidia-smi lists."""
+    monkeypatch.setattr(scaleout.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    listing = SimpleNamespace(returncode=0, stdout="GPU 0: H200 (UUID: a)\nGPU 1: H200 (UUID: b)\nGPU 2: H200 (UUID: c)\n")
+    monkeypatch.setattr(scaleout.subprocess, "run", lambda *a, **k: listing)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert scaleout.visible_gpus() == ["0", "1", "2"] and scaleout.gpu_count() == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")
+    assert scaleout.visible_gpus() == ["2", "1"] and scaleout.gpu_count() == 2
+    assert scaleout.device_env(1, True)["CUDA_VISIBLE_DEVICES"] == "2"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert scaleout.gpu_count() == 0
+
+
 def test_context_cells_start_near_n_times_one_gpu_in_zigzag_units(scaleout, tmp_path):
     args = SimpleNamespace(
         configs="configs/gpt_1b.py", modes="blockwise_parallel", chunk=1024, context_stop=1 << 24,
@@ -193,8 +208,9 @@ def test_check_gpus_runs_a_process_a_device_with_one_process_losses(tmp_path):
     """The multi-host command on one host (scripts/check_gpus.py's processes rows): two
     bpt-train processes joined by jax.distributed on localhost, one simulated device each,
     log one process's losses over both devices, and both exit 0 with nothing of the
-    coordination service's errors in their logs (what GPUs showed before bpt-train left
-    through jax.distributed.shutdown; CPU processes did not show it either way)."""
+    coordination service's errors in their logs (what GPUs showed while bpt-train left
+    through jax.distributed.shutdown instead of distributed.leave; CPU processes did not
+    show it either way)."""
     out = tmp_path / "check"
     argv = [sys.executable, str(REPO / "scripts" / "check_gpus.py"), "--out", str(out), "--cpu_devices", "2"]
     done = subprocess.run([*argv, "--rows", "processes"], capture_output=True, text=True, timeout=900)
@@ -208,3 +224,18 @@ def test_check_gpus_runs_a_process_a_device_with_one_process_losses(tmp_path):
     assert log.count("bpt-train: starting") == 2 and "--- process 1 ---" in log
     check = load_script("check_gpus")
     assert not any(c in log for c in check.EXIT_COMPLAINTS)
+
+
+def test_every_way_of_ending_a_run_of_several_processes_exits_zero():
+    """scripts/repro_exit_warning.py on two CPU processes: jax.distributed.shutdown and
+    bpt.parallel.distributed.leave both end every process with status 0 after an all-reduce
+    over their devices gave the right sum (what the warnings were is a GPU matter)."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "repro_exit_warning.py"), "--cpu", "--ways", "shutdown,leave", "--verbose"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| shutdown | [0, 0] |" in done.stdout and "| leave | [0, 0] |" in done.stdout, done.stdout[-3000:]
+    assert done.stdout.count("sum 3.0") == 4, done.stdout[-3000:]  # 1 + 2 in each process, each way

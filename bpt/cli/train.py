@@ -52,7 +52,7 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
     print("bpt-train: starting", flush=True)
     config = common.flag_config(f.config)
     common.set_memory_fraction(config.train.memory_fraction)  # before jax creates its backend
-    from bpt.parallel.distributed import initialize, shutdown
+    from bpt.parallel.distributed import initialize, leave, shutdown
 
     joined = initialize(  # before jax sees devices
         f.coordinator.value, f.num_processes.value, f.process_id.value, f.local_device_ids.value
@@ -61,9 +61,12 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
 
     try:
         train(config, f.workdir.value)
-    finally:
+    except BaseException:
         if joined:  # every process leaves together: none finds the coordinator gone
             shutdown()
+        raise
+    if joined:  # a finished run: everything is written; no process finds the coordinator gone
+        leave()
 
 
 def run() -> None:

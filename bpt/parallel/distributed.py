@@ -14,6 +14,8 @@ processes' GPUs over NVLink either way (docs/notes/multi_gpu.md).
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 import jax
 
@@ -68,8 +70,27 @@ def parse_device_ids(text: str) -> list[int] | None:
 
 
 def shutdown() -> None:
-    """Leaves the distributed runtime. Every process waits there for the others, so process
-    0, which serves the coordination, stops serving last. (On jax 0.11.2 GPUs each process's
-    backend still logs a "WatchTasksAsync failed ... Connection refused" warning as the
-    service stops at the end of a clean run: docs/notes/multi_gpu.md.)"""
+    """Leaves the distributed runtime the way jax does. Every process waits there for the
+    others, so process 0, which serves the coordination, stops serving last. (On jax 0.11.2
+    GPUs each process's backend then logs a "WatchTasksAsync failed ... Connection refused"
+    warning as the service stops: a backend watches the job's tasks until it is destroyed.
+    leave() ends a finished run without it.)"""
     jax.distributed.shutdown()
+
+
+def leave(code: int = 0, *, linger_s: float = 1.0) -> None:
+    """Ends this process of a finished several-process run with exit status code, leaving
+    no coordination warning behind (see shutdown). All processes meet at a barrier; then
+    every process but 0 ends at once, and process 0, whose end stops the coordination
+    service, ends linger_s later, when no other process's backend is left to find it gone.
+    Ends the process without Python's exit handlers: call it once everything is written
+    (checkpoints waited for, logs closed). scripts/repro_exit_warning.py compares the ways."""
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("bpt: leave")
+    index = jax.process_index()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if index == 0:
+        time.sleep(linger_s)
+    os._exit(code)
