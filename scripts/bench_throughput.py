@@ -24,7 +24,7 @@ data) and is evaluated on the same held-out batches; the three must agree, as th
 
 --from_json a.json,b.json prints (and --png draws) the tables of earlier runs together.
 
-Prints markdown tables last (tokens/s per GPU, MFU, BPT / MemoryEfficient).
+Prints markdown tables last (tokens/s per GPU, MFU, BPT's ratio to each other mode).
 """
 
 from __future__ import annotations
@@ -164,10 +164,10 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
         text = fmt(r) + (f", chunks {r['chunk']}" if grid and mode in grid_modes else "")
         return text + (f", {r.get('remat_layer')}" if len(remats) > 1 else "")
 
-    header = "| context | " + " | ".join(LABELS[m] for m in modes)
-    ratio = "blockwise_parallel" in modes and "memory_efficient" in modes
-    lines = [header + (" | BPT / MemoryEfficient |" if ratio else " |")]
-    lines.append("|---|" + "---|" * (len(modes) + ratio))
+    # BPT's ratio to each other mode run, as bench_max_context prints them
+    others = [m for m in modes if m != "blockwise_parallel"] if "blockwise_parallel" in modes else []
+    header = "| context | " + " | ".join(LABELS[m] for m in modes) + "".join(f" | BPT / {LABELS[m]}" for m in others)
+    lines = [header + " |", "|---|" + "---|" * (len(modes) + len(others))]
     for n in seq_lens:
         cells = [
             cell(
@@ -178,10 +178,11 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
             for m in modes
         ]
         row = f"| {human_tokens(n)} | " + " | ".join(cells)
-        if ratio:
-            bpt, me = by.get(("blockwise_parallel", n)), by.get(("memory_efficient", n))
-            both = bpt and me and bpt["ok"] and me["ok"]
-            row += f" | {bpt['tokens_per_second'] / me['tokens_per_second']:.2f}x" if both else " | –"
+        bpt = by.get(("blockwise_parallel", n))
+        for mode in others:
+            other = by.get((mode, n))
+            both = bpt and other and bpt["ok"] and other["ok"]
+            row += f" | {bpt['tokens_per_second'] / other['tokens_per_second']:.2f}x" if both else " | –"
         lines.append(row + " |")
     text = "tokens/s per GPU (MFU" + (", the fastest chunk size" if grid else "") + ")\n\n" + "\n".join(lines)
     if losses:

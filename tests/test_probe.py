@@ -136,6 +136,15 @@ def test_memory_efficient_with_the_chunked_loss_is_a_column_of_its_own():
         "BPT / MemoryEfficient | BPT / MemoryEfficient + chunked loss |"
     )
     assert lines[2].endswith("| 24.0x | 3.2x | 2.0x |")
+    # and the throughput table likewise
+    three = ["memory_efficient", "memory_efficient_chunked_loss", "blockwise_parallel"]
+    runs = [
+        dict(mode=m, seq_len=2048, ok=True, tokens_per_second=t, mfu=0.4, chunk=1024, remat_layer="auto")
+        for m, t in zip(three, (100.0, 110.0, 121.0))
+    ]
+    lines = load_script("bench_throughput").tables(runs, [], three, [2048]).splitlines()
+    assert lines[2].endswith("| BPT / MemoryEfficient | BPT / MemoryEfficient + chunked loss |")
+    assert lines[4] == "| 2K | 100 (40%) | 110 (40%) | 121 (40%) | 1.21x | 1.10x |"
 
 
 def test_throughput_script_end_to_end(tmp_path):
