@@ -7,7 +7,7 @@
 
 kernels: for each context x batch x heads/KV heads (head_dim 128, bf16, the whole cache
 visible), the median of --repeats calls (the best of --rounds interleaved rounds) of bpt's
-pallas kernel, bpt's split_kv (plain JAX), the XLA reference, cuDNN (jax.nn.dot_product_attention with one query) and JAX's own Pallas
+pallas kernel (its default stream-K tiles, and the "lean" schedule), bpt's split_kv (plain JAX), the XLA reference, cuDNN (jax.nn.dot_product_attention with one query) and JAX's own Pallas
 decode kernel (jax.experimental.pallas.ops.gpu.decode_attention.gqa). Effective bandwidth:
 the bytes of K and V read (2 x batch x context x kv_heads x head_dim x 2) over the time.
 
@@ -70,6 +70,8 @@ def implementations(kernel_options: dict) -> dict:
 
     fns = {
         "bpt pallas": bpt("pallas", **kernel_options),
+        # Lean Attention's ranges across heads and sequences (its own program count)
+        "bpt pallas lean": bpt("pallas", **{**kernel_options, "schedule": "lean", "num_splits": 0}),
         "bpt split_kv": bpt("split_kv", chunk_size=4096),
         "XLA": bpt("reference"),
     }
@@ -133,7 +135,7 @@ def ragged_part(args) -> list[dict]:
                     decode_partial(q, k, v, last, schedule=schedule, **args.kernel_options).out
                 )
             )
-            for schedule in ("stream_k", "split")
+            for schedule in ("stream_k", "split", "lean")
         }
         row = {"lengths": [int(n) for n in lengths], "heads": name, "bytes": nbytes, "times": {}}
         for impl, fn in fns.items():

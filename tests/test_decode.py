@@ -9,7 +9,7 @@ from conftest import rel_err
 
 from bpt.ops import decode_attention, reference_attention
 from bpt.ops.decode import last_visible_slot, merge_partials, partial_attention, split_kv_partial
-from bpt.ops.kernels.decode import _tile_table, decode_partial
+from bpt.ops.kernels.decode import _lean_table, _tile_table, decode_partial
 
 MAX_LEN = 128
 # Jit-ed: the interpreted kernel's loops run far faster compiled than op by op.
@@ -116,7 +116,9 @@ def test_an_int8_cache_is_read_alike_by_every_impl(key):
         decode_attention(q, k8, v8, positions, k_scale=ks)
 
 
-@pytest.mark.parametrize("schedule,splits", [("stream_k", 2), ("stream_k", 16), ("split", 3)])
+@pytest.mark.parametrize(
+    "schedule,splits", [("stream_k", 2), ("stream_k", 16), ("split", 3), ("lean", 1), ("lean", 5)]
+)
 def test_kernel_schedules_on_a_ragged_batch(key, schedule, splits):
     """Shared positions (no lengths) and per-sequence lengths, tiles of 16 slots, more tiles
     than work (empty tiles) and fewer (several blocks a tile)."""
@@ -143,6 +145,45 @@ def test_stream_k_tiles_are_equal_and_cover_each_sequence_once():
     split = np.asarray(_tile_table(visible, tiles=8, schedule="split", max_blocks=64, full_blocks=visible - 1))
     assert list(split[:, 3]) == list(np.repeat(np.asarray(visible) - 1, 2))  # each tile's sequence's
     assert (split[:, 2] - split[:, 1]).max() == 32  # two splits a sequence: the longest one's half
+
+
+def test_lean_pieces_cover_every_sequence_and_head_once_in_equal_ranges():
+    """The lean schedule's ranges cross head and sequence borders: each program's pieces
+    add up to an equal share of all the blocks, and the pieces of each (sequence, K/V head)
+    cover its blocks once."""
+    visible, kv_heads, programs = np.array([0, 3, 40, 5]), 2, 8
+    pieces, spans = (np.asarray(x) for x in _lean_table(jnp.asarray(visible), jnp.asarray(visible - 1), kv_heads, programs))
+    total = kv_heads * visible.sum()
+    size = -(-total // programs)
+    assert spans[0, 0] == 0 and spans[-1, 1] == len(pieces) and (spans[1:, 0] == spans[:-1, 1]).all()
+    shares = [int((pieces[lo:hi, 3] - pieces[lo:hi, 2]).sum()) for lo, hi in spans]
+    assert shares == [min(size, max(0, total - p * size)) for p in range(programs)]
+    assert max(hi - lo for lo, hi in spans) > 1  # some program's range crosses a border
+    for seq, blocks in enumerate(visible):
+        for head in range(kv_heads):
+            mine = pieces[(pieces[:, 0] == seq) & (pieces[:, 1] == head)]
+            covered = sorted(b for *_, first, end, _ in mine for b in range(first, end))
+            assert covered == list(range(blocks)), (seq, head)
+            assert (mine[:, 4] == blocks - 1).all()  # the sequence's blocks that every row sees
+
+
+def test_the_lean_schedule_reads_a_stacked_int8_cache(key):
+    """Lean Attention's ranges with a layer of a stacked int8 cache and GQA at batch 1 (one
+    K/V head's blocks split over programs that also take the next head's)."""
+    from bpt.ops.decode import dequantize_kv, quantize_kv
+
+    q, k, v = caches(key, 1, 4, 2, 1)
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    last = last_visible_slot(jnp.array([100]), 1)
+    expected = decode(
+        q, dequantize_kv(k8, ks, jnp.float32), dequantize_kv(v8, vs, jnp.float32), jnp.array([100]), impl="reference"
+    )
+    lean = jax.jit(decode_partial, static_argnames=("num_splits", "schedule", "block_k"))
+    part = lean(
+        q, jnp.stack([0 * k8, k8]), jnp.stack([0 * v8, v8]), last, layer=jnp.int32(1),
+        k_scale=jnp.stack([0 * ks, ks]), v_scale=jnp.stack([0 * vs, vs]), num_splits=3, schedule="lean", block_k=16,
+    )  # fmt: skip
+    assert rel_err(part.out, expected) < 1e-5
 
 
 def test_merging_partials_over_any_split_of_the_keys_is_exact(key):

@@ -235,7 +235,8 @@ def test_decode_script_end_to_end(tmp_path):
     assert "error" not in sample and sample["prompt"] == 252 and sample["tokens_per_s"] > 0
     assert "| 256 | 252 |" in proc.stdout
     (row,) = results["kernels"]
-    assert set(row["times"]) == {"bpt pallas", "bpt split_kv", "XLA"} and not row.get("errors")
+    assert set(row["times"]) == {"bpt pallas", "bpt pallas lean", "bpt split_kv", "XLA"} and not row.get("errors")
+    assert {"pallas stream_k", "pallas split", "pallas lean"} <= set(results["ragged"][0]["times"])
     assert row["bytes"] == 2 * 256 * 8 * 128 * 2
     assert "| 256 | 1 | 32/8 |" in proc.stdout and "stream-K / split" in proc.stdout
     assert (tmp_path / "decode.png").is_file()

@@ -15,7 +15,12 @@ reading the cache and the kernel's job is to keep every SM reading it:
   whatever the sequences' lengths: the blocks each sequence needs are summed and cut into
   equal tiles (a tile never spans two sequences), so a ragged batch keeps every SM busy to the
   end; "split" cuts each sequence into the same number of equal splits (flash-decoding), so
-  short sequences leave programs idle while long ones finish.
+  short sequences leave programs idle while long ones finish; "lean" (Lean Attention's
+  stream-K over everything) lays every (sequence, K/V head)'s blocks end to end and cuts
+  the whole into one equal range a program, ranges crossing head and sequence borders: a
+  program writes one partial for each (sequence, head) piece of its range, so a batch of
+  one with few K/V heads still gets one long, equal range a SM (LEAN_WAVES programs a SM)
+  instead of many short tiles.
 - Programs per K/V head come from the GPU's SM count (WAVES programs a SM) unless num_splits
   is given.
 - A model's whole cache can come as a stack [layers, batch, max_len, kv_heads, head_dim] with
@@ -41,12 +46,15 @@ from bpt.ops.reference import Partial
 Array = jax.Array
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-SCHEDULES = ("stream_k", "split")
+SCHEDULES = ("stream_k", "split", "lean")
 MIN_ROWS = 16  # the smallest M a Triton dot takes
 MIN_BLOCK_K = 16  # the smallest block of cache slots (the default halves toward it to divide the cache)
 # Programs a SM (over all K/V heads) when num_splits is not given; with block_k 64 and
 # num_stages=4 the best of 4, 6 and 8 on one H100 at 128K-1M slots (docs/notes/decoding.md).
 WAVES = 8
+# Programs a SM for the "lean" schedule (its ranges are equal and long: one wave; not yet
+# tuned on a GPU).
+LEAN_WAVES = 1
 
 
 def num_sms(device=None) -> int:
@@ -82,16 +90,11 @@ def _tile_table(visible_blocks: Array, tiles: int, schedule: str, max_blocks: in
     return jnp.stack([seq, first, end, full], axis=1).astype(jnp.int32)
 
 
-def _kernel(
-    block_k: int, scale: float, quantized: bool, table_ref, layer_ref, q_ref, last_ref, k_ref, v_ref, *refs
-):
-    if quantized:  # an int8 cache and its per-slot, per-head scales
-        ks_ref, vs_ref, o_ref, lse_ref = refs
-    else:
-        o_ref, lse_ref = refs
-    kv_head = pl.program_id(0)
-    seq, first, end, full = table_ref[0], table_ref[1], table_ref[2], table_ref[3]
-    layer = layer_ref[0]
+def _attend_blocks(block_k, scale, quantized, refs, layer, seq, kv_head, first, end, full):
+    """(out, lse) [rows, head_dim], [rows] of sequence seq's queries of kv_head over its key
+    blocks [first, end): blocks before `full` (every row sees them whole) unmasked, the rest
+    masked by each row's last visible slot."""
+    q_ref, last_ref, k_ref, v_ref, ks_ref, vs_ref = refs
     q = q_ref[seq, kv_head, :, :]  # [rows, head_dim]
     last = last_ref[seq, :]  # [rows]: the last slot each row sees
     visible = jnp.max(last) + 1
@@ -130,27 +133,88 @@ def _kernel(
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros(q.shape, jnp.float32),
     )
-    # The tile's blocks that every row sees whole run without masks (the long, pipelined
-    # loop); the rest (at most the sequence's last few blocks) with them.
+    # The blocks that every row sees whole run without masks (the long, pipelined loop); the
+    # rest (at most the sequence's last few blocks) with them.
     split = jnp.clip(full, first, end)
     carry = lax.fori_loop(first, split, functools.partial(body, False), carry)
     m, row_sum, acc = lax.fori_loop(split, end, functools.partial(body, True), carry)
     seen = row_sum > 0.0
     safe = jnp.where(seen, row_sum, 1.0)
-    o_ref[...] = acc / safe[:, None]
-    lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe)) * LN2, -jnp.inf)
+    return acc / safe[:, None], jnp.where(seen, (m + jnp.log2(safe)) * LN2, -jnp.inf)
 
 
-def _merge(table: Array, out: Array, lse: Array, batch: int) -> tuple[Array, Array]:
-    """The tiles' partials (out [tiles, kv_heads, rows, head_dim], lse [tiles, kv_heads, rows])
-    merged per sequence by logsumexp; empty tiles have lse -inf: weight 0. (In XLA: a merge
-    kernel looping over a sequence's tiles was slower at batch 1, where it has few programs.)"""
-    seq = table[:, 0]
-    top = jax.ops.segment_max(lse, seq, num_segments=batch)  # [batch, kv_heads, rows]
+def _cache_refs(quantized: bool, q_ref, last_ref, k_ref, v_ref, refs):
+    """(the refs _attend_blocks reads, the output refs)."""
+    ks_ref, vs_ref, *outs = refs if quantized else (None, None, *refs)
+    return (q_ref, last_ref, k_ref, v_ref, ks_ref, vs_ref), outs
+
+
+def _kernel(
+    block_k: int, scale: float, quantized: bool, table_ref, layer_ref, q_ref, last_ref, k_ref, v_ref, *refs
+):
+    """One tile (a row of the tile table) of one K/V head (the grid's first axis)."""
+    reads, (o_ref, lse_ref) = _cache_refs(quantized, q_ref, last_ref, k_ref, v_ref, refs)
+    seq, first, end, full = table_ref[0], table_ref[1], table_ref[2], table_ref[3]
+    o_ref[...], lse_ref[...] = _attend_blocks(
+        block_k, scale, quantized, reads, layer_ref[0], seq, pl.program_id(0), first, end, full
+    )
+
+
+def _lean_kernel(
+    block_k: int, scale: float, quantized: bool, spans_ref, pieces_ref, layer_ref, q_ref, last_ref, k_ref, v_ref, *refs
+):
+    """One program of the lean schedule: its pieces (rows lo..hi of the piece table, each
+    a (sequence, K/V head, first, end, full) range of blocks), one partial each."""
+    reads, (o_ref, lse_ref) = _cache_refs(quantized, q_ref, last_ref, k_ref, v_ref, refs)
+    program = pl.program_id(0)
+    layer = layer_ref[0]
+
+    def piece(i, carry):
+        seq, kv_head = pieces_ref[i, 0], pieces_ref[i, 1]
+        first, end, full = pieces_ref[i, 2], pieces_ref[i, 3], pieces_ref[i, 4]
+        out, lse = _attend_blocks(block_k, scale, quantized, reads, layer, seq, kv_head, first, end, full)
+        o_ref[i, :, :] = out
+        lse_ref[i, :] = lse
+        return carry
+
+    lax.fori_loop(spans_ref[program, 0], spans_ref[program, 1], piece, 0)
+
+
+def _lean_table(visible_blocks: Array, full_blocks: Array, kv_heads: int, programs: int) -> tuple[Array, Array]:
+    """The lean schedule: (pieces [programs + units, 5] int32 rows (sequence, K/V head, first
+    block, end block, full blocks), spans [programs, 2] int32: program p's pieces are rows
+    spans[p, 0] .. spans[p, 1]). The units, (sequence, K/V head) pairs in that order, lie end
+    to end, visible_blocks[sequence] blocks each; the whole is cut into `programs` equal
+    ranges, and every range and unit border starts a piece (empty pieces: first == end)."""
+    units = visible_blocks.shape[0] * kv_heads
+    lengths = jnp.repeat(visible_blocks.astype(jnp.int32), kv_heads)  # unit u = seq * kv_heads + head
+    starts = jnp.cumsum(lengths) - lengths
+    total = jnp.sum(lengths)
+    size = jnp.maximum(1, -(-total // programs)).astype(jnp.int32)
+    cuts = jnp.arange(programs, dtype=jnp.int32) * size
+    borders = jnp.sort(jnp.minimum(jnp.concatenate([cuts, starts]), total))
+    ends = jnp.concatenate([borders[1:], total[None]])
+    unit = jnp.clip(jnp.searchsorted(starts, borders, side="right") - 1, 0, units - 1).astype(jnp.int32)
+    seq = unit // kv_heads
+    owner = jnp.minimum(borders // size, programs - 1)  # sorted: each program's pieces are one run
+    program = jnp.arange(programs, dtype=jnp.int32)
+    spans = jnp.stack([jnp.searchsorted(owner, program, side="left"), jnp.searchsorted(owner, program, side="right")], 1)
+    first = borders - starts[unit]
+    end = jnp.maximum(first, ends - starts[unit])
+    pieces = jnp.stack([seq, unit % kv_heads, first, end, full_blocks[seq]], axis=1)
+    return pieces.astype(jnp.int32), spans.astype(jnp.int32)
+
+
+def _merge(ids: Array, out: Array, lse: Array, count: int) -> tuple[Array, Array]:
+    """The partials (out [n, ..., head_dim], lse [n, ...]) merged by logsumexp into `count`
+    groups, partial i into group ids[i]; empty partials have lse -inf: weight 0. (In XLA: a
+    merge kernel looping over a sequence's tiles was slower at batch 1, where it has few
+    programs.)"""
+    top = jax.ops.segment_max(lse, ids, num_segments=count)
     shift = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight = jnp.exp(lse - shift[seq])
-    total = jax.ops.segment_sum(weight, seq, num_segments=batch)
-    merged = jax.ops.segment_sum(out * weight[..., None], seq, num_segments=batch)
+    weight = jnp.exp(lse - shift[ids])
+    total = jax.ops.segment_sum(weight, ids, num_segments=count)
+    merged = jax.ops.segment_sum(out * weight[..., None], ids, num_segments=count)
     safe = jnp.where(total > 0, total, 1.0)
     return merged / safe[..., None], jnp.where(total > 0, shift + jnp.log(safe), -jnp.inf)
 
@@ -178,7 +242,8 @@ def decode_partial(
     batch, max_len, kv_heads]: the caches are int8 (bpt.ops.decode.quantize_kv) with these
     scales; the kernel reads the int8 values and applies the scales to the scores and to the
     weights of the values (half the bytes of a bf16 cache). num_splits: programs per K/V
-    head (default: WAVES programs a SM over the K/V heads)."""
+    head (default: WAVES programs a SM over the K/V heads; "lean": LEAN_WAVES a SM in all).
+    schedule: SCHEDULES (the module docstring)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
     scales = () if k_scale is None else (k_scale, v_scale)
@@ -211,14 +276,38 @@ def decode_partial(
     max_blocks = max_len // block_k
     visible_blocks = -(-(jnp.max(last_rows, axis=1) + 1) // block_k)
     full_blocks = (jnp.min(last.astype(jnp.int32), axis=1) + 1) // block_k
-    tiles = num_splits or max(1, -(-WAVES * num_sms() // hk))
-    table = _tile_table(visible_blocks, tiles, schedule, max_blocks, full_blocks)
-    n = table.shape[0]
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    operands = (jnp.asarray(layer, jnp.int32).reshape(1), q_rows, last_rows, k_cache, v_cache, *scales)
+    if schedule == "lean":
+        programs = num_splits * hk if num_splits else max(1, LEAN_WAVES * num_sms())
+        pieces, spans = _lean_table(visible_blocks, full_blocks, hk, programs)
+        n = pieces.shape[0]
+        whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731
+        out, lse = pl.pallas_call(
+            functools.partial(_lean_kernel, block_k, 1.0 / math.sqrt(d), bool(scales)),
+            grid=(programs,),
+            in_specs=[whole(spans.shape), whole(pieces.shape), *(whole(x.shape) for x in operands)],
+            out_specs=[whole((n, rows, d)), whole((n, rows))],
+            out_shape=[
+                jax.ShapeDtypeStruct((n, rows, d), jnp.float32),
+                jax.ShapeDtypeStruct((n, rows), jnp.float32),
+            ],
+            compiler_params=params,
+            interpret=interpret,
+            name="bpt_decode_lean",
+        )(spans, pieces, *operands)
+        # (kept alive past the kernel, as the tile table below)
+        out, lse, pieces, _, _, _ = lax.optimization_barrier((out, lse, pieces, spans, q_rows, last_rows))
+        merged, merged_lse = _merge(pieces[:, 0] * hk + pieces[:, 1], out, lse, b * hk)
+        merged, merged_lse = merged.reshape(b, hk, rows, d), merged_lse.reshape(b, hk, rows)
+        return _to_heads(merged, merged_lse, b, q_len, hk, group, d)
+    tiles = num_splits or max(1, -(-WAVES * num_sms() // hk))
+    table = _tile_table(visible_blocks, tiles, schedule, max_blocks, full_blocks)
+    n = table.shape[0]
     # Grid (K/V head, tile), the head varying fastest: the programs of one tile's K/V heads
     # launch together and read the same cache rows side by side (1-7% faster on an H100 than
     # a head's tiles together).
@@ -246,18 +335,22 @@ def decode_partial(
         compiler_params=params,
         interpret=interpret,
         name="bpt_decode",
-    )(table, jnp.asarray(layer, jnp.int32).reshape(1), q_rows, last_rows, k_cache, v_cache, *scales)
+    )(table, *operands)
     # The operands this program computes (the tile table, the queries' and the slots' rows)
     # stay alive past the kernel. Without this, on an H100 (jax 0.11.2) a jitted call with
     # some tile counts (batch 2 with num_splits 1, 2 or 4) read a damaged table: NaN or wrong
     # outputs, or an illegal address, while the same kernel called alone was exact. The
     # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases.
     out, lse, table, _, _ = lax.optimization_barrier((out, lse, table, q_rows, last_rows))
-    merged, merged_lse = _merge(table, out, lse, b)
-    # Back to [b, q_len, h, d] and [b, h, q_len].
+    return _to_heads(*_merge(table[:, 0], out, lse, b), b, q_len, hk, group, d)
+
+
+def _to_heads(merged: Array, merged_lse: Array, b: int, q_len: int, hk: int, group: int, d: int) -> Partial:
+    """[b, hk, rows, d] and [b, hk, rows] (the kernel's rows) back to [b, q_len, h, d] and
+    [b, h, q_len]."""
     merged = merged[:, :, : q_len * group].reshape(b, hk, q_len, group, d)
     merged_lse = merged_lse[:, :, : q_len * group].reshape(b, hk, q_len, group)
     return Partial(
-        merged.transpose(0, 2, 1, 3, 4).reshape(b, q_len, h, d),
-        merged_lse.transpose(0, 1, 3, 2).reshape(b, h, q_len),
+        merged.transpose(0, 2, 1, 3, 4).reshape(b, q_len, hk * group, d),
+        merged_lse.transpose(0, 1, 3, 2).reshape(b, hk * group, q_len),
     )
