@@ -5,6 +5,7 @@
     python scripts/check_gpus.py --out results/check_gpus --budget_minutes 8
     python scripts/check_gpus.py --out results/check_gpus --report       # the table from what is there
     python scripts/check_gpus.py --list                                  # the rows for this host
+    python scripts/check_gpus.py --out results/check_overlap --rows 1B --set train.xla_flags=overlap
 
 Each row is one real `bpt-train` run (the console script, in a process of its own, with the
 settings a user would type) on all N GPUs, a few steps long, checkpoints off:
@@ -31,7 +32,9 @@ A row passes when the run exits 0 without the coordination service's errors and,
 Results go to --out: results.json (every row), report.md (the table printed last) and
 check_gpus.png (tokens/s per GPU and peak memory of each row). A finished row is not run
 again (--rerun_failed retries failed ones), so a campaign spans several calls;
---budget_minutes stops starting rows once that much time has passed. Without GPUs the rows
+--budget_minutes stops starting rows once that much time has passed. --set section.name=value
+(repeatable) gives every row's run that setting too (a campaign folder keeps its settings:
+another set of them wants another --out). Without GPUs the rows
 run on --cpu_devices simulated CPU devices, with the model sizes cut down (for tests).
 """
 
@@ -399,7 +402,9 @@ def write_report(out: Path, state: dict) -> str:
     results = state["results"]
     check_losses(results)
     text = (
-        f"{state['device']}, {state['gpus']} GPUs, jax {state['jax']}, {state['date']}\n\n{table(results)}\n"
+        f"{state['device']}, {state['gpus']} GPUs, jax {state['jax']}, {state['date']}"
+        + "".join(f", {s}" for s in state.get("settings", []))
+        + f"\n\n{table(results)}\n"
         + f"\n{sum(r['status'] == 'pass' for r in results)} of {len(results)} rows pass"
         + (f"; skipped: {', '.join(r['name'] for r in results if r['status'] == 'skipped')}" if any(r["status"] == "skipped" for r in results) else "")
     )  # fmt: skip
@@ -422,7 +427,9 @@ def jax_version() -> str:
 
 
 def main() -> None:
-    p = script_parser(__doc__, out="results/check_gpus", out_help="the campaign's folder (resumed if it exists)")
+    p = script_parser(
+        __doc__, out="results/check_gpus", out_help="the campaign's folder (resumed if it exists)", settings=True
+    )
     p.add_argument("--rows", default="", help="run only rows whose name contains one of these (comma-separated)")
     p.add_argument("--budget_minutes", type=float, default=0.0, help="start no row after this long (0: no limit)")
     p.add_argument("--timeout", type=int, default=900, help="seconds a row may take")
@@ -435,7 +442,8 @@ def main() -> None:
     on_gpu = n > 0
     if not on_gpu:
         n = args.cpu_devices
-    rows = rows_for(n, small=not on_gpu)
+    # --set: settings every row's bpt-train run gets too (train.xla_flags=overlap, ...)
+    rows = [dataclasses.replace(row, extra=(*row.extra, *args.set)) for row in rows_for(n, small=not on_gpu)]
     if args.list:
         for row in rows:
             print(f"{row.name}: {row.config} {' '.join(row.settings(row.context or 0))}")
@@ -446,6 +454,9 @@ def main() -> None:
     state = json.loads(path.read_text()) if path.exists() else {}
     if state.get("gpus", n) != n:
         p.error(f"{path} holds a campaign over {state['gpus']} devices; this host has {n}: use another --out")
+    if state.get("settings", args.set) != args.set:
+        p.error(f"{path} holds a campaign with --set {state['settings']}, not {args.set}: use another --out")
+    state["settings"] = args.set
     state.update(gpus=n, device=device_name(on_gpu), jax=jax_version(), date=datetime.date.today().isoformat())
     done = {r["name"]: r for r in state.get("results", [])}
     if not args.report:

@@ -55,6 +55,7 @@ def test_help_lists_the_commands_own_flags(name):
         (["--config.train.learning_rate=-0.1"], "train.learning_rate must be > 0.0; got -0.1"),
         (["--config.data.name=owt"], "unknown data.name 'owt'; allowed: shakespeare"),
         (["--local_device_ids=0"], "--local_device_ids is for a run of several processes"),
+        (["--config.train.xla_flags=fast"], "train.xla_flags takes a preset (overlap) or XLA flags"),
         (["--local_device_ids=0,x", "--num_processes=2"], "--local_device_ids must be distinct GPU indices"),
     ],
 )
@@ -292,8 +293,26 @@ def test_small_things_a_user_meets(tmp_path):
         train(c, data)
     assert [p.name for p in data.iterdir()] == ["manifest.json"]
     done = command("train", "--workdir", str(tmp_path / "run"), "--config.train.steps=1e0", "--config.data.name=copy",
-                   "--config.train.sample_tokens=0", "--config.train.eval_batches=0", cwd=REPO)  # fmt: skip
+                   "--config.train.sample_tokens=0", "--config.train.eval_batches=0",
+                   "--config.train.xla_flags=overlap", cwd=REPO)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 1
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
+    assert saved["steps"] == 1 and saved["xla_flags"] == "overlap"
     assert "(0, 1]" in command("sample", "--help").stdout and "[0.0, 1.0]" not in command("sample", "--help").stdout
 
+
+
+def test_xla_flags_come_after_the_environments_own(monkeypatch):
+    """train.xla_flags: a preset or flags, added after XLA_FLAGS's own (XLA takes the last of
+    a repeated flag, so the run's setting wins); "" changes nothing."""
+    from bpt.cli import common
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
+    common.set_xla_flags("")
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=false"
+    common.set_xla_flags("overlap")
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags[0].endswith("=false") and flags[1:] == list(common.XLA_PRESETS["overlap"])
+    monkeypatch.delenv("XLA_FLAGS")
+    common.set_xla_flags(" --xla_gpu_autotune_level=0  --xla_dump_to=/tmp/x ")
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_autotune_level=0 --xla_dump_to=/tmp/x"

@@ -180,10 +180,11 @@ def test_scaling_table_compares_sequence_setups_with_one_gpu_at_their_context(tm
 def test_check_gpus_runs_bpt_train_on_each_mesh_with_one_devices_losses(tmp_path):
     """scripts/check_gpus.py on two simulated devices: real bpt-train runs, the one-device
     reference and tensor parallelism (the copy task's odd vocabulary, padded), their losses
-    compared; a second call resumes (runs nothing) and the report is rebuilt; a losses row
-    that differs fails."""
+    compared; --set reaches every run and the report; a second call resumes (runs nothing) and
+    the report is rebuilt, one with other settings is refused; a losses row that differs fails."""
     out = tmp_path / "check"
-    argv = [sys.executable, str(REPO / "scripts" / "check_gpus.py"), "--out", str(out), "--cpu_devices", "2"]
+    script = [sys.executable, str(REPO / "scripts" / "check_gpus.py"), "--out", str(out), "--cpu_devices", "2"]
+    argv = [*script, "--set", "train.xla_flags=overlap"]
     done = subprocess.run([*argv, "--rows", "losses: 1 GPU,losses: tensor"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     state = json.loads((out / "results.json").read_text())
@@ -193,9 +194,13 @@ def test_check_gpus_runs_bpt_train_on_each_mesh_with_one_devices_losses(tmp_path
     assert rows["losses: tensor"]["loss_rel_diff"] <= 1e-4 and len(rows["losses: tensor"]["losses"]) == 4
     assert "| losses: tensor | 2 | 256 |" in done.stdout and "pass |" in done.stdout
     assert rows["losses: tensor"]["command"].startswith("bpt-train --config configs/tiny.py")
+    assert rows["losses: tensor"]["command"].endswith("--config.train.xla_flags=overlap")
+    assert "jax " in done.stdout and ", train.xla_flags=overlap\n" in done.stdout
 
     again = subprocess.run([*argv, "--rows", "losses: tensor"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "losses: tensor ..." not in again.stdout  # done rows are kept
+    other = subprocess.run([*script, "--rows", "losses: tensor"], capture_output=True, text=True, timeout=300)
+    assert other.returncode != 0 and "use another --out" in other.stderr
 
     check = load_script("check_gpus")
     state["results"][1]["losses"][2] *= 1.01

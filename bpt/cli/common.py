@@ -195,6 +195,46 @@ def set_memory_fraction(fraction: float) -> None:
     os.environ.setdefault(MEMORY_ENV, str(fraction))
 
 
+# train.xla_flags presets. overlap: collectives overlapped with compute on meshes of several
+# GPUs (the scheduler that moves them off the critical path, and the collectives of a
+# scanned layer stack pipelined across its iterations); docs/notes/step_speed.md.
+XLA_PRESETS = {
+    "overlap": (
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        "--xla_gpu_enable_pipelined_all_gather=true",
+        "--xla_gpu_enable_pipelined_reduce_scatter=true",
+        "--xla_gpu_enable_pipelined_all_reduce=true",
+        "--xla_gpu_enable_while_loop_double_buffering=true",
+    ),
+}
+XLA_FLAGS_ENV = "XLA_FLAGS"
+
+
+def xla_flags(setting: str) -> list[str]:
+    """The flags train.xla_flags stands for: a preset's, or its own; a clear error for
+    anything else (XLA itself would abort the process on a flag it does not know)."""
+    setting = (setting or "").strip()
+    if setting in XLA_PRESETS:
+        return list(XLA_PRESETS[setting])
+    flags = setting.split()
+    bad = [flag for flag in flags if not flag.startswith("--xla_")]
+    if bad:
+        raise ValueError(
+            f"train.xla_flags takes a preset ({', '.join(XLA_PRESETS)}) or XLA flags such as "
+            f"--xla_gpu_enable_latency_hiding_scheduler=true; got {bad[0]!r}"
+        )
+    return flags
+
+
+def set_xla_flags(setting: str) -> None:
+    """Adds train.xla_flags's flags to XLA_FLAGS, after the environment's own (XLA reads the
+    last of a repeated flag, so the run's setting wins). Must run before jax creates its
+    backend."""
+    flags = xla_flags(setting)
+    if flags:
+        os.environ[XLA_FLAGS_ENV] = " ".join([os.environ.get(XLA_FLAGS_ENV, ""), *flags]).strip()
+
+
 def run_memory_fraction(workdir) -> float:
     """train.memory_fraction of the run in workdir (the default where its config.json lacks it)."""
     import json

@@ -52,6 +52,7 @@ def main(f: SimpleNamespace, argv: list[str]) -> None:
     print("bpt-train: starting", flush=True)
     config = common.flag_config(f.config)
     common.set_memory_fraction(config.train.memory_fraction)  # before jax creates its backend
+    common.set_xla_flags(config.train.xla_flags)
     from bpt.parallel.distributed import initialize, leave, shutdown
 
     joined = initialize(  # before jax sees devices

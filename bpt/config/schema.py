@@ -203,6 +203,11 @@ def train_section() -> ConfigDict:
     # environment's XLA_PYTHON_CLIENT_MEM_FRACTION wins). XLA's own default, 0.75, cuts the
     # longest contexts short.
     s.memory_fraction = 0.95
+    # XLA's flags for this run, added to XLA_FLAGS before jax starts (the environment's own
+    # come first): "" none; a preset of bpt.cli.common.XLA_PRESETS ("overlap": the
+    # latency-hiding scheduler and pipelined collectives, for meshes of several GPUs); or
+    # flags as XLA takes them ("--xla_gpu_... --xla_...").
+    s.xla_flags = ""
     s.eval_every = 200  # 0: evaluate only at the end
     s.eval_batches = 8  # 0: no evaluation (a run of a few long steps)
     # N > 0: every evaluation also logs the loss by position in the window (ranges [0, N),
