@@ -68,6 +68,13 @@ def gpu_count() -> int:
     return len(visible_gpus())
 
 
+def gpu_names(n: int) -> list[str]:
+    """The CUDA names of the first n GPUs this process may use: CUDA_VISIBLE_DEVICES's, else
+    0 .. n - 1."""
+    chosen = [name.strip() for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
+    return (chosen or [str(i) for i in range(n)])[:n]
+
+
 def device_env(n: int, on_gpu: bool, *, autotune: bool = True) -> dict:
     """The environment of a process that sees the first n devices (autotune=False: XLA picks
     its GPU kernels without trying them on the device, for processes that share it)."""
@@ -75,7 +82,7 @@ def device_env(n: int, on_gpu: bool, *, autotune: bool = True) -> dict:
     if not autotune:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
     if on_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[:n])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_names(n))
     else:
         env["JAX_PLATFORMS"] = "cpu"
         env["JAX_NUM_CPU_DEVICES"] = str(n)

@@ -52,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_scaleout import gpu_count, visible_gpus
+from bench_scaleout import gpu_count, gpu_names
 from benchlib import human_tokens, script_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,7 +147,7 @@ def rows_for(n: int, *, small: bool = False) -> list[Row]:
 def environment(n: int, on_gpu: bool, group: str) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if on_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[:n])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_names(n))
         # remat_layer=auto compiles the chosen step once to choose it and once to run it: the
         # second is then read from this cache
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "bpt-xla-cache"))
@@ -266,7 +266,7 @@ def run_processes(row: Row, argv: list[str], env: dict, on_gpu: bool, timeout: i
         if not on_gpu:
             own["JAX_NUM_CPU_DEVICES"] = "1"
         elif row.isolated:
-            own["CUDA_VISIBLE_DEVICES"] = visible_gpus()[i]
+            own["CUDA_VISIBLE_DEVICES"] = gpu_names(row.processes)[i]
         else:
             flags.append(f"--local_device_ids={i}")
         log = tempfile.TemporaryFile("w+")

@@ -30,7 +30,7 @@ def test_the_gpus_a_campaign_uses_follow_cuda_visible_devices(scaleout, monkeypa
     assert scaleout.visible_gpus() == ["0", "1", "2"] and scaleout.gpu_count() == 3
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")
     assert scaleout.visible_gpus() == ["2", "1"] and scaleout.gpu_count() == 2
-    assert scaleout.device_env(1, True)["CUDA_VISIBLE_DEVICES"] == "2"
+    assert scaleout.device_env(1, True)["CUDA_VISIBLE_DEVICES"] == "2" and scaleout.gpu_names(2) == ["2", "1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert scaleout.gpu_count() == 0
 
