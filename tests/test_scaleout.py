@@ -1,6 +1,7 @@
-"""scripts/bench_scaleout.py: the campaign's cells, their resumption, and the report."""
+"""Scale-out campaigns (scripts/bench_scaleout.py, scripts/check_gpus.py: cells, rows, resumption, reports) and how a run of several processes ends."""
 
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -244,3 +245,40 @@ def test_every_way_of_ending_a_run_of_several_processes_exits_zero():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| shutdown | [0, 0] |" in done.stdout and "| leave | [0, 0] |" in done.stdout, done.stdout[-3000:]
     assert done.stdout.count("sum 3.0") == 4, done.stdout[-3000:]  # 1 + 2 in each process, each way
+
+
+LEAVE_ALONE = """
+import os, sys, time
+index, port = int(sys.argv[1]), sys.argv[2]
+import jax
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=index)
+if index == 1:  # never comes to the barrier
+    time.sleep(5)
+    os._exit(0)
+from bpt.parallel.distributed import leave
+start = time.time()
+try:
+    leave(timeout_s=1)
+except Exception as error:
+    print(f"raised after {time.time() - start:.1f} s: {error}", flush=True)
+    os._exit(3)
+"""
+
+
+def test_leaving_alone_is_an_error_after_the_timeout_not_a_hang(tmp_path):
+    """bpt.parallel.distributed.leave meets the other processes at the coordination service's
+    barrier: a process that never comes makes it an error after timeout_s."""
+    import socket
+
+    script = tmp_path / "leave_alone.py"
+    script.write_text(LEAVE_ALONE)
+    with socket.socket() as free:
+        free.bind(("localhost", 0))
+        port = str(free.getsockname()[1])
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    other = subprocess.Popen([sys.executable, str(script), "1", port], env=env)
+    done = subprocess.run([sys.executable, str(script), "0", port], env=env, capture_output=True, text=True, timeout=120)
+    other.wait(timeout=60)
+    assert done.returncode == 3 and "raised after" in done.stdout and "Barrier timed out" in done.stdout, (
+        done.stdout[-2000:] + done.stderr[-2000:]
+    )

@@ -78,19 +78,33 @@ def shutdown() -> None:
     jax.distributed.shutdown()
 
 
-def leave(code: int = 0, *, linger_s: float = 1.0) -> None:
+def leave(code: int = 0, *, linger_s: float = 1.0, timeout_s: float = 300.0) -> None:
     """Ends this process of a finished several-process run with exit status code, leaving
-    no coordination warning behind (see shutdown). All processes meet at a barrier; then
-    every process but 0 ends at once, and process 0, whose end stops the coordination
+    no coordination warning behind (see shutdown). All processes meet at the coordination
+    service's barrier (an error after timeout_s if one never comes, as jax's own shutdown
+    gives up); then every process but 0 ends at once, and process 0, whose end stops the
     service, ends linger_s later, when no other process's backend is left to find it gone.
     Ends the process without Python's exit handlers: call it once everything is written
     (checkpoints waited for, logs closed). scripts/repro_exit_warning.py compares the ways."""
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices("bpt: leave")
+    _barrier("bpt_leave", timeout_s)
     index = jax.process_index()
     sys.stdout.flush()
     sys.stderr.flush()
     if index == 0:
         time.sleep(linger_s)
     os._exit(code)
+
+
+def _barrier(name: str, timeout_s: float) -> None:
+    """Every process of the run waits here for the others, through the coordination service
+    (no device collective, so a process that never comes is an error after timeout_s, not a
+    hang)."""
+    from jax._src import distributed as jax_distributed  # the client jax.distributed made
+
+    client = getattr(getattr(jax_distributed, "global_state", None), "client", None)
+    if client is None:  # not several processes, or jax changed: a collective over the devices
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+        return
+    client.wait_at_barrier(name, int(timeout_s * 1000))
