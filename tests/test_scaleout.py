@@ -1,4 +1,5 @@
-"""Scale-out campaigns (scripts/bench_scaleout.py, scripts/check_gpus.py: cells, rows, resumption, reports) and how a run of several processes ends."""
+"""Scale-out campaigns (scripts/bench_scaleout.py, scripts/check_gpus.py: cells, rows,
+resumption, reports) and how a run of several processes ends."""
 
 import json
 import os
