@@ -423,6 +423,33 @@ def test_unrolled_flash_stack_computes_the_same_function(key):
     assert tree_rel_err(grads, expected_grads) < 1e-5
 
 
+@pytest.mark.parametrize("chunk,buckets,max_distance", [(8, 0, 0), (16, 8, 20), (64, 0, 0)])
+def test_the_chunks_relative_bias_is_one_lookup_a_distance(key, chunk, buckets, max_distance):
+    """causal_bias equals the table looked up at every (i, j) on and below the diagonal (zero
+    above, where causal attention masks it), with the same gradient, and that gradient
+    scatters one update a distance into the table, not one a score (chunk^2)."""
+    from bpt.models.flash import bias_table, causal_bias
+
+    cfg = FLASHConfig(vocab_size=16, max_seq_len=128, num_layers=1, d_model=32, chunk_size=chunk,
+                      relative_buckets=buckets, relative_max_distance=max_distance)  # fmt: skip
+    k1, k2 = jax.random.split(key)
+    table = jax.random.normal(k1, (cfg.bias_buckets,))
+    pos = jnp.arange(chunk)
+    below = jnp.tril(jnp.ones((chunk, chunk), bool))
+    every = lambda t: jnp.where(below, bias_table(t, pos[:, None] - pos[None, :], cfg), 0.0)  # noqa: E731
+    np.testing.assert_array_equal(causal_bias(table, chunk, cfg), every(table))
+    weights = jax.random.normal(k2, (chunk, chunk)) * below
+    grads = [jax.grad(lambda t, f=f: jnp.sum(f(t) * weights))(table) for f in (every, lambda t: causal_bias(t, chunk, cfg))]
+    assert rel_err(grads[1], grads[0]) < 1e-5
+
+    def scattered(f):  # the updates each scatter-add of f's gradient takes
+        jaxpr = jax.make_jaxpr(jax.grad(lambda t: jnp.sum(f(t) * weights)))(table).jaxpr
+        return [e.invars[2].aval.size for e in jaxpr.eqns if e.primitive.name == "scatter-add"]
+
+    assert scattered(every) == [chunk * chunk]  # what the lookup at every (i, j) scattered
+    assert scattered(lambda t: causal_bias(t, chunk, cfg)) == [chunk]
+
+
 def test_relu2_reference_is_causal_and_keeps_to_segments(key):
     qk, v = gau_inputs(key, t=16)
     seg = jnp.array([[0] * 6 + [1] * 10] * 2)

@@ -245,6 +245,22 @@ def bias_table(table: Array, distance: Array, cfg: FLASHConfig) -> Array:
     return table[relative_buckets(distance, cfg.bias_buckets, cfg.bias_max_distance)]
 
 
+def causal_bias(table: Array, size: int, cfg: FLASHConfig) -> Array:
+    """bias_table of the distances i - j between `size` positions, [size, size], zero above
+    the diagonal (where causal attention masks the scores). One lookup a distance, then the
+    Toeplitz matrix laid out by a tile and reshapes: its gradient sums the matrix's diagonals
+    with dense ops, where indexing the table with every (i, j) made it a scatter-add of size^2
+    score gradients into a few hundred buckets, a contended atomic on GPUs (XLA's GPU
+    scatter-add fell back to compare-and-swap loops in some jaxlib releases). 2 size^2
+    elements in flight: for chunks, not whole sequences."""
+    per_distance = bias_table(table, jnp.arange(size), cfg)  # u[d], d = 0 .. size - 1
+    # a[k] = u[size - 1 - k], then zeros: row i of the result is a[size - 1 - i : 2 size - 1 - i]
+    a = jnp.concatenate([per_distance[::-1], jnp.zeros((size,), per_distance.dtype)])
+    # a tiled, read in rows of 2 size - 1 from offset size - 1: row i starts size - 1 - i into a
+    rows = jnp.tile(a, size)[size - 1 : size - 1 + size * (2 * size - 1)].reshape(size, 2 * size - 1)
+    return rows[:, :size]
+
+
 # ----------------------------------------------------------------------------- the layer
 
 
@@ -349,8 +365,7 @@ class GAULayer(Layer):
             qk, v = [jnp.pad(x, widths) for x in qk], jnp.pad(v, widths)
             if segment_ids is not None:
                 segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
-        pos = jnp.arange(g)
-        bias = None if table is None else bias_table(table, pos[:, None] - pos[None, :], cfg)
+        bias = None if table is None else causal_bias(table, g, cfg)
         impl = self._chunk_impl()
         attend = functools.partial(
             mixed_chunk_attention,
@@ -533,8 +548,7 @@ def _mixed_decode_chunks(cfg, qk, v, table, valid, start, caches):
     pad = -t % g
     widths = ((0, 0), (0, pad), (0, 0))
     qk, v = [jnp.pad(x, widths) for x in qk], jnp.pad(v, widths)
-    pos = jnp.arange(g)
-    bias = None if table is None else bias_table(table, pos[:, None] - pos[None, :], cfg)
+    bias = None if table is None else causal_bias(table, g, cfg)
     real = jnp.arange(t + pad)[None, :] < valid[:, None]
     quad_q, quad_k, lin_q, lin_k = qk
     lin_k = lin_k * real[..., None].astype(lin_k.dtype)  # padding stays out of the state
