@@ -273,7 +273,6 @@ def decode_partial(
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - q_len * group), (0, 0)))
     last_rows = jnp.repeat(last.astype(jnp.int32), group, axis=1)
     last_rows = jnp.pad(last_rows, ((0, 0), (0, rows - q_len * group)), constant_values=-1)
-    max_blocks = max_len // block_k
     visible_blocks = -(-(jnp.max(last_rows, axis=1) + 1) // block_k)
     full_blocks = (jnp.min(last.astype(jnp.int32), axis=1) + 1) // block_k
     params = None
@@ -281,49 +280,46 @@ def decode_partial(
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
+    kernel_args = (block_k, 1.0 / math.sqrt(d), bool(scales))
     operands = (jnp.asarray(layer, jnp.int32).reshape(1), q_rows, last_rows, k_cache, v_cache, *scales)
     if schedule == "lean":
         programs = num_splits * hk if num_splits else max(1, LEAN_WAVES * num_sms())
         pieces, spans = _lean_table(visible_blocks, full_blocks, hk, programs)
-        n = pieces.shape[0]
-        whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731
-        out, lse = pl.pallas_call(
-            functools.partial(_lean_kernel, block_k, 1.0 / math.sqrt(d), bool(scales)),
-            grid=(programs,),
-            in_specs=[whole(spans.shape), whole(pieces.shape), *(whole(x.shape) for x in operands)],
-            out_specs=[whole((n, rows, d)), whole((n, rows))],
-            out_shape=[
-                jax.ShapeDtypeStruct((n, rows, d), jnp.float32),
-                jax.ShapeDtypeStruct((n, rows), jnp.float32),
-            ],
-            compiler_params=params,
-            interpret=interpret,
-            name="bpt_decode_lean",
-        )(spans, pieces, *operands)
-        # (kept alive past the kernel, as the tile table below)
-        out, lse, pieces, _, _, _ = lax.optimization_barrier((out, lse, pieces, spans, q_rows, last_rows))
-        merged, merged_lse = _merge(pieces[:, 0] * hk + pieces[:, 1], out, lse, b * hk)
-        merged, merged_lse = merged.reshape(b, hk, rows, d), merged_lse.reshape(b, hk, rows)
-        return _to_heads(merged, merged_lse, b, q_len, hk, group, d)
-    tiles = num_splits or max(1, -(-WAVES * num_sms() // hk))
-    table = _tile_table(visible_blocks, tiles, schedule, max_blocks, full_blocks)
-    n = table.shape[0]
+        out, lse, ids, tables = _lean_call(call, kernel_args, operands, pieces, spans, hk)
+    else:
+        tiles = num_splits or max(1, -(-WAVES * num_sms() // hk))
+        table = _tile_table(visible_blocks, tiles, schedule, max_len // block_k, full_blocks)
+        out, lse, ids, tables = _tile_call(call, kernel_args, operands, table, hk)
+    # The operands this program computes (the tile or piece tables, the queries' and the slots'
+    # rows) stay alive past the kernel. Without this, on an H100 (jax 0.11.2) a jitted call with
+    # some tile counts (batch 2 with num_splits 1, 2 or 4) read a damaged table: NaN or wrong
+    # outputs, or an illegal address, while the same kernel called alone was exact. The
+    # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases.
+    out, lse, ids, _ = lax.optimization_barrier((out, lse, ids, (*tables, q_rows, last_rows)))
+    merged, merged_lse = _merge(ids, out, lse, b * hk)  # per (sequence, K/V head)
+    # Back to [b, q_len, h, d] and [b, h, q_len].
+    merged = merged.reshape(b, hk, rows, d)[:, :, : q_len * group].reshape(b, hk, q_len, group, d)
+    merged_lse = merged_lse.reshape(b, hk, rows)[:, :, : q_len * group].reshape(b, hk, q_len, group)
+    return Partial(
+        merged.transpose(0, 2, 1, 3, 4).reshape(b, q_len, h, d),
+        merged_lse.transpose(0, 1, 3, 2).reshape(b, h, q_len),
+    )
+
+
+def _tile_call(call, kernel_args, operands, table, hk):
+    """The stream_k and split schedules over the tile table: (out [tiles * hk, rows, d], lse
+    [tiles * hk, rows], each partial's (sequence, K/V head) as sequence * hk + head, the
+    tables the kernel read)."""
+    n, (_, _, rows, d) = table.shape[0], operands[1].shape
     # Grid (K/V head, tile), the head varying fastest: the programs of one tile's K/V heads
     # launch together and read the same cache rows side by side (1-7% faster on an H100 than
     # a head's tiles together).
     whole = lambda shape: pl.BlockSpec(shape, lambda g, t: (0,) * len(shape))  # noqa: E731
-    out, lse = pl.pallas_call(
-        functools.partial(_kernel, block_k, 1.0 / math.sqrt(d), bool(scales)),
+    out, lse = call(
+        functools.partial(_kernel, *kernel_args),
         grid=(hk, n),
-        in_specs=[
-            pl.BlockSpec((None, 4), lambda g, t: (t, 0)),
-            whole((1,)),
-            whole(q_rows.shape),
-            whole(last_rows.shape),
-            whole(k_cache.shape),
-            whole(v_cache.shape),
-            *(whole(x.shape) for x in scales),
-        ],
+        in_specs=[pl.BlockSpec((None, 4), lambda g, t: (t, 0)), *(whole(x.shape) for x in operands)],
         out_specs=[
             pl.BlockSpec((None, None, rows, d), lambda g, t: (t, g, 0, 0)),
             pl.BlockSpec((None, None, rows), lambda g, t: (t, g, 0)),
@@ -332,25 +328,24 @@ def decode_partial(
             jax.ShapeDtypeStruct((n, hk, rows, d), jnp.float32),
             jax.ShapeDtypeStruct((n, hk, rows), jnp.float32),
         ],
-        compiler_params=params,
-        interpret=interpret,
         name="bpt_decode",
     )(table, *operands)
-    # The operands this program computes (the tile table, the queries' and the slots' rows)
-    # stay alive past the kernel. Without this, on an H100 (jax 0.11.2) a jitted call with
-    # some tile counts (batch 2 with num_splits 1, 2 or 4) read a damaged table: NaN or wrong
-    # outputs, or an illegal address, while the same kernel called alone was exact. The
-    # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases.
-    out, lse, table, _, _ = lax.optimization_barrier((out, lse, table, q_rows, last_rows))
-    return _to_heads(*_merge(table[:, 0], out, lse, b), b, q_len, hk, group, d)
+    ids = (table[:, :1] * hk + jnp.arange(hk, dtype=jnp.int32)[None, :]).reshape(-1)
+    return out.reshape(n * hk, rows, d), lse.reshape(n * hk, rows), ids, (table,)
 
 
-def _to_heads(merged: Array, merged_lse: Array, b: int, q_len: int, hk: int, group: int, d: int) -> Partial:
-    """[b, hk, rows, d] and [b, hk, rows] (the kernel's rows) back to [b, q_len, h, d] and
-    [b, h, q_len]."""
-    merged = merged[:, :, : q_len * group].reshape(b, hk, q_len, group, d)
-    merged_lse = merged_lse[:, :, : q_len * group].reshape(b, hk, q_len, group)
-    return Partial(
-        merged.transpose(0, 2, 1, 3, 4).reshape(b, q_len, hk * group, d),
-        merged_lse.transpose(0, 1, 3, 2).reshape(b, hk * group, q_len),
-    )
+def _lean_call(call, kernel_args, operands, pieces, spans, hk):
+    """The lean schedule over its piece and span tables (_lean_table): (out [pieces, rows, d],
+    lse [pieces, rows], each piece's (sequence, K/V head) as sequence * hk + head, the tables
+    the kernel read)."""
+    (_, _, rows, d), (programs, _), n = operands[1].shape, spans.shape, pieces.shape[0]
+    whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731
+    out, lse = call(
+        functools.partial(_lean_kernel, *kernel_args),
+        grid=(programs,),
+        in_specs=[whole(spans.shape), whole(pieces.shape), *(whole(x.shape) for x in operands)],
+        out_specs=[whole((n, rows, d)), whole((n, rows))],
+        out_shape=[jax.ShapeDtypeStruct((n, rows, d), jnp.float32), jax.ShapeDtypeStruct((n, rows), jnp.float32)],
+        name="bpt_decode_lean",
+    )(spans, pieces, *operands)
+    return out, lse, pieces[:, 0] * hk + pieces[:, 1], (pieces, spans)
