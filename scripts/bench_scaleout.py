@@ -49,15 +49,23 @@ PARTS = ("context", "throughput", "decode", "sample")
 SETUPS = ("data", "fsdp", "sequence (ring)", "sequence (all-gather)")
 
 
+def _chosen_gpus() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES's GPUs, or None where it is not set."""
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if chosen is None:
+        return None
+    return [name.strip() for name in chosen.split(",") if name.strip() and name.strip() != "-1"]
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA names them, found without starting jax (which
     would claim their memory): CUDA_VISIBLE_DEVICES's list where it is set (so that
     campaigns can share a host, each on its own GPUs), else every GPU nvidia-smi lists."""
     if not shutil.which("nvidia-smi"):
         return []
-    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    chosen = _chosen_gpus()
     if chosen is not None:
-        return [name.strip() for name in chosen.split(",") if name.strip() and name.strip() != "-1"]
+        return chosen
     listed = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True)
     count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
     return [str(i) for i in range(count)]
@@ -70,9 +78,8 @@ def gpu_count() -> int:
 
 def gpu_names(n: int) -> list[str]:
     """The CUDA names of the first n GPUs this process may use: CUDA_VISIBLE_DEVICES's, else
-    0 .. n - 1."""
-    chosen = [name.strip() for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
-    return (chosen or [str(i) for i in range(n)])[:n]
+    0 .. n - 1 (no nvidia-smi asked)."""
+    return (_chosen_gpus() or [str(i) for i in range(n)])[:n]
 
 
 def device_env(n: int, on_gpu: bool, *, autotune: bool = True) -> dict:

@@ -59,7 +59,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-4
 PROCESS_RTOL = 1e-3  # a process a GPU against one process: the same bf16 step, summed in another order
 # what a run that exits 0 must not say (the coordination service's errors at exit)
-EXIT_COMPLAINTS = ("Connection refused", "coordination_service", "Coordination service")
+# What the coordination service's end says when a run of several processes exits untidily
+# (every line of it: XLA's warning spans several; scripts/repro_exit_warning.py counts them too)
+EXIT_COMPLAINTS = ("WatchTasksAsync", "Connection refused", "coordination_service", "Coordination service")
 COMMON = [  # every row: a few steps, each logged, nothing else
     "train.log_every=1",
     "train.eval_every=0",
