@@ -57,8 +57,9 @@ def inputs(batch, length, heads, kv_heads, head_dim=128, seed=0):
     return q, k, v
 
 
-def implementations(kernel_options: dict) -> dict:
-    """name -> fn(q, k, v, positions, lengths)."""
+def implementations(kernel_options: dict, lean_waves=(0,)) -> dict:
+    """name -> fn(q, k, v, positions, lengths); lean_waves: one "bpt pallas lean" per value
+    (programs a SM; 0 the kernel's default), named by it when there are several."""
     from bpt.ops import decode_attention
 
     def bpt(impl, **options):
@@ -71,7 +72,12 @@ def implementations(kernel_options: dict) -> dict:
     fns = {
         "bpt pallas": bpt("pallas", **kernel_options),
         # Lean Attention's ranges across heads and sequences (its own program count)
-        "bpt pallas lean": bpt("pallas", **{**kernel_options, "schedule": "lean", "num_splits": 0}),
+        **{
+            "bpt pallas lean" + (f" x{w}" if len(lean_waves) > 1 else ""): bpt(
+                "pallas", **{**kernel_options, "schedule": "lean", "num_splits": 0, "lean_waves": w or None}
+            )
+            for w in lean_waves
+        },
         "bpt split_kv": bpt("split_kv", chunk_size=4096),
         "XLA": bpt("reference"),
     }
@@ -98,7 +104,7 @@ def kernels_part(args) -> list[dict]:
                 lengths = jnp.full((batch,), length, jnp.int32)
                 nbytes = cache_bytes(batch, length, kv_heads, 128)
                 row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes, "times": {}}
-                fns = implementations(args.kernel_options)
+                fns = implementations(args.kernel_options, args.lean_waves)
                 for round_ in range(args.rounds):  # interleaved, so drift on the machine hits all alike
                     for impl, fn in list(fns.items()):
                         try:
@@ -371,6 +377,9 @@ def main() -> None:
     parser.add_argument(
         "--block_k", type=int, default=0, help="bpt pallas: key block (0: the kernel's default)"
     )
+    parser.add_argument(
+        "--lean_waves", default="0", help="bpt pallas lean: programs a SM, comma-separated for a sweep (0: default)"
+    )
     parser.add_argument("--num_warps", type=int, default=0, help="bpt pallas: warps a program (0: default)")
     parser.add_argument("--num_stages", type=int, default=0, help="bpt pallas: pipeline stages (0: default)")
     parser.add_argument("--sample_config", default="configs/gpt_1b.py", help="sample: the model's config")
@@ -397,6 +406,7 @@ def main() -> None:
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.sample_contexts = [int(x) for x in args.sample_contexts.split(",")]
+    args.lean_waves = [int(x) for x in args.lean_waves.split(",")]
     options = ("num_splits", "block_k", "num_warps", "num_stages")
     args.kernel_options = {k: getattr(args, k) for k in options if getattr(args, k)}
     if not 1 <= args.ragged_batch <= len(RAGGED_LENGTHS):

@@ -14,7 +14,7 @@ from bpt.ops.kernels.decode import _lean_table, _tile_table, decode_partial
 MAX_LEN = 128
 # Jit-ed: the interpreted kernel's loops run far faster compiled than op by op.
 decode = jax.jit(decode_attention, static_argnames=("impl", "chunk_size", "num_splits"))
-kernel = jax.jit(decode_partial, static_argnames=("num_splits", "schedule", "block_k"))
+kernel = jax.jit(decode_partial, static_argnames=("num_splits", "schedule", "lean_waves", "block_k"))
 
 
 def caches(key, batch, heads, kv_heads, q_len, head_dim=16):
@@ -117,16 +117,19 @@ def test_an_int8_cache_is_read_alike_by_every_impl(key):
 
 
 @pytest.mark.parametrize(
-    "schedule,splits", [("stream_k", 2), ("stream_k", 16), ("split", 3), ("lean", 1), ("lean", 5)]
-)
-def test_kernel_schedules_on_a_ragged_batch(key, schedule, splits):
+    "schedule,splits,waves",
+    [("stream_k", 2, None), ("stream_k", 16, None), ("split", 3, None), ("lean", 1, None), ("lean", 5, None),
+     ("lean", None, 3)],
+)  # fmt: skip
+def test_kernel_schedules_on_a_ragged_batch(key, schedule, splits, waves):
     """Shared positions (no lengths) and per-sequence lengths, tiles of 16 slots, more tiles
-    than work (empty tiles) and fewer (several blocks a tile)."""
+    than work (empty tiles) and fewer (several blocks a tile); lean by programs a SM (a CPU
+    counts 8 SMs: 24 programs)."""
     q, k, v = caches(key, 4, 4, 2, 1)
     lengths = jnp.array([1, 16, 17, 100])
     last = last_visible_slot(jnp.array([120]), 4, lengths)
     expected = decode(q, k, v, jnp.array([120]), lengths=lengths, impl="reference")
-    part = kernel(q, k, v, last, num_splits=splits, schedule=schedule, block_k=16)
+    part = kernel(q, k, v, last, num_splits=splits, schedule=schedule, lean_waves=waves, block_k=16)
     assert rel_err(part.out, expected) < 1e-5
     reference = jax.jit(split_kv_partial, static_argnames="chunk_size")(q, k, v, last, chunk_size=32)
     np.testing.assert_allclose(part.lse, reference.lse, rtol=1e-5, atol=1e-5)  # lse near 0: absolute

@@ -238,7 +238,7 @@ def attend_cache(
     row r of sequence b seeing slots <= last[b, r]. layer: the caches are stacks
     [layers, ...] and this layer's is read (the kernel reads it in place). kernel_options go
     to the pallas kernel (bpt.ops.kernels.decode.decode_partial: num_splits, block_k,
-    schedule, num_warps, num_stages); the other implementations have no such settings."""
+    schedule, lean_waves, num_warps, num_stages); the other implementations have no such settings."""
     impl = resolve_decode_impl(impl, q_shape=q.shape, kv_heads=k_cache.shape[-2], cache_len=k_cache.shape[-3])
     options = kernel_options if impl == "pallas" else {}  # (the kernel's settings: nothing else has them)
     partial = DECODE[impl].forward
@@ -311,8 +311,8 @@ def decode_attention(
       k_scale, v_scale: an int8 cache (quantize_kv): the caches hold int8 values and these
         [(layers,) batch, max_len, kv_heads] float32 their per-token, per-head scales.
       kernel_options: the pallas kernel's settings (decode_partial): num_splits (programs
-        per K/V head; default from the device's SM count), block_k, schedule, num_warps,
-        num_stages.
+        per K/V head; default from the device's SM count), block_k, schedule, lean_waves
+        (programs a SM of the "lean" schedule), num_warps, num_stages.
     Returns:
       [batch, q_len, heads, head_dim] in q's dtype; zeros for a query that sees no slot.
     """

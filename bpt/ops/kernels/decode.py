@@ -230,6 +230,7 @@ def decode_partial(
     v_scale: Array | None = None,
     num_splits: int | None = None,
     schedule: str = "stream_k",
+    lean_waves: int | None = None,
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 4,
@@ -242,8 +243,8 @@ def decode_partial(
     batch, max_len, kv_heads]: the caches are int8 (bpt.ops.decode.quantize_kv) with these
     scales; the kernel reads the int8 values and applies the scales to the scores and to the
     weights of the values (half the bytes of a bf16 cache). num_splits: programs per K/V
-    head (default: WAVES programs a SM over the K/V heads; "lean": LEAN_WAVES a SM in all).
-    schedule: SCHEDULES (the module docstring)."""
+    head (default: WAVES programs a SM over the K/V heads; "lean": lean_waves a SM in all,
+    LEAN_WAVES by default). schedule: SCHEDULES (the module docstring)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
     scales = () if k_scale is None else (k_scale, v_scale)
@@ -284,7 +285,7 @@ def decode_partial(
     kernel_args = (block_k, 1.0 / math.sqrt(d), bool(scales))
     operands = (jnp.asarray(layer, jnp.int32).reshape(1), q_rows, last_rows, k_cache, v_cache, *scales)
     if schedule == "lean":
-        programs = num_splits * hk if num_splits else max(1, LEAN_WAVES * num_sms())
+        programs = num_splits * hk if num_splits else max(1, (lean_waves or LEAN_WAVES) * num_sms())
         pieces, spans = _lean_table(visible_blocks, full_blocks, hk, programs)
         out, lse, ids, tables = _lean_call(call, kernel_args, operands, pieces, spans, hk)
     else:
