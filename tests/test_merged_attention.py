@@ -84,3 +84,46 @@ def test_blockwise_forward_without_the_diagonal_is_causal_shifted_by_one(key):
     strict = (jnp.arange(16)[:, None] > jnp.arange(16)[None, :])[None, None, None]
     assert rel_err(out[:, 1:], masked_attention(q, k, v, strict)[:, 1:]) < TOL
     assert (out[:, 0] == 0).all() and (lse[:, :, 0] == jnp.inf).all()  # the first query sees nothing
+
+
+@pytest.mark.parametrize("impl,packed", [("blockwise", False), ("pallas", False), ("pallas", True)])
+def test_a_key_range_without_the_diagonal_merges_with_its_gradient(key, impl, packed):
+    """A striped ring's hop from a later device (q_offset=-1: query i sees keys j < i), merged
+    with a range all queries see: the merged output and every gradient equal the masked
+    attention's, with a logsumexp cotangent too. bpt's kernels take such a hop by moving the
+    queries one row (no segment ids: the Hopper kernels' path) or the keys (segment ids)."""
+    from bpt.ops.attention import MERGED
+
+    s, d = 32, 16
+    kq, kk, kv, kc, kl = jax.random.split(key, 5)
+    q = jax.random.normal(kq, (2, s, 4, d), jnp.float32)
+    k = jax.random.normal(kk, (2, 2 * s, 2, d), jnp.float32)
+    v = jax.random.normal(kv, (2, 2 * s, 2, d), jnp.float32)
+    cot, cot_lse = jax.random.normal(kc, q.shape), jax.random.normal(kl, (2, 4, s))
+    seg = (jnp.zeros((2, s), jnp.int32),) * 2 if packed else None  # one document: the same mask
+    visible = jnp.concatenate([jnp.ones((s, s), bool), jnp.arange(s)[:, None] > jnp.arange(s)[None, :]], 1)
+
+    def truth(q, k, v):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) / jnp.sqrt(d)
+        lse = jax.nn.logsumexp(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        return masked_attention(q, k, v, visible[None, None, None]), lse
+
+    (out_r, lse_r), vjp = jax.vjp(truth, q, k, v)
+    dq_r, dk_r, dv_r = vjp((cot, cot_lse))
+
+    pair = MERGED[impl]
+    settings = dict(q_chunk_size=8, kv_chunk_size=8)
+    first, second = slice(0, s), slice(s, 2 * s)
+    out_a, lse_a = pair.forward(q, k[:, first], v[:, first], causal=False, q_offset=0, segment_ids=seg, **settings)
+    out_b, lse_b = pair.forward(q, k[:, second], v[:, second], causal=True, q_offset=-1, segment_ids=seg, **settings)
+    assert (lse_b[:, :, 0] == jnp.inf).all()  # the first query sees no key of the second range
+    out, lse = logsumexp_merge(out_a, no_key_is_minus_inf(lse_a), out_b, no_key_is_minus_inf(lse_b))
+    assert rel_err(out, out_r) < TOL and rel_err(lse, lse_r) < TOL
+
+    grads_a = pair.backward(q, k[:, first], v[:, first], out, lse, cot, cot_lse, causal=False, q_offset=0,
+                            segment_ids=seg, **settings)  # fmt: skip
+    grads_b = pair.backward(q, k[:, second], v[:, second], out, lse, cot, cot_lse, causal=True, q_offset=-1,
+                            segment_ids=seg, **settings)  # fmt: skip
+    assert rel_err(grads_a[0] + grads_b[0], dq_r) < TOL
+    assert rel_err(jnp.concatenate([grads_a[1], grads_b[1]], 1), dk_r) < TOL
+    assert rel_err(jnp.concatenate([grads_a[2], grads_b[2]], 1), dv_r) < TOL

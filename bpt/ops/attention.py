@@ -146,12 +146,30 @@ def attention(
 
 
 def _pallas_forward(q, k, v, *, causal, q_offset, segment_ids, q_chunk_size, kv_chunk_size):
+    if q_offset and segment_ids is None:
+        _check_offset(q_offset)
+        out, lse = flash_forward(jnp.roll(q, -1, axis=1), k, v, causal=causal)
+        # query i >= 1 was row i - 1; query 0 sees no key (lse +inf: the kernels' "sees nothing")
+        return _set_row(jnp.roll(out, 1, axis=1), 0, 0.0), _set_row(jnp.roll(lse, 1, axis=2), 0, jnp.inf, axis=2)
     if q_offset:
         k, v, segment_ids = _shift_keys(k, v, segment_ids, q_offset)
     return flash_forward(q, k, v, causal=causal, segment_ids=segment_ids)
 
 
 def _pallas_backward(q, k, v, out, lse, d_out, d_lse, *, causal, q_offset, segment_ids, q_chunk_size, kv_chunk_size):
+    if q_offset and segment_ids is None:
+        _check_offset(q_offset)
+        # as the forward, row r holds query r + 1; the last row (query 0, which sees no key
+        # here) gets zero probabilities (lse +inf) and no cotangent: it adds nothing to dK/dV
+        def rows(x, value, axis=1):
+            return _set_row(jnp.roll(x, -1, axis=axis), -1, value, axis)
+
+        dq, dk, dv = flash_backward(
+            jnp.roll(q, -1, axis=1), k, v, rows(out, 0.0), rows(lse, jnp.inf, 2), rows(d_out, 0.0),
+            rows(d_lse, 0.0, 2), causal=causal,
+        )  # fmt: skip
+        dq = _set_row(jnp.roll(dq, 1, axis=1), 0, 0.0)
+        return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
     if q_offset:
         k, v, segment_ids = _shift_keys(k, v, segment_ids, q_offset)
     dq, dk, dv = flash_backward(q, k, v, out, lse, d_out, d_lse, causal=causal, segment_ids=segment_ids)
@@ -160,12 +178,23 @@ def _pallas_backward(q, k, v, out, lse, d_out, d_lse, *, causal, q_offset, segme
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
-def _shift_keys(k, v, segment_ids, q_offset: int):
-    """Causal without the diagonal (q_offset=-1) as causal with it, for kernels without an
-    offset: key j moves to slot j + 1 and slot 0 gets a segment no query has (the last key,
-    which no query may see, drops out)."""
+def _check_offset(q_offset: int):
     if q_offset != -1:
         raise ValueError(f"the kernels take q_offset 0 or -1; got {q_offset}")
+
+
+def _set_row(x, index: int, value, axis: int = 1):
+    """x with row `index` along `axis` set to value."""
+    return x.at[(slice(None),) * axis + (index,)].set(value)
+
+
+def _shift_keys(k, v, segment_ids, q_offset: int):
+    """Causal without the diagonal (q_offset=-1) as causal with it, for kernels without an
+    offset, with segment ids: key j moves to slot j + 1 and slot 0 gets a segment no query
+    has (the last key, which no query may see, drops out). Without segment ids the queries
+    move instead (_pallas_forward), so that the Hopper kernels, which take no segment ids,
+    can run the hop."""
+    _check_offset(q_offset)
     shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
     if segment_ids is None:
         segment_ids = (jnp.zeros(k.shape[:2], jnp.int32),) * 2
