@@ -18,7 +18,12 @@ Remat presets (model.remat_layer / remat_attention / remat_ffn): see REMATS; --g
 nested remat of the layer stack (model.remat_group); --set section.name=value (repeatable)
 sets any other config field, such as model.offload_layer_inputs=true or
 train.optimizer_state_dtype=bfloat16. Prints a markdown table last; --out writes every
-compile and run as JSON.
+compile and run as JSON. Every compile is printed as a JSON line when it ends; --known FILE
+takes such lines (of an earlier search that was stopped, say) and does not compile those
+lengths again, so a long search can be resumed:
+
+    python scripts/bench_max_context.py ... | tee search.jsonl      # stopped after a few compiles
+    python scripts/bench_max_context.py ... --known search.jsonl    # goes on from there
 """
 
 from __future__ import annotations
@@ -82,16 +87,42 @@ def quiet_compiler() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level=0".strip()
 
 
+SETTING_KEYS = ("config", "mode", "chunk", "remat", "group")
+
+
+def known_compiles(path: str) -> dict[tuple, dict]:
+    """The compile records among the JSON lines of path (this script's output), by setting and
+    length; other lines (tables, logs, summaries) are skipped."""
+    known = {}
+    for line in Path(path).read_text().splitlines() if path and Path(path).exists() else ():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "seq_len" in record and "fits" in record:
+            known[(*(record.get(k) for k in SETTING_KEYS), record["seq_len"])] = record
+    return known
+
+
 def search(args, budget: int, setting: dict) -> tuple[dict, list[dict]]:
-    """Compiled-memory search over lengths for one setting: (its summary, every compile)."""
+    """Compiled-memory search over lengths for one setting: (its summary, every compile).
+    Lengths args.known holds are not compiled again (their fit is judged against this budget)."""
     from benchlib import error_summary, longest_fitting
 
     from bpt.train.probe import TrainingStep
 
     records = []
+    known = known_compiles(args.known)
 
     def fits(seq_len: int) -> bool:
         record = dict(setting, seq_len=seq_len)
+        earlier = known.get((*(setting[k] for k in SETTING_KEYS), seq_len))
+        if earlier is not None:
+            record.update({k: v for k, v in earlier.items() if k in ("compiled_gib", "temp_gib", "error")}, known=True)
+            record["fits"] = "compiled_gib" in record and record["compiled_gib"] * 2**30 <= budget
+            records.append(record)
+            print(json.dumps(record), flush=True)
+            return record["fits"]
         try:
             c = load_config(args, **setting, seq_len=seq_len)
             memory = TrainingStep(c).memory()
@@ -248,6 +279,9 @@ def main() -> None:
     parser.add_argument("--verify_tries", type=int, default=4)
     parser.add_argument("--verify_max", type=int, default=0, help="longest real step to try (0: no cap)")
     parser.add_argument("--jobs", type=int, default=1, help="searches at once, one process each")
+    parser.add_argument(
+        "--known", default="", help="a file of this script's JSON lines: lengths it holds are not compiled again"
+    )
     parser.add_argument("--run_one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seq_len", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()

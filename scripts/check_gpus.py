@@ -31,7 +31,9 @@ A row passes when the run exits 0 without the coordination service's errors and,
 (processes) rows, its losses equal the one-GPU (one-process) run's.
 Results go to --out: results.json (every row), report.md (the table printed last) and
 check_gpus.png (tokens/s per GPU and peak memory of each row). A finished row is not run
-again (--rerun_failed retries failed ones), so a campaign spans several calls;
+again (--rerun_failed retries failed ones), so a campaign spans several calls; a "longest"
+row's search keeps every compile it finishes, also when --timeout stops it, and its rerun
+goes on from them;
 --budget_minutes stops starting rows once that much time has passed. --set section.name=value
 (repeatable) gives every row's run that setting too (a campaign folder keeps its settings:
 another set of them wants another --out). Without GPUs the rows
@@ -168,27 +170,59 @@ def bpt_train() -> list[str]:
 
 def longest(row: Row, n: int, env: dict, out: Path, timeout: int, small: bool) -> tuple[int, str]:
     """The longest context of row's setup by compiled memory (bench_max_context's search over
-    multiples of 2 x N x 1024 tokens, from N x 256K, 7B from N x 128K; the remat auto falls back to), and a note."""
+    multiples of 2 x N x 1024 tokens, from N x 256K, 7B from N x 128K; the remat auto falls back to), and a note.
+    Every compile the search finishes is kept (<row>.compiles.jsonl), also when the search
+    runs out of time, and a later call's search goes on from them (bench_max_context --known):
+    a search longer than a row's --timeout ends over several calls (--rerun_failed)."""
     granule = 2 * n * (1024 if not small else 4)
     # GPT-7B holds its parameters and optimizer state on each sequence shard: 512K over 2
     # H200s compiled to 151 GiB of 133 (docs/notes/multi_gpu.md), so its search starts lower.
     start = n * (256 * 1024 if not small else 64) // (2 if row.group == "7b" else 1)
     sets = [f"--set=mesh.{k}={v}" for k, v in {"data": 1, **row.mesh}.items()] + [f"--set={e}" for e in row.extra]
     record = out / f"{slug(row.name)}.search.json"
+    compiles = out / f"{slug(row.name)}.compiles.jsonl"
     argv = [
         sys.executable, str(ROOT / "scripts" / "bench_max_context.py"), "--configs", row.config,
         "--modes", "blockwise_parallel", "--remats", "layer", "--start", str(start), "--granule", str(granule),
-        "--refine", "4", "--out", str(record), *sets,
+        "--refine", "4", "--out", str(record), "--known", str(compiles), *sets,
     ]  # fmt: skip
     if small:
         argv += ["--memory_gib", "0.5"]
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        kept = keep_compiles(compiles, _said(expired.stdout))
+        raise subprocess.TimeoutExpired(expired.cmd, expired.timeout, output=f"{kept} compile{'s' * (kept != 1)} kept") from None
+    keep_compiles(compiles, done.stdout)
     if done.returncode != 0 or not record.exists():
         return 0, last_line(done.stdout + done.stderr)
     records = json.loads(record.read_text())["records"]
     found = [r for r in records if r.get("summary")]
     tried = [r for r in records if "seq_len" in r]
     return (found[0]["longest"] if found else 0), f"{len(tried)} compiles"
+
+
+def keep_compiles(path: Path, output: str) -> int:
+    """Appends the compile records (JSON lines with a length and a verdict) in a search's
+    output that path does not hold yet; returns how many compiles path holds."""
+
+    def compiles(text: str) -> dict[tuple, str]:
+        found = {}
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "seq_len" in record and "fits" in record:
+                key = tuple(record.get(k) for k in ("config", "mode", "chunk", "remat", "group", "seq_len"))
+                found.setdefault(key, line)
+        return found
+
+    held = compiles(path.read_text()) if path.exists() else {}
+    new = {key: line for key, line in compiles(output).items() if key not in held}
+    with path.open("a") as f:
+        f.writelines(f"{line}\n" for line in new.values())
+    return len(held) + len(new)
 
 
 def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool) -> dict:
@@ -199,10 +233,11 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
     if not context:
         try:
             context, note = longest(row, n, env, out, timeout, small)
-        except subprocess.TimeoutExpired:
-            context, note = 0, f"the search took over {timeout} s"
+            error = f"no context fits ({note})"
+        except subprocess.TimeoutExpired as expired:
+            context, error = 0, f"the search took over {timeout} s ({expired.output}; --rerun_failed goes on from them)"
         if not context:
-            return dict(result, status="fail", error=f"no context fits ({note})", seconds=time.perf_counter() - start)
+            return dict(result, status="fail", error=error, seconds=time.perf_counter() - start)
     workdir = out / "runs" / slug(row.name)
     shutil.rmtree(workdir, ignore_errors=True)
     settings = row.settings(context)

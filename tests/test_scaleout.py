@@ -211,6 +211,36 @@ def test_check_gpus_runs_bpt_train_on_each_mesh_with_one_devices_losses(tmp_path
     assert state["results"][1]["status"] == "fail" and "losses differ from one GPU's" in state["results"][1]["error"]
 
 
+def test_a_stopped_length_search_goes_on_from_its_compiles(tmp_path):
+    """bench_max_context --known: lengths an earlier search compiled (its printed JSON lines)
+    are not compiled again and are judged against this search's budget; check_gpus keeps a
+    search's compiles (also a stopped one's: the lines it printed) for the next call."""
+    argv = [sys.executable, str(REPO / "scripts" / "bench_max_context.py"), "--configs=configs/tiny.py",
+            "--modes=blockwise_parallel", "--chunks=64", "--start=512", "--stop=2048", "--refine=2"]  # fmt: skip
+
+    def search(*more):
+        done = subprocess.run([*argv, *more], capture_output=True, text=True, cwd=REPO, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        return done.stdout, [r for r in records if "seq_len" in r and "fits" in r]
+
+    said, first = search("--memory_gib=1")
+    assert [r["seq_len"] for r in first] == [512, 1024, 2048] and all(r["fits"] for r in first)
+    check = load_script("check_gpus")
+    kept = tmp_path / "compiles.jsonl"
+    assert check.keep_compiles(kept, "bpt: starting\n" + said[: said.index(json.dumps(first[1]))]) == 1  # stopped
+    assert check.keep_compiles(kept, said) == 3  # the two the stopped search did not finish added
+    _, again = search("--memory_gib=1", f"--known={kept}")
+    assert [r["seq_len"] for r in again] == [512, 1024, 2048] and all(r["known"] and r["fits"] for r in again)
+    assert check.keep_compiles(kept, "\n".join(json.dumps(r) for r in again)) == 3  # nothing new
+    # a smaller budget: 1024 tokens no longer fit, judged from the kept compile; 768 is compiled
+    budget = (first[0]["compiled_gib"] + first[1]["compiled_gib"]) / 2
+    _, lower = search(f"--memory_gib={budget}", f"--known={kept}")
+    assert [(r["seq_len"], r["fits"], bool(r.get("known"))) for r in lower] == [
+        (512, True, True), (1024, False, True), (768, lower[2]["fits"], False)
+    ]  # fmt: skip
+
+
 def test_check_gpus_runs_a_process_a_device_with_one_process_losses(tmp_path):
     """The multi-host command on one host (scripts/check_gpus.py's processes rows): two
     bpt-train processes joined by jax.distributed on localhost, one simulated device each,
