@@ -11,7 +11,9 @@ time by the XLA operation each kernel belongs to (its fusion or custom call) and
 each figure is one device's average, and each device's kernel total is printed too.
 Kernels of different streams (a collective beside a matmul) are summed, so the kernel
 time can pass the step's; each device's timeline line says how much of its window some kernel
-ran (busy), how much none did (idle: the gaps) and how much ran beside another (overlapped). The trace itself (for Perfetto or
+ran (busy), how much none did (idle: the gaps) and how much ran beside another (overlapped),
+and with collectives how long they ran and how much of that with no other kernel beside them
+(the transfers the step waits for). The trace itself (for Perfetto or
 TensorBoard) stays under --out. Prints the step time and the --top operations as a markdown
 table last; --out also gets profile.json. --fusions N adds what the N slowest elementwise
 and norm fusions compute (their opcodes) and the bandwidth they reach.
@@ -204,25 +206,61 @@ def summarize(events: list[dict], steps: int, shapes: dict[str, str] | None = No
     return {"kernel_ms_per_step": sum(by_kind.values()), "by_kind": dict(by_kind), "ops": ops}
 
 
+def _union(spans) -> list[tuple[float, float]]:
+    """The time some span covers, as sorted disjoint intervals."""
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(xs, ys) -> float:
+    """The length of the time two lists of sorted disjoint intervals share."""
+    shared, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        shared += max(0.0, min(xs[i][1], ys[j][1]) - max(xs[i][0], ys[j][0]))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared
+
+
 def timeline(events: list[dict], steps: int) -> dict[str, float]:
     """One device's profiled window, a step's share of it (ms): span (first kernel's start to
     last kernel's end), busy (the time any kernel runs, streams together), idle (span - busy:
     gaps where the device waits, on the host, a launch or a transfer) and overlapped (kernel
-    time beyond busy: kernels of two streams at once, a collective beside a matmul)."""
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if "ts" in e)
+    time beyond busy: kernels of two streams at once, a collective beside a matmul). With
+    collectives: the time some collective runs (collective_ms), and how much of it no other
+    kernel runs beside (collective_alone_ms: the transfers the step waits for)."""
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if "ts" in e]
     if not spans:
         return {}
-    busy, (start, end) = 0.0, spans[0]
-    first = start
-    for a, b in spans[1:]:
-        if a > end:  # a gap: close the interval
-            busy, start = busy + (end - start), a
-        end = max(end, b)
-    busy += end - start
-    span = end - first
-    total = sum(b - a for a, b in spans)
+    busy = _union(spans)
+    span = busy[-1][1] - busy[0][0]
     per = lambda us: us / 1e3 / steps  # noqa: E731
-    return {"span_ms": per(span), "busy_ms": per(busy), "idle_ms": per(span - busy), "overlapped_ms": per(total - busy)}
+    result = {
+        "span_ms": per(span),
+        "busy_ms": per(_length(busy)),
+        "idle_ms": per(span - _length(busy)),
+        "overlapped_ms": per(sum(b - a for a, b in spans) - _length(busy)),
+    }
+    is_collective = [
+        kind_of(f"{e['name']} {e.get('args', {}).get('hlo_op', '')}") == "collective" for e in events if "ts" in e
+    ]
+    collectives = _union(x for x, c in zip(spans, is_collective) if c)
+    if collectives:
+        others = _union(x for x, c in zip(spans, is_collective) if not c)
+        result["collective_ms"] = per(_length(collectives))
+        result["collective_alone_ms"] = per(_length(collectives) - _intersection(collectives, others))
+    return result
 
 
 def main() -> None:
@@ -303,6 +341,11 @@ def main() -> None:
             print(
                 f"device {i}: {t['span_ms']:.1f} ms from first kernel to last, busy {t['busy_ms']:.1f}, "
                 f"idle {t['idle_ms']:.1f} ({t['idle_ms'] / t['span_ms']:.1%}), overlapped {t['overlapped_ms']:.1f}"
+                + (
+                    f"; collectives {t['collective_ms']:.1f}, {t['collective_alone_ms']:.1f} of it with no other kernel"
+                    if "collective_ms" in t
+                    else ""
+                )
             )
     if summary["devices"] > 1:
         by_device = ", ".join(f"{ms:.1f}" for ms in summary["kernel_ms_per_step_by_device"])

@@ -446,7 +446,8 @@ def test_remat_auto_tries_no_remat_first_for_an_unrolled_stack():
 
 def test_profile_timeline_finds_the_gaps_and_the_overlap():
     """profile_step.timeline: a device's window, what some kernel ran (streams together),
-    the gaps where none did, and the kernel time that ran beside another."""
+    the gaps where none did, the kernel time that ran beside another, and how much of the
+    collectives' time no other kernel ran beside."""
     profile_step = load_script("profile_step")
     events = [  # microseconds over two steps: a matmul, a collective beside it, a gap, a fusion
         {"ts": 0, "dur": 100},
@@ -454,9 +455,19 @@ def test_profile_timeline_finds_the_gaps_and_the_overlap():
         {"ts": 200, "dur": 50},  # after a gap of 60
         {"ts": 210, "dur": 10},  # inside the third
     ]
+    for e, name in zip(events, ("gemm", "ncclDevKernel_SendRecv", "loop_fusion", "loop_fusion")):
+        e["name"] = name
     t = profile_step.timeline(events, steps=2)
-    assert t == {"span_ms": 0.125, "busy_ms": 0.095, "idle_ms": 0.03, "overlapped_ms": 0.025}
+    assert t == {
+        "span_ms": 0.125,
+        "busy_ms": 0.095,
+        "idle_ms": 0.03,
+        "overlapped_ms": 0.025,
+        "collective_ms": 0.04,  # the collective's 80 us over two steps
+        "collective_alone_ms": 0.02,  # its last 40 us ran with nothing beside it
+    }
     assert profile_step.timeline([], steps=1) == {}
+    assert "collective_ms" not in profile_step.timeline(events[2:], steps=1)
 
 
 def test_profile_parts_of_a_step():
