@@ -13,7 +13,10 @@ as a device's share of the causal ring (its own causal block plus N-1 half block
 ratio ring / local is the cost of the communication the ring does not hide plus what
 splitting the work costs the kernels; "ring's kernels" times the ring's own kernel calls
 (one causal T x T block, N-1 calls of T queries over T/2 keys) without communication, so
-ring / ring's kernels is the overlap alone.
+ring / ring's kernels is the overlap alone. "ring's transfers" times the ring's sends alone, no
+kernels (the K/V shards passed on N-1 times forward and backward, the float32 dK/dV sums N
+times, one after another): a ring that hid them all would take its kernels' time, one that
+hid none about kernels + transfers.
 
 train: one real training step (median of --steps after a warm-up) of --config at T tokens
 per device: one GPU (context T), data parallel and FSDP over all N GPUs (context T, batch
@@ -47,6 +50,30 @@ TRAIN_SETUPS = {  # name -> (mesh settings, context as a multiple of T, batch as
     "sequence (ring)": ({"data": 1, "sequence": -1, "context_parallel": "ring"}, -1, 0),
     "sequence (all-gather)": ({"data": 1, "sequence": -1, "context_parallel": "all_gather"}, -1, 0),
 }
+
+
+def ring_transfers(mesh, n: int):
+    """fn(k, v) -> what the ring sends in one forward and backward, and nothing else: K/V
+    passed on N-1 times in each, the float32 dK/dV sums N times (bpt.parallel.ring)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec
+
+    def send(x):
+        return lax.ppermute(x, "sequence", perm=[(i, (i + 1) % n) for i in range(n)])
+
+    def body(k, v):
+        kv = (k, v)
+        for _ in range(2 * (n - 1)):
+            kv = send(kv)
+        sums = (k.astype(jnp.float32), v.astype(jnp.float32))
+        for _ in range(n):
+            sums = send(sums)
+        return kv[0] + sums[0].astype(k.dtype), kv[1] + sums[1].astype(v.dtype)
+
+    rows = PartitionSpec(None, "sequence")
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows), out_specs=(rows, rows), check_vma=False)
 
 
 def ring_part(args) -> list[dict]:
@@ -108,6 +135,7 @@ def ring_part(args) -> list[dict]:
         row["kernels"] = seconds_per_call(
             jax.jit(jax.grad(kernels_loss, argnums=(0, 1, 2))), local_q, own_kv, own_kv
         )
+        row["transfers"] = seconds_per_call(jax.jit(ring_transfers(mesh, n)), k, v)
         # A zigzag hop's two shapes on one device (fwd+bwd): T queries over the first half of a
         # shard from before, the last T/2 queries over a whole shard from after (as one call,
         # and as two over its halves). The devices wait for the slower shape.
@@ -179,14 +207,15 @@ def tables(ring_rows: list[dict], train_rows: list[dict]) -> str:
         out += [
             f"Ring attention, {ring_rows[0]['devices']} GPUs (fwd+bwd ms; local: the same score pairs on one GPU)",
             "",
-            "| tokens / GPU | context | local | ring's kernels | ring | all-gather | ring / local "
-            "| all-gather / local | ring / ring's kernels |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| tokens / GPU | context | local | ring's kernels | ring's transfers | ring | all-gather "
+            "| ring / local | all-gather / local | ring / ring's kernels |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in ring_rows:
+            transfers = f"{r['transfers'] * 1e3:.1f}" if "transfers" in r else "–"  # (rows of older runs)
             out.append(
                 f"| {human_tokens(r['tokens_per_device'])} | {human_tokens(r['context'])} | {r['local'] * 1e3:.1f} | "
-                f"{r['kernels'] * 1e3:.1f} | {r['ring'] * 1e3:.1f} | {r['all_gather'] * 1e3:.1f} | "
+                f"{r['kernels'] * 1e3:.1f} | {transfers} | {r['ring'] * 1e3:.1f} | {r['all_gather'] * 1e3:.1f} | "
                 f"{r['ring_over_local']:.3f} | {r['all_gather_over_local']:.3f} | {r['ring_over_kernels']:.3f} |"
             )
         out.append("")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest's helpers
-from conftest import rel_err, with_xla_flags  # noqa: E402
+from conftest import load_script, rel_err, with_xla_flags  # noqa: E402
 
 from bpt.config import base_config, set_family  # noqa: E402
 from bpt.data.datasets import put_batch  # noqa: E402
@@ -163,6 +163,21 @@ def test_heads_in_groups_shrink_what_the_ring_holds(key):
 
     one, four = temp(1), temp(4)
     assert four < 0.85 * one, (one, four)
+
+
+def test_the_ring_benchmarks_transfers_pass_the_shards_as_the_ring_does():
+    """scripts/bench_scaling.py's "ring's transfers": K/V passed on 2(N-1) times (forward and
+    backward), the float32 sums N times (back home): device j ends with shard j - 2 + its own
+    on four devices."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sequence",))
+    k = jnp.arange(4 * 8, dtype=jnp.float32).reshape(1, 32, 1, 1)
+    out_k, out_v = jax.jit(load_script("bench_scaling").ring_transfers(mesh, 4))(k, 2 * k)
+    shards = np.asarray(k).reshape(4, 8)
+    expected = np.concatenate([shards[(j - 2) % 4] + shards[j] for j in range(4)])
+    np.testing.assert_array_equal(np.asarray(out_k).reshape(-1), expected)
+    np.testing.assert_array_equal(np.asarray(out_v).reshape(-1), 2 * expected)
 
 
 @pytest.mark.parametrize(
