@@ -160,6 +160,19 @@ def test_unrolled_scan_computes_the_same_function(batch, policy):
         dataclasses.replace(cfg, scan_unroll=2, remat_group=2)
 
 
+def test_ffn_chunk_size_computes_the_same_function(batch):
+    """model.ffn_chunk_size: with attention as one call (here the reference), the part after
+    it runs in chunks of its own size (twice and four times q_chunk_size: the whole
+    sequence), with equal logits, loss and gradients."""
+    tokens, targets, params = batch
+    cfg = dataclasses.replace(BASE, attention_impl="reference")
+    logits, loss, grads = forward(cfg, params, tokens, targets)
+    for chunk in (32, 64):
+        got_logits, got_loss, got_grads = forward(dataclasses.replace(cfg, ffn_chunk_size=chunk), params, tokens, targets)
+        assert rel_err(got_logits, logits) < TOL and rel_err(got_loss, loss) < TOL, chunk
+        assert tree_rel_err(got_grads, grads) < TOL, chunk
+
+
 @pytest.mark.parametrize(
     "policy",
     [
@@ -344,6 +357,7 @@ def test_parameters_carry_logical_axis_names():
         ("remat_ffn", "save_all", "unknown model.remat_ffn 'save_all'"),
         ("num_kv_heads", 3, r"num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
         ("q_chunk_size", 0, "model.q_chunk_size must be a positive integer"),
+        ("ffn_chunk_size", -1, r"model.ffn_chunk_size must be a positive integer or 0 \(q_chunk_size\)"),
         ("dtype", "float8", "unknown model.dtype"),
         ("remat_group", 3, "model.remat_group=3 must divide model.num_layers=2"),
         ("remat_group", 0, "model.remat_group must be a positive integer"),

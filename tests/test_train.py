@@ -152,6 +152,7 @@ def test_override_reads_the_fields_type():
     [
         ("train.optimizer_state_dtype", "float16", "unknown train.optimizer_state_dtype 'float16'; allowed"),
         ("data.seq_len", 100, "data.seq_len=100 is not divisible by model.q_chunk_size=16"),
+        ("model.ffn_chunk_size", 48, "is not divisible by model.ffn_chunk_size=48"),
         ("data.name", "owt", "unknown data.name 'owt'"),
         ("train.batch_size", 6, "train.batch_size=6 is not divisible by train.grad_accum_steps=4"),
         ("model.kv_chunk_size", 0, "model.kv_chunk_size must be a positive integer"),

@@ -96,7 +96,7 @@ def check_mesh(c: ConfigDict, sizes: dict[str, int]) -> None:
                 f"mesh.load_balance={layout!r} over mesh.sequence={seq}"
             )
         piece = c.data.seq_len // pieces
-        for name in ("loss_chunk_size",) if flash else ("q_chunk_size", "kv_chunk_size", "loss_chunk_size"):
+        for name in _chunk_settings(c):
             chunk = min(c.model[name], piece)
             if piece % chunk:
                 raise ValueError(
@@ -192,14 +192,16 @@ def _check_data(c: ConfigDict) -> None:
         raise ValueError(f"data.name='copy' needs an even data.seq_len; got {c.data.seq_len}")
 
 
+def _chunk_settings(c: ConfigDict) -> tuple[str, ...]:
+    """The chunk sizes the family reads (ffn_chunk_size where it is set)."""
+    if c.model.family == "flash":
+        return ("loss_chunk_size",)
+    return ("q_chunk_size", "kv_chunk_size", "loss_chunk_size") + (("ffn_chunk_size",) if c.model.get("ffn_chunk_size") else ())
+
+
 def _check_chunks(c: ConfigDict) -> None:
     """Every chunk size the family reads divides the sequence (or covers it)."""
-    chunked = (
-        ("loss_chunk_size",)
-        if c.model.family == "flash"
-        else ("q_chunk_size", "kv_chunk_size", "loss_chunk_size")
-    )
-    for name in chunked:
+    for name in _chunk_settings(c):
         chunk = min(c.model[name], c.data.seq_len)
         if c.data.seq_len % chunk:
             raise ValueError(

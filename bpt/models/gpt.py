@@ -103,6 +103,12 @@ class GPTConfig(LMConfig):
     cache_dtype: str = "auto"
     q_chunk_size: int = 512
     kv_chunk_size: int = 512
+    # Positions per chunk of the layer's part after attention (output projection, residual,
+    # norm, FFN) where attention runs as one kernel call or across sequence shards; 0:
+    # q_chunk_size. Each chunk adds its FFN weight gradients into float32 sums once, so
+    # larger chunks make fewer passes over them. (The blockwise scan computes the FFN on its
+    # own query chunks.)
+    ffn_chunk_size: int = 0
     remat_attention: str = "none"
     remat_ffn: str = "nothing_saveable"
 
@@ -120,6 +126,13 @@ class GPTConfig(LMConfig):
         for name in ("remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
         self.check_positive("num_heads", "q_chunk_size", "kv_chunk_size")
+        if self.ffn_chunk_size != 0:
+            try:
+                self.check_positive("ffn_chunk_size")
+            except ValueError:
+                raise ValueError(
+                    f"model.ffn_chunk_size must be a positive integer or 0 (q_chunk_size); got {self.ffn_chunk_size!r}"
+                ) from None
         self.check_positive("num_kv_heads", "head_dim", "mlp_hidden", optional=True)
         self.check_above_zero("mlp_ratio")
         if self.num_heads % self.kv_heads:
@@ -339,9 +352,9 @@ class Block(Layer):
             out = scan_chunks(
                 post_attention,
                 (x, a),
-                chunk_size=cfg.q_chunk_size,
+                chunk_size=cfg.ffn_chunk_size or cfg.q_chunk_size,
                 policy="none",
-                name="q_chunk_size",
+                name="ffn_chunk_size" if cfg.ffn_chunk_size else "q_chunk_size",
                 weights=weights,
                 shards=shards,
             )
