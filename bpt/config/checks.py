@@ -196,7 +196,8 @@ def _chunk_settings(c: ConfigDict) -> tuple[str, ...]:
     """The chunk sizes the family reads (ffn_chunk_size where it is set)."""
     if c.model.family == "flash":
         return ("loss_chunk_size",)
-    return ("q_chunk_size", "kv_chunk_size", "loss_chunk_size") + (("ffn_chunk_size",) if c.model.get("ffn_chunk_size") else ())
+    own = ("ffn_chunk_size",) if c.model.get("ffn_chunk_size") else ()
+    return ("q_chunk_size", "kv_chunk_size", "loss_chunk_size", *own)
 
 
 def _check_chunks(c: ConfigDict) -> None:
