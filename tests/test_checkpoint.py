@@ -240,6 +240,9 @@ def test_a_read_error_once_is_retried_and_a_lasting_one_stops_without_moving_any
     assert folders(ckpt) == ["4", "8"]
 
 
+# A restore that stops on a mismatched array leaves orbax's other pending reads unawaited;
+# Python then reports their coroutines, whenever they are collected.
+@pytest.mark.filterwarnings("ignore:coroutine '_read_array_index_and_device_put' was never awaited:RuntimeWarning")
 def test_a_checkpoint_of_another_model_or_optimizer_stops_the_run_naming_what_differs(run8):
     before = (run8 / "config.json").read_text()
     c = run_config(steps=12)
