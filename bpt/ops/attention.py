@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from bpt.ops.blockwise import blockwise_attention, blockwise_backward, blockwise_forward
 from bpt.ops.kernels import attention_hopper
 from bpt.ops.kernels.attention import flash_attention, flash_backward, flash_forward
-from bpt.ops.reference import SegmentIds, check_qkv, reference_attention
+from bpt.ops.reference import SegmentIds, check_qkv, reference_attention, split_segment_ids
 from bpt.ops.registry import Implementation, Registry
 
 Array = jax.Array
@@ -146,64 +146,49 @@ def attention(
 
 
 def _pallas_forward(q, k, v, *, causal, q_offset, segment_ids, q_chunk_size, kv_chunk_size):
-    if q_offset and segment_ids is None:
-        _check_offset(q_offset)
-        out, lse = flash_forward(jnp.roll(q, -1, axis=1), k, v, causal=causal)
-        # query i >= 1 was row i - 1; query 0 sees no key (lse +inf: the kernels' "sees nothing")
-        return _set_row(jnp.roll(out, 1, axis=1), 0, 0.0), _set_row(jnp.roll(lse, 1, axis=2), 0, jnp.inf, axis=2)
-    if q_offset:
-        k, v, segment_ids = _shift_keys(k, v, segment_ids, q_offset)
-    return flash_forward(q, k, v, causal=causal, segment_ids=segment_ids)
+    if not q_offset:
+        return flash_forward(q, k, v, causal=causal, segment_ids=segment_ids)
+    q_up, segments = _queries_up(q, k, segment_ids, q_offset)
+    out, lse = flash_forward(q_up, k, v, causal=causal, segment_ids=segments)
+    # query i >= 1 was row i - 1; query 0 sees no key (lse +inf: the kernels' "sees nothing")
+    return _set_row(jnp.roll(out, 1, axis=1), 0, 0.0), _set_row(jnp.roll(lse, 1, axis=2), 0, jnp.inf, axis=2)
 
 
 def _pallas_backward(q, k, v, out, lse, d_out, d_lse, *, causal, q_offset, segment_ids, q_chunk_size, kv_chunk_size):
-    if q_offset and segment_ids is None:
-        _check_offset(q_offset)
-        # as the forward, row r holds query r + 1; the last row (query 0, which sees no key
-        # here) gets zero probabilities (lse +inf) and no cotangent: it adds nothing to dK/dV
-        def rows(x, value, axis=1):
-            return _set_row(jnp.roll(x, -1, axis=axis), -1, value, axis)
-
-        dq, dk, dv = flash_backward(
-            jnp.roll(q, -1, axis=1), k, v, rows(out, 0.0), rows(lse, jnp.inf, 2), rows(d_out, 0.0),
-            rows(d_lse, 0.0, 2), causal=causal,
-        )  # fmt: skip
-        dq = _set_row(jnp.roll(dq, 1, axis=1), 0, 0.0)
+    if not q_offset:
+        dq, dk, dv = flash_backward(q, k, v, out, lse, d_out, d_lse, causal=causal, segment_ids=segment_ids)
         return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
-    if q_offset:
-        k, v, segment_ids = _shift_keys(k, v, segment_ids, q_offset)
-    dq, dk, dv = flash_backward(q, k, v, out, lse, d_out, d_lse, causal=causal, segment_ids=segment_ids)
-    if q_offset:  # key slot j + 1 held key j
-        dk, dv = (jnp.pad(d[:, 1:], ((0, 0), (0, 1), (0, 0), (0, 0))) for d in (dk, dv))
+
+    # As the forward. The last row (query 0, which sees no key here) gets zero probabilities
+    # (lse +inf) and no cotangent: it adds nothing to dK/dV.
+    def rows(x, value, axis=1):
+        return _set_row(jnp.roll(x, -1, axis=axis), -1, value, axis)
+
+    q_up, segments = _queries_up(q, k, segment_ids, q_offset)
+    dq, dk, dv = flash_backward(
+        q_up, k, v, rows(out, 0.0), rows(lse, jnp.inf, 2), rows(d_out, 0.0), rows(d_lse, 0.0, 2),
+        causal=causal, segment_ids=segments,
+    )  # fmt: skip
+    dq = _set_row(jnp.roll(dq, 1, axis=1), 0, 0.0)
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
-def _check_offset(q_offset: int):
+def _queries_up(q, k, segment_ids, q_offset: int):
+    """Causal attention without the diagonal (q_offset=-1: query i sees keys j < i) as causal
+    attention with it, for kernels without an offset: the queries (and their segment ids)
+    move one row up, so row r holds query r + 1 and sees keys j <= r; the last row holds
+    query 0, which sees no key, and its result is dropped. The keys stay where they are, so
+    the Hopper kernels, which take no segment ids, run such a hop. Returns (q, segment_ids)."""
     if q_offset != -1:
         raise ValueError(f"the kernels take q_offset 0 or -1; got {q_offset}")
+    q_seg, kv_seg = split_segment_ids(segment_ids, q.shape[1], k.shape[1])
+    segments = None if q_seg is None else (jnp.roll(q_seg, -1, axis=1), kv_seg)
+    return jnp.roll(q, -1, axis=1), segments
 
 
 def _set_row(x, index: int, value, axis: int = 1):
     """x with row `index` along `axis` set to value."""
     return x.at[(slice(None),) * axis + (index,)].set(value)
-
-
-def _shift_keys(k, v, segment_ids, q_offset: int):
-    """Causal without the diagonal (q_offset=-1) as causal with it, for kernels without an
-    offset, with segment ids: key j moves to slot j + 1 and slot 0 gets a segment no query
-    has (the last key, which no query may see, drops out). Without segment ids the queries
-    move instead (_pallas_forward), so that the Hopper kernels, which take no segment ids,
-    can run the hop."""
-    _check_offset(q_offset)
-    shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
-    if segment_ids is None:
-        segment_ids = (jnp.zeros(k.shape[:2], jnp.int32),) * 2
-    q_seg = segment_ids[0].astype(jnp.int32)
-    nobody = jnp.min(q_seg) - 1
-    kv_seg = jnp.concatenate(
-        [jnp.full((k.shape[0], 1), nobody, jnp.int32), segment_ids[1][:, :-1].astype(jnp.int32)], 1
-    )
-    return shift(k), shift(v), (q_seg, kv_seg)
 
 
 def select_merged(q: Array, *args, **settings) -> str:
