@@ -91,7 +91,7 @@ def test_a_key_range_without_the_diagonal_merges_with_its_gradient(key, impl, pa
     """A striped ring's hop from a later device (q_offset=-1: query i sees keys j < i), merged
     with a range all queries see: the merged output and every gradient equal the masked
     attention's, with a logsumexp cotangent too. bpt's kernels take such a hop by moving the
-    queries one row (no segment ids: the Hopper kernels' path) or the keys (segment ids)."""
+    queries (and their segment ids) one row, so that the Hopper kernels can run it."""
     from bpt.ops.attention import MERGED
 
     s, d = 32, 16
