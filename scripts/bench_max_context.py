@@ -87,36 +87,19 @@ def quiet_compiler() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level=0".strip()
 
 
-SETTING_KEYS = ("config", "mode", "chunk", "remat", "group")
-
-
-def known_compiles(path: str) -> dict[tuple, dict]:
-    """The compile records among the JSON lines of path (this script's output), by setting and
-    length; other lines (tables, logs, summaries) are skipped."""
-    known = {}
-    for line in Path(path).read_text().splitlines() if path and Path(path).exists() else ():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "seq_len" in record and "fits" in record:
-            known[(*(record.get(k) for k in SETTING_KEYS), record["seq_len"])] = record
-    return known
-
-
 def search(args, budget: int, setting: dict) -> tuple[dict, list[dict]]:
     """Compiled-memory search over lengths for one setting: (its summary, every compile).
     Lengths args.known holds are not compiled again (their fit is judged against this budget)."""
-    from benchlib import error_summary, longest_fitting
+    from benchlib import COMPILE_KEYS, compile_records, error_summary, longest_fitting
 
     from bpt.train.probe import TrainingStep
 
     records = []
-    known = known_compiles(args.known)
+    known = compile_records(Path(args.known).read_text()) if args.known and Path(args.known).exists() else {}
 
     def fits(seq_len: int) -> bool:
         record = dict(setting, seq_len=seq_len)
-        earlier = known.get((*(setting[k] for k in SETTING_KEYS), seq_len))
+        earlier = known.get(tuple(record[k] for k in COMPILE_KEYS))
         if earlier is not None:
             record.update({k: v for k, v in earlier.items() if k in ("compiled_gib", "temp_gib", "error")}, known=True)
             record["fits"] = "compiled_gib" in record and record["compiled_gib"] * 2**30 <= budget

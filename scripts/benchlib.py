@@ -262,6 +262,25 @@ class Search:
     tried: dict[int, bool]
 
 
+# What makes one length search's compile: its setting and the length it compiled.
+COMPILE_KEYS = ("config", "mode", "chunk", "remat", "group", "seq_len")
+
+
+def compile_records(text: str) -> dict[tuple, dict]:
+    """The compile records among a length search's JSON lines (bench_max_context's output:
+    a length and its verdict each), by COMPILE_KEYS, the first of each kept; other lines
+    (tables, logs, summaries) are skipped."""
+    found: dict[tuple, dict] = {}
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "seq_len" in record and "fits" in record:
+            found.setdefault(tuple(record.get(k) for k in COMPILE_KEYS), record)
+    return found
+
+
 def longest_fitting(
     fits: Callable[[int], bool], *, start: int, stop: int, refine: int = 8, granule: int = 1
 ) -> Search:

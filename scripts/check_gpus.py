@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 from bench_scaleout import gpu_count, gpu_names
-from benchlib import human_tokens, script_parser
+from benchlib import compile_records, human_tokens, script_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-4
@@ -203,25 +203,12 @@ def longest(row: Row, n: int, env: dict, out: Path, timeout: int, small: bool) -
 
 
 def keep_compiles(path: Path, output: str) -> int:
-    """Appends the compile records (JSON lines with a length and a verdict) in a search's
-    output that path does not hold yet; returns how many compiles path holds."""
-
-    def compiles(text: str) -> dict[tuple, str]:
-        found = {}
-        for line in text.splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "seq_len" in record and "fits" in record:
-                key = tuple(record.get(k) for k in ("config", "mode", "chunk", "remat", "group", "seq_len"))
-                found.setdefault(key, line)
-        return found
-
-    held = compiles(path.read_text()) if path.exists() else {}
-    new = {key: line for key, line in compiles(output).items() if key not in held}
+    """Appends the compile records in a search's output that path does not hold yet; returns
+    how many compiles path holds."""
+    held = compile_records(path.read_text()) if path.exists() else {}
+    new = [record for key, record in compile_records(output).items() if key not in held]
     with path.open("a") as f:
-        f.writelines(f"{line}\n" for line in new.values())
+        f.writelines(json.dumps(record) + "\n" for record in new)
     return len(held) + len(new)
 
 
