@@ -240,24 +240,23 @@ def timeline(events: list[dict], steps: int) -> dict[str, float]:
     time beyond busy: kernels of two streams at once, a collective beside a matmul). With
     collectives: the time some collective runs (collective_ms), and how much of it no other
     kernel runs beside (collective_alone_ms: the transfers the step waits for)."""
-    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if "ts" in e]
-    if not spans:
+    timed = [e for e in events if "ts" in e]
+    if not timed:
         return {}
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in timed]
     busy = _union(spans)
-    span = busy[-1][1] - busy[0][0]
+    span, busy_us = busy[-1][1] - busy[0][0], _length(busy)
     per = lambda us: us / 1e3 / steps  # noqa: E731
     result = {
         "span_ms": per(span),
-        "busy_ms": per(_length(busy)),
-        "idle_ms": per(span - _length(busy)),
-        "overlapped_ms": per(sum(b - a for a, b in spans) - _length(busy)),
+        "busy_ms": per(busy_us),
+        "idle_ms": per(span - busy_us),
+        "overlapped_ms": per(sum(b - a for a, b in spans) - busy_us),
     }
-    is_collective = [
-        kind_of(f"{e['name']} {e.get('args', {}).get('hlo_op', '')}") == "collective" for e in events if "ts" in e
-    ]
-    collectives = _union(x for x, c in zip(spans, is_collective) if c)
+    collective = [kind_of(f"{e['name']} {e.get('args', {}).get('hlo_op', '')}") == "collective" for e in timed]
+    collectives = _union(x for x, c in zip(spans, collective) if c)
     if collectives:
-        others = _union(x for x, c in zip(spans, is_collective) if not c)
+        others = _union(x for x, c in zip(spans, collective) if not c)
         result["collective_ms"] = per(_length(collectives))
         result["collective_alone_ms"] = per(_length(collectives) - _intersection(collectives, others))
     return result

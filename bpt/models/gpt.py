@@ -126,13 +126,9 @@ class GPTConfig(LMConfig):
         for name in ("remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
         self.check_positive("num_heads", "q_chunk_size", "kv_chunk_size")
-        if self.ffn_chunk_size != 0:
-            try:
-                self.check_positive("ffn_chunk_size")
-            except ValueError:
-                raise ValueError(
-                    f"model.ffn_chunk_size must be a positive integer or 0 (q_chunk_size); got {self.ffn_chunk_size!r}"
-                ) from None
+        chunk = self.ffn_chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"model.ffn_chunk_size must be a positive integer or 0 (q_chunk_size); got {chunk!r}")
         self.check_positive("num_kv_heads", "head_dim", "mlp_hidden", optional=True)
         self.check_above_zero("mlp_ratio")
         if self.num_heads % self.kv_heads:
