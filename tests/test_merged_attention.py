@@ -86,7 +86,10 @@ def test_blockwise_forward_without_the_diagonal_is_causal_shifted_by_one(key):
     assert (out[:, 0] == 0).all() and (lse[:, :, 0] == jnp.inf).all()  # the first query sees nothing
 
 
-@pytest.mark.parametrize("impl,packed", [("blockwise", False), ("pallas", False), ("pallas", True)])
+@pytest.mark.parametrize(
+    "impl,packed", [("blockwise", False), ("pallas", False), ("pallas", True), ("blockwise", "documents"),
+                    ("pallas", "documents")],
+)  # fmt: skip
 def test_a_key_range_without_the_diagonal_merges_with_its_gradient(key, impl, packed):
     """A striped ring's hop from a later device (q_offset=-1: query i sees keys j < i), merged
     with a range all queries see: the merged output and every gradient equal the masked
@@ -102,6 +105,12 @@ def test_a_key_range_without_the_diagonal_merges_with_its_gradient(key, impl, pa
     cot, cot_lse = jax.random.normal(kc, q.shape), jax.random.normal(kl, (2, 4, s))
     seg = (jnp.zeros((2, s), jnp.int32),) * 2 if packed else None  # one document: the same mask
     visible = jnp.concatenate([jnp.ones((s, s), bool), jnp.arange(s)[:, None] > jnp.arange(s)[None, :]], 1)
+    seg_b = seg
+    if packed == "documents":  # two documents: queries from 11 on, keys of the first range from 7 on
+        q_seg = jnp.broadcast_to(jnp.arange(s) >= 11, (2, s)).astype(jnp.int32)
+        first_seg = jnp.broadcast_to(jnp.arange(s) >= 7, (2, s)).astype(jnp.int32)
+        seg, seg_b = (q_seg, first_seg), (q_seg, q_seg)
+        visible = visible & (q_seg[0][:, None] == jnp.concatenate([first_seg[0], q_seg[0]])[None, :])
 
     def truth(q, k, v):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) / jnp.sqrt(d)
@@ -115,7 +124,7 @@ def test_a_key_range_without_the_diagonal_merges_with_its_gradient(key, impl, pa
     settings = dict(q_chunk_size=8, kv_chunk_size=8)
     first, second = slice(0, s), slice(s, 2 * s)
     out_a, lse_a = pair.forward(q, k[:, first], v[:, first], causal=False, q_offset=0, segment_ids=seg, **settings)
-    out_b, lse_b = pair.forward(q, k[:, second], v[:, second], causal=True, q_offset=-1, segment_ids=seg, **settings)
+    out_b, lse_b = pair.forward(q, k[:, second], v[:, second], causal=True, q_offset=-1, segment_ids=seg_b, **settings)
     assert (lse_b[:, :, 0] == jnp.inf).all()  # the first query sees no key of the second range
     out, lse = logsumexp_merge(out_a, no_key_is_minus_inf(lse_a), out_b, no_key_is_minus_inf(lse_b))
     assert rel_err(out, out_r) < TOL and rel_err(lse, lse_r) < TOL
@@ -123,7 +132,7 @@ def test_a_key_range_without_the_diagonal_merges_with_its_gradient(key, impl, pa
     grads_a = pair.backward(q, k[:, first], v[:, first], out, lse, cot, cot_lse, causal=False, q_offset=0,
                             segment_ids=seg, **settings)  # fmt: skip
     grads_b = pair.backward(q, k[:, second], v[:, second], out, lse, cot, cot_lse, causal=True, q_offset=-1,
-                            segment_ids=seg, **settings)  # fmt: skip
+                            segment_ids=seg_b, **settings)  # fmt: skip
     assert rel_err(grads_a[0] + grads_b[0], dq_r) < TOL
     assert rel_err(jnp.concatenate([grads_a[1], grads_b[1]], 1), dk_r) < TOL
     assert rel_err(jnp.concatenate([grads_a[2], grads_b[2]], 1), dv_r) < TOL
