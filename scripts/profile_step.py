@@ -13,8 +13,10 @@ Kernels of different streams (a collective beside a matmul) are summed, so the k
 time can pass the step's; each device's timeline line says how much of its window some kernel
 ran (busy), how much none did (idle: the gaps) and how much ran beside another (overlapped),
 and with collectives how long they ran and how much of that with no other kernel beside them
-(the transfers the step waits for). The trace itself (for Perfetto or
-TensorBoard) stays under --out. Prints the step time and the --top operations as a markdown
+(the transfers the step waits for). Over several devices, each collective call's durations
+are split into the transfer (its shortest duration: the device that came last) and each
+device's wait for a later one, with how often each device was the last. The trace itself
+(for Perfetto or TensorBoard) stays under --out. Prints the step time and the --top operations as a markdown
 table last; --out also gets profile.json. --fusions N adds what the N slowest elementwise
 and norm fusions compute (their opcodes) and the bandwidth they reach.
 """
@@ -262,6 +264,35 @@ def timeline(events: list[dict], steps: int) -> dict[str, float]:
     return result
 
 
+def collective_waits(events_by_device: list[list[dict]], steps: int) -> dict:
+    """How much of the devices' collective time is waiting. A collective's n-th call ends on
+    every device once the slowest has joined, so of its durations the shortest is about the
+    transfer itself (the device that came last waits for no one) and the rest is each other
+    device's wait. Calls are matched by operation (args.hlo_op, else the kernel's name) and
+    order. Per step (ms): transfer_ms, the shortest durations summed; wait_ms, each device's
+    durations beyond the shortest; last, how often each device was the one the rest waited
+    for (calls a step)."""
+    calls = []  # per device: {operation: [durations in order]}
+    for events in events_by_device:
+        by_op = collections.defaultdict(list)
+        for e in sorted(events, key=lambda e: e.get("ts", 0)):
+            op = e.get("args", {}).get("hlo_op", "") or e["name"]
+            if kind_of(f"{e['name']} {op}") == "collective":
+                by_op[op].append(e["dur"])
+        calls.append(by_op)
+    n = len(calls)
+    transfer, wait, last = 0.0, [0.0] * n, [0] * n
+    for op in set().union(*calls) if calls else ():
+        for durs in zip(*(c.get(op, []) for c in calls)):
+            shortest = min(durs)
+            transfer += shortest
+            last[durs.index(shortest)] += 1
+            for d, dur in enumerate(durs):
+                wait[d] += dur - shortest
+    per = lambda us: us / 1e3 / steps  # noqa: E731
+    return {"transfer_ms": per(transfer), "wait_ms": [per(w) for w in wait], "last": [x / steps for x in last]}
+
+
 def main() -> None:
     p = script_parser(__doc__, out_help="a folder for the trace and the report", settings=True)
     p.add_argument("--config", required=True)
@@ -307,6 +338,10 @@ def main() -> None:
         timeline([e for e in events if e["pid"] == pid], args.steps) for pid in sorted(per_device)
     ]
     summary["kernel_ms_per_step_by_device"] = [per_device[pid] for pid in sorted(per_device)]
+    if len(per_device) > 1:
+        summary["collective_waits"] = collective_waits(
+            [[e for e in events if e["pid"] == pid] for pid in sorted(per_device)], args.steps
+        )
     vocab = step.model.config.vocab_size
     known = dict(
         vocab_sizes={vocab, -(-vocab // 128) * 128},  # the chunked loss pads the head to 128s
@@ -351,6 +386,13 @@ def main() -> None:
         print(
             f"{summary['devices']} devices, each figure one device's average; kernels by device: {by_device} ms"
         )
+        w = summary["collective_waits"]
+        if w["transfer_ms"] or any(w["wait_ms"]):
+            print(
+                f"collectives' transfers (each call's shortest duration) {w['transfer_ms']:.1f} ms a step; "
+                "waits for a later device by device: "
+                + ", ".join(f"{ms:.1f} ms (the last {k:g} times a step)" for ms, k in zip(w["wait_ms"], w["last"]))
+            )
     print(
         "parts: "
         + ", ".join(f"{k} {v:.1f} ms ({v / total:.0%})" for k, v in summary["by_part"].items() if total)

@@ -8,7 +8,7 @@ import pytest
 from conftest import cpu_memory_analysis, rel_err
 
 from bpt.ops import blockwise_cross_entropy, blockwise_ffn, cross_entropy
-from bpt.ops.chunked import logsumexp_argmax
+from bpt.ops.chunked import largest_chunk, logsumexp_argmax
 
 TOL = 1e-5
 
@@ -189,3 +189,18 @@ def test_bf16_weight_gradients_are_summed_over_chunks_in_float32(key):
         assert g[0].dtype == jnp.bfloat16
         for got, want in zip(g, g_ref):
             assert rel_err(got.astype(jnp.float32), want) < 5e-3, chunk  # bf16 sums: 1.6e-2
+
+
+@pytest.mark.parametrize(
+    "length,unit,most,want",
+    [
+        (8192, 1024, 16384, 8192),  # the whole sequence when it is within the bound
+        (65536, 1024, 16384, 16384),
+        (24576, 1024, 16384, 12288),  # 16384 does not divide 24576: the largest multiple that does
+        (5 * 1024 * 7, 1024, 16384, 7168),
+        (3000, 1000, 2000, 1000),  # no larger multiple divides: the unit
+        (3000, 512, 2048, 512),  # the unit does not divide: resolve_chunk_size names it
+    ],
+)
+def test_largest_chunk(length, unit, most, want):
+    assert largest_chunk(length, unit, most) == want

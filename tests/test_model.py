@@ -173,6 +173,29 @@ def test_ffn_chunk_size_computes_the_same_function(batch):
         assert tree_rel_err(got_grads, grads) < TOL, chunk
 
 
+def test_ffn_chunk_size_auto_takes_the_largest_multiple_of_q_chunk_size_within_its_bound(batch, monkeypatch):
+    """ffn_chunk_size=0 with a bound of 48 positions over a sequence of 64 and q_chunk_size 16:
+    chunks of 32 (48 does not divide 64), and the function of any other chunking."""
+    import bpt.models.gpt as gpt
+
+    tokens, targets, params = batch
+    cfg = dataclasses.replace(BASE, attention_impl="reference")
+    want = forward(dataclasses.replace(cfg, ffn_chunk_size=16), params, tokens, targets)
+    seen = []
+
+    def spy(fn, xs, *, chunk_size, **kw):
+        seen.append(chunk_size)
+        return scan_chunks(fn, xs, chunk_size=chunk_size, **kw)
+
+    scan_chunks = gpt.scan_chunks
+    monkeypatch.setattr(gpt, "scan_chunks", spy)
+    monkeypatch.setattr(gpt, "FFN_CHUNK", 48)
+    got = forward(cfg, params, tokens, targets)
+    assert set(seen) == {32}, seen
+    assert rel_err(got[0], want[0]) < TOL and rel_err(got[1], want[1]) < TOL
+    assert tree_rel_err(got[2], want[2]) < TOL
+
+
 @pytest.mark.parametrize(
     "policy",
     [
@@ -357,7 +380,7 @@ def test_parameters_carry_logical_axis_names():
         ("remat_ffn", "save_all", "unknown model.remat_ffn 'save_all'"),
         ("num_kv_heads", 3, r"num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
         ("q_chunk_size", 0, "model.q_chunk_size must be a positive integer"),
-        ("ffn_chunk_size", -1, r"model.ffn_chunk_size must be a positive integer or 0 \(q_chunk_size\)"),
+        ("ffn_chunk_size", -1, r"model.ffn_chunk_size must be a positive integer or 0 \(auto\)"),
         ("dtype", "float8", "unknown model.dtype"),
         ("remat_group", 3, "model.remat_group=3 must divide model.num_layers=2"),
         ("remat_group", 0, "model.remat_group must be a positive integer"),

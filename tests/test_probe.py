@@ -444,6 +444,26 @@ def test_remat_auto_tries_no_remat_first_for_an_unrolled_stack():
     assert paper_config("1b").model.scan_unroll == 1
 
 
+def test_profile_splits_collective_time_into_transfers_and_waits():
+    """profile_step.collective_waits: the n-th call of each collective is matched across
+    devices; its shortest duration is the transfer, the rest each device's wait."""
+    profile_step = load_script("profile_step")
+
+    def call(ts, dur, op):
+        return {"ts": ts, "dur": dur, "name": "ncclDevKernel_SendRecv", "args": {"hlo_op": op}}
+
+    gemm = {"ts": 0, "dur": 500, "name": "gemm"}
+    devices = [
+        [gemm, call(10, 30, "ppermute.1"), call(100, 10, "ppermute.2"), call(200, 40, "ppermute.1")],
+        [gemm, call(30, 10, "ppermute.1"), call(95, 15, "ppermute.2"), call(230, 10, "ppermute.1")],
+    ]
+    w = profile_step.collective_waits(devices, steps=2)
+    assert w["transfer_ms"] == pytest.approx((10 + 10 + 10) / 2e3)
+    assert w["wait_ms"] == pytest.approx([(20 + 0 + 30) / 2e3, (0 + 5 + 0) / 2e3])
+    assert w["last"] == [0.5, 1.0]  # device 0 came last once in two steps, device 1 twice
+    assert profile_step.collective_waits([[gemm], [gemm]], steps=1)["transfer_ms"] == 0
+
+
 def test_profile_timeline_finds_the_gaps_and_the_overlap():
     """profile_step.timeline: a device's window, what some kernel ran (streams together),
     the gaps where none did, the kernel time that ran beside another, and how much of the

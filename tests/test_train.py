@@ -79,6 +79,49 @@ def test_eval_by_position_logs_each_range_at_every_evaluation_and_plots_it(tmp_p
     assert plot_runs([tmp_path], tmp_path / "curves.png").stat().st_size > 0
 
 
+def test_the_compile_cache_serves_the_probed_step_and_a_restarted_run(tmp_path, capsys):
+    """train.compile_cache (every compilation kept here, however short): the step the probe
+    compiles (what remat auto measures) is the loop's program, so the run loads it; and a
+    second run of the config loads it again. Each says so."""
+    from bpt.data.datasets import make_dataset
+    from bpt.train import compile_cache
+    from bpt.train.probe import TrainingStep
+
+    c = copy_config(steps=1)
+    c.train.eval_batches = c.train.checkpoint_every = 0
+    c.model.remat_layer = "nothing_saveable"
+    c.train.compile_cache = str(tmp_path / "cache")
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        compile_cache.use(c.train.compile_cache)
+        TrainingStep(c, vocab_size=make_dataset(c.data, c.seed).vocab_size).compiled()
+        assert any((tmp_path / "cache").iterdir())
+        for run in ("first", "second"):
+            capsys.readouterr()
+            hits = compile_cache.hits()
+            train(c, tmp_path / run)
+            assert compile_cache.hits() > hits, run
+            assert "train step loaded from the compile cache" in capsys.readouterr().out, run
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+        compile_cache.use("auto")  # back to the suite's own cache
+
+
+def test_compile_cache_setting(tmp_path, monkeypatch):
+    from bpt.train.compile_cache import cache_dir
+
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert cache_dir("auto") == tmp_path / "jax"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir("auto") == tmp_path / "xdg" / "bpt" / "compiled"
+    assert cache_dir("") is None
+    assert cache_dir("~/c") == Path.home() / "c"
+    with pytest.raises(ValueError, match='train.compile_cache must be "auto", "" \\(off\\) or a folder; got 1'):
+        cache_dir(1)
+
+
 def test_gradient_accumulation_matches_one_big_batch():
     c = copy_config()
     model = GPT(model_config(c.model, vocab_size=9, seq_len=64))

@@ -208,6 +208,11 @@ def train_section() -> ConfigDict:
     # latency-hiding scheduler and pipelined collectives, for meshes of several GPUs); or
     # flags as XLA takes them ("--xla_gpu_... --xla_...").
     s.xla_flags = ""
+    # Where XLA's compiled programs are kept between runs (bpt.train.compile_cache): a
+    # restarted or resumed run loads its train step instead of compiling it again (minutes
+    # at the longest contexts), and remat_layer=auto's chosen step is compiled once. "auto":
+    # JAX_COMPILATION_CACHE_DIR where set, else ~/.cache/bpt/compiled; "": off; or a folder.
+    s.compile_cache = "auto"
     s.eval_every = 200  # 0: evaluate only at the end
     s.eval_batches = 8  # 0: no evaluation (a run of a few long steps)
     # N > 0: every evaluation also logs the loss by position in the window (ranges [0, N),

@@ -41,7 +41,7 @@ from bpt.models.lm import (
 )
 from bpt.ops.attention import ATTENTION, MERGED, attention
 from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
-from bpt.ops.chunked import CrossEntropy, from_chunks, scan_chunks
+from bpt.ops.chunked import CrossEntropy, from_chunks, largest_chunk, scan_chunks
 from bpt.ops.decode import DECODE, decode_attention, quantize_kv, write_cache
 from bpt.ops.remat import check_policy, remat
 from bpt.parallel.mesh import Parallelism
@@ -53,6 +53,9 @@ ATTENTION_MODES = ("vanilla", "memory_efficient", "blockwise_parallel")
 CACHE_DTYPES = ("auto", "int8")
 POSITION_EMBEDDINGS = ("rotary", "learned")
 MLP_ACTIVATIONS = ("gelu", "swiglu", "relu")
+# ffn_chunk_size=0's bound, in positions: at 8K and 32K GPT-1B's step ran 15% and 8% faster on
+# an H200 than with chunks of q_chunk_size=1024, for 0.2 and 1.1 GiB more (docs/notes/step_speed.md).
+FFN_CHUNK = 16384
 __all__ = [
     "GPT",
     "GPTConfig",
@@ -104,10 +107,11 @@ class GPTConfig(LMConfig):
     q_chunk_size: int = 512
     kv_chunk_size: int = 512
     # Positions per chunk of the layer's part after attention (output projection, residual,
-    # norm, FFN) where attention runs as one kernel call or across sequence shards; 0:
-    # q_chunk_size. Each chunk adds its FFN weight gradients into float32 sums once, so
-    # larger chunks make fewer passes over them. (The blockwise scan computes the FFN on its
-    # own query chunks.)
+    # norm, FFN) where attention runs as one kernel call or across sequence shards. Each chunk
+    # adds its FFN weight gradients into float32 sums once, so larger chunks make fewer passes
+    # over them (and larger GEMMs): 0 (auto) takes the largest multiple of q_chunk_size that
+    # divides the sequence a device holds, up to FFN_CHUNK (the whole sequence when that is
+    # shorter). (The blockwise scan computes the FFN on its own query chunks.)
     ffn_chunk_size: int = 0
     remat_attention: str = "none"
     remat_ffn: str = "nothing_saveable"
@@ -128,7 +132,7 @@ class GPTConfig(LMConfig):
         self.check_positive("num_heads", "q_chunk_size", "kv_chunk_size")
         chunk = self.ffn_chunk_size
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-            raise ValueError(f"model.ffn_chunk_size must be a positive integer or 0 (q_chunk_size); got {chunk!r}")
+            raise ValueError(f"model.ffn_chunk_size must be a positive integer or 0 (auto); got {chunk!r}")
         self.check_positive("num_kv_heads", "head_dim", "mlp_hidden", optional=True)
         self.check_above_zero("mlp_ratio")
         if self.num_heads % self.kv_heads:
@@ -345,10 +349,11 @@ class Block(Layer):
             return ffn_residual(h, fold_rng(rng, 1, i), p)
 
         def chunk_loop(x, a, weights, shards):
+            chunk = cfg.ffn_chunk_size or largest_chunk(x.shape[1] // shards, cfg.q_chunk_size, FFN_CHUNK)
             out = scan_chunks(
                 post_attention,
                 (x, a),
-                chunk_size=cfg.ffn_chunk_size or cfg.q_chunk_size,
+                chunk_size=chunk,
                 policy="none",
                 name="ffn_chunk_size" if cfg.ffn_chunk_size else "q_chunk_size",
                 weights=weights,

@@ -36,6 +36,17 @@ def resolve_chunk_size(chunk_size: int, length: int, name: str) -> int:
     return chunk_size
 
 
+def largest_chunk(length: int, unit: int, most: int) -> int:
+    """The largest multiple of unit that divides length and is at most most (the whole length
+    when it is at most that; unit itself when no larger multiple divides, or when unit does
+    not divide length, which resolve_chunk_size then reports)."""
+    if length <= most:
+        return length
+    if length % unit:
+        return unit
+    return max(unit * k for k in range(1, max(most // unit, 1) + 1) if (length // unit) % k == 0)
+
+
 def to_chunks(x: Array, chunk_size: int, shards: int = 1) -> Array:
     """[batch, seq, ...] -> [seq // chunk_size, batch, chunk_size, ...].
 

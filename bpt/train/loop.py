@@ -22,7 +22,7 @@ from bpt.data.datasets import Prefetcher, make_dataset, put_batch
 from bpt.models import make_model
 from bpt.models.lm import CausalLM
 from bpt.sample import generate
-from bpt.train import phases
+from bpt.train import compile_cache, phases
 from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.optimizer import learning_rate_schedule
@@ -414,6 +414,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     workdir = Path(workdir)
     check_workdir(workdir)
     tc = config.train
+    compile_cache.use(tc.get("compile_cache", "auto"))  # before the first compilation
     source = config.init.params_from
     if source and not Path(source).expanduser().exists() and not (workdir / "checkpoints").is_dir():
         # before the data is tokenized: a mistyped path should not cost minutes
@@ -494,6 +495,7 @@ def compile_first_step(config, model, dataset, train_step, state, batch_sharding
     phases.enter("compiling the train step", compile_hint(config))
     first = put_batch(dataset.train_batch(start, config.train.batch_size), batch_sharding)
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), 1), start)
+    started, hits = time.perf_counter(), compile_cache.hits()
     try:
         preflight(config, train_step, state, first, rng)
     except Exception as error:
@@ -508,6 +510,9 @@ def compile_first_step(config, model, dataset, train_step, state, batch_sharding
                 "model.attention_impl=pallas or blockwise"
             ) from error
         raise
+    took, loaded = time.perf_counter() - started, compile_cache.hits() > hits
+    if took >= 10 or loaded:
+        say(f"train step {'loaded from the compile cache' if loaded else 'compiled'} in {took:.0f} s", flush=True)
 
 
 def _commit(files: RunFiles, reporter: Reporter, checkpoints: Checkpoints | None) -> None:

@@ -1,0 +1,65 @@
+"""XLA's compiled programs kept on disk between runs (train.compile_cache).
+
+A long context's training step takes minutes to compile; with the cache a restarted or
+resumed run loads it instead, and model.remat_layer=auto's chosen policy, compiled once to
+measure its memory, is not compiled again for the loop (the two are the same program).
+This is jax's persistent compilation cache; only compilations of a second or more are
+kept (jax's jax_persistent_cache_min_compile_time_secs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_UNSET = object()
+_state = {"dir": _UNSET, "hits": 0, "listening": False}
+
+
+def cache_dir(setting: str) -> Path | None:
+    """The folder train.compile_cache names: "auto" is jax's own setting where the environment
+    makes one (JAX_COMPILATION_CACHE_DIR), else bpt/compiled under the user's cache folder
+    ($XDG_CACHE_HOME, else ~/.cache); "" turns the cache off; anything else is a path."""
+    if not isinstance(setting, str):
+        raise ValueError(f'train.compile_cache must be "auto", "" (off) or a folder; got {setting!r}')
+    if setting == "":
+        return None
+    if setting == "auto":
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            return Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).expanduser()
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base) / "bpt" / "compiled"
+    return Path(setting).expanduser()
+
+
+def _count(event: str, **_) -> None:
+    if event == HIT_EVENT:
+        _state["hits"] += 1
+
+
+def use(setting: str) -> Path | None:
+    """Points jax's compilation cache at train.compile_cache's folder (created here), or turns
+    it off; returns the folder. Takes effect for the compilations that follow."""
+    folder = cache_dir(setting)
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        folder = folder.resolve()
+    if folder != _state["dir"]:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()  # jax opens its cache once; a new folder needs a reset
+        jax.config.update("jax_compilation_cache_dir", None if folder is None else str(folder))
+        jax.config.update("jax_enable_compilation_cache", folder is not None)
+        _state["dir"] = folder
+    if not _state["listening"]:
+        jax.monitoring.register_event_listener(_count)
+        _state["listening"] = True
+    return folder
+
+
+def hits() -> int:
+    """Compiled programs loaded from the cache in this process so far."""
+    return _state["hits"]
