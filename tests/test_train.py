@@ -114,8 +114,8 @@ def test_compile_cache_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
     assert cache_dir("auto") == tmp_path / "jax"
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache_dir("auto") == tmp_path / "xdg" / "bpt" / "compiled"
+    monkeypatch.setenv("BPT_CACHE", str(tmp_path / "bpt"))  # where the corpora go too
+    assert cache_dir("auto") == tmp_path / "bpt" / "compiled"
     assert cache_dir("") is None
     assert cache_dir("~/c") == Path.home() / "c"
     with pytest.raises(ValueError, match='train.compile_cache must be "auto", "" \\(off\\) or a folder; got 1'):

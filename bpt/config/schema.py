@@ -211,7 +211,8 @@ def train_section() -> ConfigDict:
     # Where XLA's compiled programs are kept between runs (bpt.train.compile_cache): a
     # restarted or resumed run loads its train step instead of compiling it again (minutes
     # at the longest contexts), and remat_layer=auto's chosen step is compiled once. "auto":
-    # JAX_COMPILATION_CACHE_DIR where set, else ~/.cache/bpt/compiled; "": off; or a folder.
+    # JAX_COMPILATION_CACHE_DIR where set, else compiled/ in $BPT_CACHE or ~/.cache/bpt;
+    # "": off; or a folder.
     s.compile_cache = "auto"
     s.eval_every = 200  # 0: evaluate only at the end
     s.eval_batches = 8  # 0: no evaluation (a run of a few long steps)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import jax
 
+from bpt.data.text import cache_root
+
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _UNSET = object()
 _state = {"dir": _UNSET, "hits": 0, "listening": False}
@@ -21,8 +23,9 @@ _state = {"dir": _UNSET, "hits": 0, "listening": False}
 
 def cache_dir(setting: str) -> Path | None:
     """The folder train.compile_cache names: "auto" is jax's own setting where the environment
-    makes one (JAX_COMPILATION_CACHE_DIR), else bpt/compiled under the user's cache folder
-    ($XDG_CACHE_HOME, else ~/.cache); "" turns the cache off; anything else is a path."""
+    makes one (JAX_COMPILATION_CACHE_DIR), else compiled/ in bpt's cache folder ($BPT_CACHE,
+    else ~/.cache/bpt, where the corpora go too); "" turns the cache off; anything else is a
+    path."""
     if not isinstance(setting, str):
         raise ValueError(f'train.compile_cache must be "auto", "" (off) or a folder; got {setting!r}')
     if setting == "":
@@ -30,8 +33,7 @@ def cache_dir(setting: str) -> Path | None:
     if setting == "auto":
         if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
             return Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).expanduser()
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        return Path(base) / "bpt" / "compiled"
+        return cache_root() / "compiled"
     return Path(setting).expanduser()
 
 
