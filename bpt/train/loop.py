@@ -298,6 +298,7 @@ def restore_run(workdir: str | Path, mesh: dict | None = None):
         # The run's own copy: the one it was trained with, wherever the folder now is.
         config.data.tokenizer = str(own)
     config.mesh.update(mesh or {})
+    compile_cache.use(config.train.get("compile_cache", "auto"))  # evaluation and sampling too
     sizes = [config.mesh[name] for name in ("data", "fsdp", "sequence", "tensor")]
     if -1 not in sizes and math.prod(sizes) != jax.device_count():
         # Saved on another number of devices: the checkpoint restores onto any mesh, so read
