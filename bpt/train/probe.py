@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 
 import jax
@@ -112,7 +113,7 @@ def resolve_remat(
         return chosen
     if need is None:
         need = lambda c: TrainingStep(c, vocab_size=vocab_size, devices=devices).memory().peak  # noqa: E731
-    needs = []
+    needs, started = [], time.perf_counter()
     for policy in auto_policies(config.model):
         chosen.model.remat_layer = policy
         bytes_ = need(chosen)
@@ -120,7 +121,7 @@ def resolve_remat(
         if bytes_ <= budget:
             break
     say(f"model.remat_layer=auto: {chosen.model.remat_layer} (step memory: {', '.join(needs)}; "
-        f"the device has {budget / 2**30:.1f} GiB)")  # fmt: skip
+        f"the device has {budget / 2**30:.1f} GiB; chosen in {time.perf_counter() - started:.0f} s)")  # fmt: skip
     return chosen
 
 
