@@ -4,7 +4,9 @@ A long context's training step takes minutes to compile; with the cache a restar
 resumed run loads it instead, and model.remat_layer=auto's chosen policy, compiled once to
 measure its memory, is not compiled again for the loop (the two are the same program).
 This is jax's persistent compilation cache; only compilations of a second or more are
-kept (jax's jax_persistent_cache_min_compile_time_secs).
+kept (jax's jax_persistent_cache_min_compile_time_secs). Nothing is evicted (jax's size
+bound needs every writer of the folder to keep access times, which a folder shared with
+other jax programs does not): the folder can be deleted at any time.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ def use(setting: str) -> Path | None:
         compilation_cache.reset_cache()  # jax opens its cache once; a new folder needs a reset
         jax.config.update("jax_compilation_cache_dir", None if folder is None else str(folder))
         jax.config.update("jax_enable_compilation_cache", folder is not None)
+        # A program with cuDNN's attention holds the address of jax's partitioning callback
+        # for it, which differs every run: without this no such program would ever be found
+        # again. The executable no longer calls it (partitioning happens while compiling).
+        jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
         _state["dir"] = folder
     if not _state["listening"]:
         jax.monitoring.register_event_listener(_count)
