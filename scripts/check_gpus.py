@@ -29,8 +29,10 @@ settings a user would type) on all N GPUs, a few steps long, checkpoints off:
 
 A row passes when the run exits 0 without the coordination service's errors and, for losses
 (processes) rows, its losses equal the one-GPU (one-process) run's.
-Results go to --out: results.json (every row), report.md (the table printed last) and
-check_gpus.png (tokens/s per GPU and peak memory of each row). A finished row is not run
+Results go to --out: results.json (every row), report.md (the table printed last: a row's
+compile seconds are remat auto's choice plus the train step's, "step cached" where the step
+came from bpt-train's compile cache) and check_gpus.png (tokens/s per GPU and peak memory
+of each row). A finished row is not run
 again (--rerun_failed retries failed ones), so a campaign spans several calls; a "longest"
 row's search keeps every compile it finishes, also when --timeout stops it, and its rerun
 goes on from them;
@@ -46,6 +48,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -249,6 +252,7 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
     remat = [line.split("model.remat_layer=auto: ")[1].split(" ")[0] for line in text.splitlines() if "model.remat_layer=auto: " in line]
     if remat:
         result["remat_layer"] = remat[-1]
+    result.update(compile_seconds(text))
     if metrics:
         last = metrics[-1]
         tokens = last.get("tokens_per_sec")
@@ -272,6 +276,26 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
             result.update(status="fail", error=f"exit {code}: {error_line(text)}")
     shutil.rmtree(workdir, ignore_errors=True)
     return result
+
+
+COMPILE_LINES = (  # bpt-train's own lines: remat auto's choice, then the loop's step
+    re.compile(r"model\.remat_layer=auto: .*; chosen in (\d+) s\)"),
+    re.compile(r"train step (compiled|loaded from the compile cache) in (\d+) s"),
+)
+
+
+def compile_seconds(text: str) -> dict:
+    """How long a row's run compiled, from bpt-train's lines: compile_s (remat auto's choice
+    plus the train step; lines under 10 s are not printed, so a short compile counts 0) and
+    whether the step came from the compile cache."""
+    choice = [int(m.group(1)) for m in COMPILE_LINES[0].finditer(text)]
+    step = [(m.group(1), int(m.group(2))) for m in COMPILE_LINES[1].finditer(text)]
+    if not choice and not step:
+        return {}
+    return {
+        "compile_s": (choice[-1] if choice else 0) + (step[-1][1] if step else 0),
+        "step_from_cache": bool(step) and step[-1][0] != "compiled",
+    }
 
 
 def run_processes(row: Row, argv: list[str], env: dict, on_gpu: bool, timeout: int) -> tuple[int | None, str]:
@@ -373,8 +397,8 @@ def check_losses(results: list[dict]) -> None:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| row | GPUs | context | tokens/s/GPU | MFU | peak GiB | remat | losses | result |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | GPUs | context | tokens/s/GPU | MFU | peak GiB | remat | compile s | losses | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         tokens = r.get("tokens_per_sec_per_gpu")
@@ -392,6 +416,7 @@ def table(results: list[dict]) -> str:
             f"{r['mfu']:.1%}" if r.get("mfu") else "–",
             f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "–",
             r.get("remat_layer", "–"),
+            (f"{r['compile_s']}" + (" (step cached)" if r.get("step_from_cache") else "")) if "compile_s" in r else "–",
             losses or "–",
             verdict,
         )

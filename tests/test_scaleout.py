@@ -211,6 +211,25 @@ def test_check_gpus_runs_bpt_train_on_each_mesh_with_one_devices_losses(tmp_path
     assert state["results"][1]["status"] == "fail" and "losses differ from one GPU's" in state["results"][1]["error"]
 
 
+def test_check_gpus_reads_how_long_a_run_compiled():
+    """A row's compile time from bpt-train's lines: remat auto's choice plus the train step,
+    and whether the step came from the compile cache."""
+    check = load_script("check_gpus")
+    probe = "model.remat_layer=auto: attention_saveable (step memory: x 9.0 GiB; the device has 8.0 GiB; chosen in 212 s)"
+    assert check.compile_seconds(f"{probe}\ncompiling the train step ...\ntrain step compiled in 95 s\n") == {
+        "compile_s": 307,
+        "step_from_cache": False,
+    }
+    assert check.compile_seconds(f"{probe}\ntrain step loaded from the compile cache in 3 s") == {
+        "compile_s": 215,
+        "step_from_cache": True,
+    }
+    assert check.compile_seconds("train step compiled in 12 s") == {"compile_s": 12, "step_from_cache": False}
+    assert check.compile_seconds("step 1: loss=3.0") == {}
+    row = {"name": "r", "status": "pass", "compile_s": 215, "step_from_cache": True}
+    assert "| 215 (step cached) |" in check.table([row])
+
+
 def test_a_stopped_length_search_goes_on_from_its_compiles(tmp_path):
     """bench_max_context --known: lengths an earlier search compiled (its printed JSON lines)
     are not compiled again and are judged against this search's budget; check_gpus keeps a
