@@ -249,10 +249,7 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
     (out / "logs" / f"{slug(row.name)}.log").write_text(text)
     metrics = read_metrics(workdir / "metrics.jsonl")
     result["losses"] = [m["loss"] for m in metrics]
-    remat = [line.split("model.remat_layer=auto: ")[1].split(" ")[0] for line in text.splitlines() if "model.remat_layer=auto: " in line]
-    if remat:
-        result["remat_layer"] = remat[-1]
-    result.update(compile_seconds(text))
+    result.update(compile_facts(text))
     if metrics:
         last = metrics[-1]
         tokens = last.get("tokens_per_sec")
@@ -278,24 +275,23 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
     return result
 
 
-COMPILE_LINES = (  # bpt-train's own lines: remat auto's choice, then the loop's step
-    re.compile(r"model\.remat_layer=auto: .*; chosen in (\d+) s\)"),
-    re.compile(r"train step (compiled|loaded from the compile cache) in (\d+) s"),
-)
+# bpt-train's own lines: remat auto's choice (and, where it compiled candidates, how long it
+# took), then the loop's train step where it took 10 s or came from the compile cache.
+REMAT_LINE = re.compile(r"model\.remat_layer=auto: (\S+) \([^\n]*?(?:; chosen in (\d+) s)?\)")
+STEP_LINE = re.compile(r"train step (compiled|loaded from the compile cache) in (\d+) s")
 
 
-def compile_seconds(text: str) -> dict:
-    """How long a row's run compiled, from bpt-train's lines: compile_s (remat auto's choice
-    plus the train step; lines under 10 s are not printed, so a short compile counts 0) and
-    whether the step came from the compile cache."""
-    choice = [int(m.group(1)) for m in COMPILE_LINES[0].finditer(text)]
-    step = [(m.group(1), int(m.group(2))) for m in COMPILE_LINES[1].finditer(text)]
-    if not choice and not step:
-        return {}
-    return {
-        "compile_s": (choice[-1] if choice else 0) + (step[-1][1] if step else 0),
-        "step_from_cache": bool(step) and step[-1][0] != "compiled",
-    }
+def compile_facts(text: str) -> dict:
+    """From a row's output: remat_layer (auto's choice), compile_s (the choice's compilations
+    plus the train step's; a step under 10 s counts 0) and step_from_cache."""
+    facts, remat, step = {}, REMAT_LINE.findall(text), STEP_LINE.findall(text)
+    if remat:
+        facts["remat_layer"] = remat[-1][0]
+    chosen = int(remat[-1][1]) if remat and remat[-1][1] else None
+    if chosen is not None or step:
+        facts["compile_s"] = (chosen or 0) + (int(step[-1][1]) if step else 0)
+        facts["step_from_cache"] = bool(step) and step[-1][0] != "compiled"
+    return facts
 
 
 def run_processes(row: Row, argv: list[str], env: dict, on_gpu: bool, timeout: int) -> tuple[int | None, str]:

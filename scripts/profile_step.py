@@ -177,15 +177,23 @@ def fusions_table(ops: list[dict], fusions: dict[str, dict], top: int, **known) 
     return "\n".join(lines)
 
 
+def operation(e: dict) -> str:
+    """The XLA operation a kernel event belongs to (its fusion or custom call), else the
+    kernel's own name."""
+    op = e.get("args", {}).get("hlo_op") or e["name"]
+    return e["name"] if op.startswith("command_buffer") else op
+
+
+def is_collective(e: dict) -> bool:
+    return kind_of(f"{e['name']} {operation(e)}") == "collective"
+
+
 def summarize(events: list[dict], steps: int, shapes: dict[str, str] | None = None) -> dict:
     """Kernel time per step (ms), by operation and by kind."""
     by_op: dict[str, dict] = collections.defaultdict(lambda: {"ms": 0.0, "calls": 0, "kernels": set()})
     by_kind: dict[str, float] = collections.Counter()
     for e in events:
-        args = e.get("args", {})
-        op = args.get("hlo_op") or e["name"]
-        if op.startswith("command_buffer"):
-            op = e["name"]
+        op = operation(e)
         ms = e["dur"] / 1e3 / steps
         entry = by_op[op]
         entry["ms"] += ms
@@ -255,7 +263,7 @@ def timeline(events: list[dict], steps: int) -> dict[str, float]:
         "idle_ms": per(span - busy_us),
         "overlapped_ms": per(sum(b - a for a, b in spans) - busy_us),
     }
-    collective = [kind_of(f"{e['name']} {e.get('args', {}).get('hlo_op', '')}") == "collective" for e in timed]
+    collective = [is_collective(e) for e in timed]
     collectives = _union(x for x, c in zip(spans, collective) if c)
     if collectives:
         others = _union(x for x, c in zip(spans, collective) if not c)
@@ -268,17 +276,15 @@ def collective_waits(events_by_device: list[list[dict]], steps: int) -> dict:
     """How much of the devices' collective time is waiting. A collective's n-th call ends on
     every device once the slowest has joined, so of its durations the shortest is about the
     transfer itself (the device that came last waits for no one) and the rest is each other
-    device's wait. Calls are matched by operation (args.hlo_op, else the kernel's name) and
-    order. Per step (ms): transfer_ms, the shortest durations summed; wait_ms, each device's
+    device's wait. Calls are matched by operation and order. Per step (ms): transfer_ms, the shortest durations summed; wait_ms, each device's
     durations beyond the shortest; last, how often each device was the one the rest waited
     for (calls a step)."""
     calls = []  # per device: {operation: [durations in order]}
     for events in events_by_device:
         by_op = collections.defaultdict(list)
         for e in sorted(events, key=lambda e: e.get("ts", 0)):
-            op = e.get("args", {}).get("hlo_op", "") or e["name"]
-            if kind_of(f"{e['name']} {op}") == "collective":
-                by_op[op].append(e["dur"])
+            if is_collective(e):
+                by_op[operation(e)].append(e["dur"])
         calls.append(by_op)
     n = len(calls)
     transfer, wait, last = 0.0, [0.0] * n, [0] * n
@@ -329,19 +335,16 @@ def main() -> None:
     events = device_events(trace_dir)
     # On several devices every figure is one device's average; the per-device totals show
     # whether the work is balanced.
-    per_device = collections.Counter()
+    by_device = collections.defaultdict(list)
     for e in events:
-        per_device[e["pid"]] += e["dur"] / 1e3 / args.steps
-    summary = summarize(events, args.steps * max(1, len(per_device)), hlo_shapes(hlo))
-    summary["devices"] = len(per_device)
-    summary["timeline_by_device"] = [
-        timeline([e for e in events if e["pid"] == pid], args.steps) for pid in sorted(per_device)
-    ]
-    summary["kernel_ms_per_step_by_device"] = [per_device[pid] for pid in sorted(per_device)]
-    if len(per_device) > 1:
-        summary["collective_waits"] = collective_waits(
-            [[e for e in events if e["pid"] == pid] for pid in sorted(per_device)], args.steps
-        )
+        by_device[e["pid"]].append(e)
+    by_device = [by_device[pid] for pid in sorted(by_device)]
+    summary = summarize(events, args.steps * max(1, len(by_device)), hlo_shapes(hlo))
+    summary["devices"] = len(by_device)
+    summary["timeline_by_device"] = [timeline(own, args.steps) for own in by_device]
+    summary["kernel_ms_per_step_by_device"] = [sum(e["dur"] for e in own) / 1e3 / args.steps for own in by_device]
+    if len(by_device) > 1:
+        summary["collective_waits"] = collective_waits(by_device, args.steps)
     vocab = step.model.config.vocab_size
     known = dict(
         vocab_sizes={vocab, -(-vocab // 128) * 128},  # the chunked loss pads the head to 128s

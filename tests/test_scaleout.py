@@ -216,16 +216,20 @@ def test_check_gpus_reads_how_long_a_run_compiled():
     and whether the step came from the compile cache."""
     check = load_script("check_gpus")
     probe = "model.remat_layer=auto: attention_saveable (step memory: x 9.0 GiB; the device has 8.0 GiB; chosen in 212 s)"
-    assert check.compile_seconds(f"{probe}\ncompiling the train step ...\ntrain step compiled in 95 s\n") == {
+    assert check.compile_facts(f"{probe}\ncompiling the train step ...\ntrain step compiled in 95 s\n") == {
+        "remat_layer": "attention_saveable",
         "compile_s": 307,
         "step_from_cache": False,
     }
-    assert check.compile_seconds(f"{probe}\ntrain step loaded from the compile cache in 3 s") == {
+    assert check.compile_facts(f"{probe}\ntrain step loaded from the compile cache in 3 s") == {
+        "remat_layer": "attention_saveable",
         "compile_s": 215,
         "step_from_cache": True,
     }
-    assert check.compile_seconds("train step compiled in 12 s") == {"compile_s": 12, "step_from_cache": False}
-    assert check.compile_seconds("step 1: loss=3.0") == {}
+    assert check.compile_facts("train step compiled in 12 s") == {"compile_s": 12, "step_from_cache": False}
+    assert check.compile_facts("step 1: loss=3.0") == {}
+    cpu = "model.remat_layer=auto: nothing_saveable (the device reports no memory limit)"
+    assert check.compile_facts(cpu) == {"remat_layer": "nothing_saveable"}
     row = {"name": "r", "status": "pass", "compile_s": 215, "step_from_cache": True}
     assert "| 215 (step cached) |" in check.table([row])
 

@@ -20,7 +20,7 @@ from bpt.data.text import cache_root
 
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _UNSET = object()
-_state = {"dir": _UNSET, "hits": 0, "listening": False}
+_state = {"dir": _UNSET, "hits": 0}
 
 
 def cache_dir(setting: str) -> Path | None:
@@ -44,6 +44,9 @@ def _count(event: str, **_) -> None:
         _state["hits"] += 1
 
 
+jax.monitoring.register_event_listener(_count)  # once, when this module is first imported
+
+
 def use(setting: str) -> Path | None:
     """Points jax's compilation cache at train.compile_cache's folder (created here), or turns
     it off; returns the folder. Takes effect for the compilations that follow."""
@@ -62,9 +65,6 @@ def use(setting: str) -> Path | None:
         # again. The executable no longer calls it (partitioning happens while compiling).
         jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
         _state["dir"] = folder
-    if not _state["listening"]:
-        jax.monitoring.register_event_listener(_count)
-        _state["listening"] = True
     return folder
 
 

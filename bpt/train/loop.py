@@ -200,8 +200,11 @@ def setup(config: ConfigDict, *, training: bool = False) -> tuple[object, Causal
     """The run's dataset, model (on the mesh config.mesh describes) and initial train state,
     after checking the config. training: model.remat_layer=auto is chosen on this device
     (resolve_remat; the saved config keeps "auto"); evaluation and sampling do not
-    rematerialize, so they skip the choice and its compilations."""
+    rematerialize, so they skip the choice and its compilations. The compilations from here
+    on use the run's compile cache (train.compile_cache), for training, evaluation and
+    sampling alike."""
     check_config(config)
+    compile_cache.use(config.train.get("compile_cache", "auto"))
     parallel = make_parallelism(config)
     dataset = make_dataset(config.data, config.seed)
     fields = getattr(dataset, "model_fields", {})  # what the data says of the model (AT's shapes)
@@ -298,7 +301,6 @@ def restore_run(workdir: str | Path, mesh: dict | None = None):
         # The run's own copy: the one it was trained with, wherever the folder now is.
         config.data.tokenizer = str(own)
     config.mesh.update(mesh or {})
-    compile_cache.use(config.train.get("compile_cache", "auto"))  # evaluation and sampling too
     sizes = [config.mesh[name] for name in ("data", "fsdp", "sequence", "tensor")]
     if -1 not in sizes and math.prod(sizes) != jax.device_count():
         # Saved on another number of devices: the checkpoint restores onto any mesh, so read
@@ -415,7 +417,6 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     workdir = Path(workdir)
     check_workdir(workdir)
     tc = config.train
-    compile_cache.use(tc.get("compile_cache", "auto"))  # before the first compilation
     source = config.init.params_from
     if source and not Path(source).expanduser().exists() and not (workdir / "checkpoints").is_dir():
         # before the data is tokenized: a mistyped path should not cost minutes
