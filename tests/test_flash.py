@@ -124,6 +124,63 @@ def test_attention_saveable_keeps_the_kernels_output_and_logsumexp(key, capsys):
     assert rel_err(runs["attention_saveable"][1], runs["nothing_saveable"][1]) < 1e-6
 
 
+def kernel_result_uses(jaxpr, kernel: str) -> list[str]:
+    """The primitives that read the named Pallas kernel's results, in every jaxpr nested in
+    jaxpr (one list for all its launches)."""
+    uses = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and str(eqn.params["name"]) == kernel:
+            results = set(map(id, eqn.outvars))
+            uses += [e.primitive.name for e in jaxpr.eqns if any(id(v) in results for v in e.invars)]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    uses += kernel_result_uses(inner, kernel)
+    return uses
+
+
+@pytest.mark.parametrize("policy", ["attention_saveable", "nothing_saveable"])
+def test_the_forward_kernels_results_pass_one_barrier(key, policy):
+    """Whatever the remat policy, the forward kernel's results go first through an
+    optimization barrier (bpt.ops.remat.kept_results) and nowhere else: with it, XLA's GPU
+    compiler can no longer clone the launch into a fusion that writes the results into a
+    layer scan's stack of saved values, which ran the forward twice in GPT-1B's step
+    (test_a_scanned_train_step_launches_each_hopper_kernel_once checks the GPU program)."""
+    q, k, v, d_out = inputs(key, 1, 48, 2, 2, 16)
+    layer = remat(lambda q: flash_attention(jnp.tanh(q), k, v, causal=True, **SMALL), policy)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q: jnp.sum(layer(q) * d_out)))(q).jaxpr
+    uses = kernel_result_uses(jaxpr, "bpt_flash_fwd")
+    assert uses and set(uses) == {"optimization_barrier"}, uses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ON_GPU and attention_hopper.is_hopper()), reason="the Hopper kernels need an H100-class GPU")
+def test_a_scanned_train_step_launches_each_hopper_kernel_once():
+    """The compiled train step of a two-layer scanned GPT on bpt's kernels holds two Mosaic GPU
+    launches, the forward and the backward: before kept_results's barrier XLA's dynamic-slice
+    fusion cloned the forward (three launches; measured on an H200, jax 0.11.2)."""
+    from bpt.config import load_config_file, override
+    from bpt.train.probe import TrainingStep
+
+    c = load_config_file("configs/tiny.py")
+    for setting in (
+        "model.attention_impl=pallas",
+        "model.remat_layer=attention_and_dots_saveable",
+        "model.dtype=bfloat16",
+        "model.d_model=256",
+        "model.num_heads=2",
+        "data.seq_len=1024",
+        "train.batch_size=1",
+    ):
+        override(c, setting)
+    step = TrainingStep(c)
+    batch = jax.eval_shape(step._random_batch, jax.random.PRNGKey(0))
+    rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    program = step.step.lower(step.state_shapes, batch, rng).compile().as_text()
+    assert program.count('custom_call_target="mosaic_gpu_v2"') == 2
+
+
 @pytest.mark.parametrize("causal, segments", [(True, False), (False, True)])
 def test_fp8_forward_runs_its_matmuls_in_e4m3_within_its_error(key, causal, segments):
     """fp8=True: the forward kernel takes float8_e4m3fn q, k, v (scaled per token, per token

@@ -26,11 +26,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from bpt.ops.kernels import gau as kernels
 from bpt.ops.registry import Implementation, Registry
-from bpt.ops.remat import ATTENTION_OUT, ATTENTION_RESIDUAL
+from bpt.ops.remat import ATTENTION_OUT, ATTENTION_RESIDUAL, kept_results
 
 Array = jax.Array
 
@@ -264,10 +263,11 @@ _COMPUTED = ("r", "x", "y", "st")
 
 def _mixed_chunks_fwd(static, *args):
     out, _, residuals = _mixed_chunks_forward(static, *args)
-    for name in _COMPUTED:
-        if residuals.get(name) is not None:
-            residuals[name] = checkpoint_name(residuals[name], ATTENTION_RESIDUAL)
-    return checkpoint_name(out, ATTENTION_OUT), residuals
+    computed = [name for name in _COMPUTED if residuals.get(name) is not None]
+    out, *kept = kept_results(
+        (out, *(residuals[name] for name in computed)), (ATTENTION_OUT, *(ATTENTION_RESIDUAL for _ in computed))
+    )
+    return out, {**residuals, **dict(zip(computed, kept))}
 
 
 def _flat(x: Array | None) -> Array | None:

@@ -6,6 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+Array = jax.Array
 
 # The checkpoint names bpt's attention forwards give the results their backward needs (the
 # Pallas kernels' and the blockwise scan's custom_vjp residuals).
@@ -15,6 +19,18 @@ ATTENTION_LSE = "attention_lse"
 # output and logsumexp (FLASH's relu^2 weights and the [values ; states] it multiplied).
 ATTENTION_RESIDUAL = "attention_residual"
 ATTENTION_NAMES = (ATTENTION_OUT, ATTENTION_LSE, ATTENTION_RESIDUAL)
+
+
+def kept_results(values: tuple[Array, ...], names: tuple[str, ...]) -> tuple[Array, ...]:
+    """values, each under its checkpoint name (names[i]), all behind one optimization barrier:
+    what a kernel's forward hands a remat policy to keep.
+
+    The barrier keeps XLA's GPU compiler from launching the kernel twice. Where a layer scan
+    stacks a kernel's results for the backward, XLA's dynamic-slice fusion clones the launch:
+    one copy feeds the layer's next op, the other writes straight into the stack. GPT-1B's 32K
+    step on bpt's attention kernels ran its forward twice so, 24% of the step's kernel time
+    (docs/notes/step_speed.md). The barrier is no operation at run time."""
+    return tuple(checkpoint_name(x, name) for x, name in zip(lax.optimization_barrier(tuple(values)), names))
 
 
 def _attention_saveable(prim, *_, **params) -> bool:

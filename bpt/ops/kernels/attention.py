@@ -32,12 +32,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from bpt.ops.kernels import attention_hopper
 from bpt.ops.reference import check_qkv, split_segment_ids
-from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT
+from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT, kept_results
 
 Array = jax.Array
 LOG2E = math.log2(math.e)
@@ -430,7 +429,7 @@ def _flash(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
 def _flash_fwd(cfg, q, k, v, q_seg, kv_seg):
     out, lse = _forward(cfg, q, k, v, q_seg, kv_seg)
     # Named, so that a remat policy can keep them (bpt.ops.remat: attention_saveable).
-    out, lse = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
+    out, lse = kept_results((out, lse), (ATTENTION_OUT, ATTENTION_LSE))
     return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
 
