@@ -174,10 +174,7 @@ def test_a_scanned_train_step_launches_each_hopper_kernel_once():
         "train.batch_size=1",
     ):
         override(c, setting)
-    step = TrainingStep(c)
-    batch = jax.eval_shape(step._random_batch, jax.random.PRNGKey(0))
-    rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    program = step.step.lower(step.state_shapes, batch, rng).compile().as_text()
+    program = TrainingStep(c).compiled().as_text()
     assert program.count('custom_call_target="mosaic_gpu_v2"') == 2
 
 
