@@ -16,8 +16,8 @@ and with collectives how long they ran and how much of that with no other kernel
 (the transfers the step waits for). Over several devices, each collective call's durations
 are split into the transfer (its shortest duration: the device that came last) and each
 device's wait for a later one, with how often each device was the last. The trace itself
-(for Perfetto or TensorBoard) stays under --out. Prints the step time and the --top operations as a markdown
-table last; --out also gets profile.json. --fusions N adds what the N slowest elementwise
+(for Perfetto or TensorBoard) stays under --out. Prints the step time and the --top
+operations as a markdown table last; --out also gets profile.json. --fusions N adds what the N slowest elementwise
 and norm fusions compute (their opcodes) and the bandwidth they reach.
 """
 
@@ -276,9 +276,9 @@ def collective_waits(events_by_device: list[list[dict]], steps: int) -> dict:
     """How much of the devices' collective time is waiting. A collective's n-th call ends on
     every device once the slowest has joined, so of its durations the shortest is about the
     transfer itself (the device that came last waits for no one) and the rest is each other
-    device's wait. Calls are matched by operation and order. Per step (ms): transfer_ms, the shortest durations summed; wait_ms, each device's
-    durations beyond the shortest; last, how often each device was the one the rest waited
-    for (calls a step)."""
+    device's wait. Calls are matched by operation and order. Per step (ms): transfer_ms, the
+    shortest durations summed; wait_ms, each device's durations beyond the shortest; last,
+    how often each device was the one the rest waited for (calls a step)."""
     calls = []  # per device: {operation: [durations in order]}
     for events in events_by_device:
         by_op = collections.defaultdict(list)

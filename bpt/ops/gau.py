@@ -264,9 +264,8 @@ _COMPUTED = ("r", "x", "y", "st")
 def _mixed_chunks_fwd(static, *args):
     out, _, residuals = _mixed_chunks_forward(static, *args)
     computed = [name for name in _COMPUTED if residuals.get(name) is not None]
-    out, *kept = kept_results(
-        (out, *(residuals[name] for name in computed)), (ATTENTION_OUT, *(ATTENTION_RESIDUAL for _ in computed))
-    )
+    names = (ATTENTION_OUT,) + (ATTENTION_RESIDUAL,) * len(computed)
+    out, *kept = kept_results((out, *(residuals[name] for name in computed)), names)
     return out, {**residuals, **dict(zip(computed, kept))}
 
 
