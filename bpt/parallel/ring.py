@@ -291,6 +291,7 @@ def _attend_fwd(s: _Settings, q, k, v, q_seg, kv_seg):
         (2, 2, 2),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
         (2, 1),
+        loop=s.strategy == "all_gather",
     )
     # Named like the one-device kernels' results, so that a remat policy that keeps attention
     # (bpt.ops.remat: attention_saveable) keeps the merged output and logsumexp: the layer's
@@ -309,11 +310,12 @@ def _attend_bwd(s: _Settings, residuals, d_out):
         (2, 2, 2, 2, 1, 2),
         tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
         (2, 2, 2),
+        loop=s.strategy == "all_gather",
     )
     return dq, dk, dv, None, None
 
 
-def _in_head_groups(groups: int, fn, args, arg_axes, results, result_axes):
+def _in_head_groups(groups: int, fn, args, arg_axes, results, result_axes, *, loop: bool = False):
     """fn(*args) computed for `groups` slices of the heads, one group after another: each arg
     is sliced along its heads axis (arg_axes) and the groups' results (ShapeDtypeStructs)
     joined along their own (result_axes). One group's temporaries (the visiting shard, its
@@ -323,10 +325,24 @@ def _in_head_groups(groups: int, fn, args, arg_axes, results, result_axes):
     the previous group's results, so that XLA runs them in order. A lax.fori_loop over the
     groups made XLA's GPU compiler crash (a segmentation fault, jax 0.11.2) with two sequence
     shards, where the loop's body holds the ring's transfers directly
-    (scripts/repro_ring_segfault.py; docs/notes/multi_gpu.md)."""
+    (scripts/repro_ring_segfault.py; docs/notes/multi_gpu.md). loop: a lax.fori_loop over
+    the groups instead, for all_gather, whose body holds no ppermute: one group's program
+    instead of `groups` copies (all_gather's many groups at long shards made its step slow to
+    compile)."""
     if groups == 1:
         return fn(*args)
     filled = tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+    if loop:
+
+        def body(g, filled):
+            piece = (lax.dynamic_slice_in_dim(x, g * (x.shape[a] // groups), x.shape[a] // groups, axis=a)
+                     for x, a in zip(args, arg_axes))  # fmt: skip
+            return tuple(
+                lax.dynamic_update_slice_in_dim(r, p.astype(r.dtype), g * p.shape[a], a)
+                for r, p, a in zip(filled, fn(*piece), result_axes)
+            )
+
+        return lax.fori_loop(0, groups, body, filled)
     for g in range(groups):
         if g:  # group g's inputs become available only once group g - 1's results are in
             filled, args = lax.optimization_barrier((filled, args))
