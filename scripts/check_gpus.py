@@ -30,8 +30,8 @@ settings a user would type) on all N GPUs, a few steps long, checkpoints off:
 A row passes when the run exits 0 without the coordination service's errors and, for losses
 (processes) rows, its losses equal the one-GPU (one-process) run's.
 Results go to --out: results.json (every row), report.md (the table printed last: a row's
-compile seconds are remat auto's choice plus the train step's, "step cached" where the step
-came from bpt-train's compile cache) and check_gpus.png (tokens/s per GPU and peak memory
+compile seconds are remat auto's choice plus the train step's, each in brackets where auto
+compiled candidates, "step cached" where the step came from bpt-train's compile cache) and check_gpus.png (tokens/s per GPU and peak memory
 of each row). A finished row is not run
 again (--rerun_failed retries failed ones), so a campaign spans several calls; a "longest"
 row's search keeps every compile it finishes, also when --timeout stops it, and its rerun
@@ -283,15 +283,28 @@ STEP_LINE = re.compile(r"train step (compiled|loaded from the compile cache) in 
 
 def compile_facts(text: str) -> dict:
     """From a row's output: remat_layer (auto's choice), compile_s (the choice's compilations
-    plus the train step's; a step under 10 s counts 0) and step_from_cache."""
+    plus the train step's; a step under 10 s counts 0), each part (choice_s, step_s) and
+    step_from_cache."""
     facts, remat, step = {}, REMAT_LINE.findall(text), STEP_LINE.findall(text)
     if remat:
         facts["remat_layer"] = remat[-1][0]
     chosen = int(remat[-1][1]) if remat and remat[-1][1] else None
     if chosen is not None or step:
-        facts["compile_s"] = (chosen or 0) + (int(step[-1][1]) if step else 0)
+        facts["choice_s"], facts["step_s"] = chosen or 0, int(step[-1][1]) if step else 0
+        facts["compile_s"] = facts["choice_s"] + facts["step_s"]
         facts["step_from_cache"] = bool(step) and step[-1][0] != "compiled"
     return facts
+
+
+def compile_cell(r: dict) -> str:
+    """The table's compile seconds: the total, and where remat auto compiled candidates the
+    choice's and the step's parts."""
+    if "compile_s" not in r:
+        return "–"
+    cell = f"{r['compile_s']}"
+    if r.get("choice_s") and "step_s" in r:
+        cell += f" ({r['choice_s']} + {r['step_s']})"
+    return cell + (" (step cached)" if r.get("step_from_cache") else "")
 
 
 def run_processes(row: Row, argv: list[str], env: dict, on_gpu: bool, timeout: int) -> tuple[int | None, str]:
@@ -412,7 +425,7 @@ def table(results: list[dict]) -> str:
             f"{r['mfu']:.1%}" if r.get("mfu") else "–",
             f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "–",
             r.get("remat_layer", "–"),
-            (f"{r['compile_s']}" + (" (step cached)" if r.get("step_from_cache") else "")) if "compile_s" in r else "–",
+            compile_cell(r),
             losses or "–",
             verdict,
         )

@@ -218,19 +218,30 @@ def test_check_gpus_reads_how_long_a_run_compiled():
     probe = "model.remat_layer=auto: attention_saveable (step memory: x 9.0 GiB; the device has 8.0 GiB; chosen in 212 s)"
     assert check.compile_facts(f"{probe}\ncompiling the train step ...\ntrain step compiled in 95 s\n") == {
         "remat_layer": "attention_saveable",
+        "choice_s": 212,
+        "step_s": 95,
         "compile_s": 307,
         "step_from_cache": False,
     }
-    assert check.compile_facts(f"{probe}\ntrain step loaded from the compile cache in 3 s") == {
+    cached = check.compile_facts(f"{probe}\ntrain step loaded from the compile cache in 3 s")
+    assert cached == {
         "remat_layer": "attention_saveable",
+        "choice_s": 212,
+        "step_s": 3,
         "compile_s": 215,
         "step_from_cache": True,
     }
-    assert check.compile_facts("train step compiled in 12 s") == {"compile_s": 12, "step_from_cache": False}
+    assert check.compile_facts("train step compiled in 12 s") == {
+        "choice_s": 0,
+        "step_s": 12,
+        "compile_s": 12,
+        "step_from_cache": False,
+    }
     assert check.compile_facts("step 1: loss=3.0") == {}
     cpu = "model.remat_layer=auto: nothing_saveable (the device reports no memory limit)"
     assert check.compile_facts(cpu) == {"remat_layer": "nothing_saveable"}
-    row = {"name": "r", "status": "pass", "compile_s": 215, "step_from_cache": True}
+    assert "| 215 (212 + 3) (step cached) |" in check.table([dict(cached, name="r", status="pass")])
+    row = {"name": "r", "status": "pass", "compile_s": 215, "step_from_cache": True}  # an older results.json
     assert "| 215 (step cached) |" in check.table([row])
 
 

@@ -327,8 +327,9 @@ def _in_head_groups(groups: int, fn, args, arg_axes, results, result_axes, *, lo
     shards, where the loop's body holds the ring's transfers directly
     (scripts/repro_ring_segfault.py; docs/notes/multi_gpu.md). loop: a lax.fori_loop over
     the groups instead, for all_gather, whose body holds no ppermute: one group's program
-    instead of `groups` copies (all_gather's many groups at long shards made its step slow to
-    compile)."""
+    instead of `groups` copies. XLA's GPU compiler takes that loop with two shards (GPT-1B at
+    512K over two H200s: the step compiles and trains, 81 s of compiling where the 512K
+    all_gather step over four had not compiled in 403 s unrolled)."""
     if groups == 1:
         return fn(*args)
     filled = tuple(jnp.zeros(r.shape, r.dtype) for r in results)

@@ -127,7 +127,12 @@ def test_ring_over_a_mesh_with_batch_and_head_axes(key):
 
 @pytest.mark.parametrize(
     "strategy,layout,shards",
-    [(ring_attention, "zigzag", 4), (all_gather_attention, "striped", 4), (ring_attention, "zigzag", 2)],
+    [
+        (ring_attention, "zigzag", 4),
+        (all_gather_attention, "striped", 4),
+        (ring_attention, "zigzag", 2),
+        (all_gather_attention, "zigzag", 2),
+    ],
 )
 def test_heads_in_groups_equal_the_reference(key, strategy, layout, shards):
     """Two shards too: their ring has no loop over hops, the form whose group loop crashed
@@ -137,6 +142,22 @@ def test_heads_in_groups_equal_the_reference(key, strategy, layout, shards):
         q, k, v, mesh=sequence_mesh(shards), layout=layout, q_chunk_size=4, kv_chunk_size=4, head_groups=2
     )
     assert_equals_reference(fn, q, k, v, cot, causal=True, segment_ids=None)
+
+
+def test_all_gathers_head_groups_are_one_program_the_rings_unrolled():
+    """all_gather's groups run in a loop (one group's program, however many groups); the
+    ring's stay unrolled, one copy a group (its loop crashed XLA's GPU compiler)."""
+    x = jax.ShapeDtypeStruct((1, 4 * 64, 8, 16), jnp.float32)
+
+    def size(strategy, groups):
+        def loss(q, k, v):
+            out = strategy(q, k, v, mesh=sequence_mesh(4), q_chunk_size=16, kv_chunk_size=16, head_groups=groups)
+            return (out**2).sum()
+
+        return len(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).as_text())
+
+    assert size(all_gather_attention, 8) < 1.2 * size(all_gather_attention, 2)
+    assert size(ring_attention, 8) > 2 * size(ring_attention, 2)
 
 
 def test_heads_in_groups_shrink_what_the_ring_holds(key):
