@@ -31,8 +31,8 @@ A row passes when the run exits 0 without the coordination service's errors and,
 (processes) rows, its losses equal the one-GPU (one-process) run's.
 Results go to --out: results.json (every row), report.md (the table printed last: a row's
 compile seconds are remat auto's choice plus the train step's, each in brackets where auto
-compiled candidates, "step cached" where the step came from bpt-train's compile cache) and check_gpus.png (tokens/s per GPU and peak memory
-of each row). A finished row is not run
+compiled candidates, "step cached" where the step came from bpt-train's compile cache) and
+check_gpus.png (tokens/s per GPU and peak memory of each row). A finished row is not run
 again (--rerun_failed retries failed ones), so a campaign spans several calls; a "longest"
 row's search keeps every compile it finishes, also when --timeout stops it, and its rerun
 goes on from them;
