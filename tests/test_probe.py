@@ -401,7 +401,12 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(capsys, monkeypatch):
         chosen = resolve_remat(c, budget=budget, need=lambda c: needs[c.model.remat_layer])
         assert chosen.model.remat_layer == expected, budget
     assert c.model.remat_layer == "auto"  # the caller's config is left as it was
-    assert "model.remat_layer=auto: attention_saveable (step memory:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model.remat_layer=auto: attention_saveable (step memory:" in out
+    # Each candidate is announced before its (at long contexts, minutes-long) compile: the
+    # three budgets above try 1, 2 and 3 of them.
+    announced = [f"remat auto: compiling the step with {p} to measure its memory ..." for p in AUTO_REMAT]
+    assert [out.count(line) for line in announced] == [3, 2, 1]
     # A step made from the config directly resolves it too (here: no memory limit).
     assert TrainingStep(c, vocab_size=256).model.config.remat_layer == "nothing_saveable"
     # With a limit, the step keeps the executable it compiled for the chosen policy.

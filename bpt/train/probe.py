@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -88,7 +89,7 @@ def resolve_remat(
     devices=None,
     budget: int | None = None,
     need: Callable[[ConfigDict], int] | None = None,
-    say=print,
+    say=functools.partial(print, flush=True),
 ) -> ConfigDict:
     """config itself, or where model.remat_layer is "auto" a copy with the first policy of
     auto_policies(config.model) whose training step fits the memory budget (default: the
@@ -97,7 +98,8 @@ def resolve_remat(
     the device reports no limit (a CPU) auto is nothing_saveable; where none fits, the last
     (and bpt-train's preflight says what would make it fit). Each policy tried is compiled
     once: a TrainingStep keeps the chosen one's executable, bpt-train compiles its own step
-    after choosing (up to three extra compilations, once per run)."""
+    after choosing (up to three extra compilations, once per run). Each candidate is
+    announced before it compiles (minutes at long contexts), then one line says the choice."""
     if config.model.remat_layer != "auto":
         return config
     if config.model.get("family", "gpt") == "agentic":
@@ -116,6 +118,7 @@ def resolve_remat(
     needs, started = [], time.perf_counter()
     for policy in auto_policies(config.model):
         chosen.model.remat_layer = policy
+        say(f"remat auto: compiling the step with {policy} to measure its memory ...")
         bytes_ = need(chosen)
         needs.append(f"{policy} {bytes_ / 2**30:.1f} GiB")
         if bytes_ <= budget:
