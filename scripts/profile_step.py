@@ -17,8 +17,9 @@ and with collectives how long they ran and how much of that with no other kernel
 are split into the transfer (its shortest duration: the device that came last) and each
 device's wait for a later one, with how often each device was the last. The trace itself
 (for Perfetto or TensorBoard) stays under --out. Prints the step time and the --top
-operations as a markdown table last; --out also gets profile.json. --fusions N adds what the N slowest elementwise
-and norm fusions compute (their opcodes) and the bandwidth they reach.
+operations as a markdown table last; --out also gets profile.json. --fusions N adds what
+the N slowest elementwise and norm fusions compute (their opcodes) and the bandwidth they
+reach.
 """
 
 from __future__ import annotations

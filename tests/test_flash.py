@@ -132,11 +132,8 @@ def kernel_result_uses(jaxpr, kernel: str) -> list[str]:
         if eqn.primitive.name == "pallas_call" and str(eqn.params["name"]) == kernel:
             results = set(map(id, eqn.outvars))
             uses += [e.primitive.name for e in jaxpr.eqns if any(id(v) in results for v in e.invars)]
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    uses += kernel_result_uses(inner, kernel)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            uses += kernel_result_uses(sub, kernel)
     return uses
 
 

@@ -117,6 +117,12 @@ class _Settings:
     kv_chunk_size: int
     head_groups: int = 1  # heads are attended in this many groups, one group after another
 
+    @property
+    def group_loop(self) -> bool:
+        """Whether the head groups run in a lax.fori_loop (_in_head_groups): all_gather's,
+        whose loop body holds no ppermute."""
+        return self.strategy == "all_gather"
+
 
 def _local_forward(s: _Settings, kind: str, q, k, v, q_seg, kv_seg):
     """(out, lse) of q over one key/value shard; kind: causal | full | strict (causal without
@@ -291,7 +297,7 @@ def _attend_fwd(s: _Settings, q, k, v, q_seg, kv_seg):
         (2, 2, 2),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
         (2, 1),
-        loop=s.strategy == "all_gather",
+        loop=s.group_loop,
     )
     # Named like the one-device kernels' results, so that a remat policy that keeps attention
     # (bpt.ops.remat: attention_saveable) keeps the merged output and logsumexp: the layer's
@@ -310,7 +316,7 @@ def _attend_bwd(s: _Settings, residuals, d_out):
         (2, 2, 2, 2, 1, 2),
         tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
         (2, 2, 2),
-        loop=s.strategy == "all_gather",
+        loop=s.group_loop,
     )
     return dq, dk, dv, None, None
 
@@ -332,27 +338,22 @@ def _in_head_groups(groups: int, fn, args, arg_axes, results, result_axes, *, lo
     all_gather step over four had not compiled in 403 s unrolled)."""
     if groups == 1:
         return fn(*args)
-    filled = tuple(jnp.zeros(r.shape, r.dtype) for r in results)
-    if loop:
 
-        def body(g, filled):
-            piece = (lax.dynamic_slice_in_dim(x, g * (x.shape[a] // groups), x.shape[a] // groups, axis=a)
-                     for x, a in zip(args, arg_axes))  # fmt: skip
-            return tuple(
-                lax.dynamic_update_slice_in_dim(r, p.astype(r.dtype), g * p.shape[a], a)
-                for r, p, a in zip(filled, fn(*piece), result_axes)
-            )
-
-        return lax.fori_loop(0, groups, body, filled)
-    for g in range(groups):
-        if g:  # group g's inputs become available only once group g - 1's results are in
-            filled, args = lax.optimization_barrier((filled, args))
-        piece = (lax.slice_in_dim(x, g * x.shape[a] // groups, (g + 1) * x.shape[a] // groups, axis=a)
+    def group(g, filled, args):  # group g's results written into filled
+        piece = (lax.dynamic_slice_in_dim(x, g * (x.shape[a] // groups), x.shape[a] // groups, axis=a)
                  for x, a in zip(args, arg_axes))  # fmt: skip
-        filled = tuple(
+        return tuple(
             lax.dynamic_update_slice_in_dim(r, p.astype(r.dtype), g * p.shape[a], a)
             for r, p, a in zip(filled, fn(*piece), result_axes)
         )
+
+    filled = tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+    if loop:
+        return lax.fori_loop(0, groups, lambda g, filled: group(g, filled, args), filled)
+    for g in range(groups):
+        if g:  # group g's inputs become available only once group g - 1's results are in
+            filled, args = lax.optimization_barrier((filled, args))
+        filled = group(g, filled, args)
     return filled
 
 
