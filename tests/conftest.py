@@ -95,6 +95,19 @@ def no_compilation_cache():
 
 
 @pytest.fixture
+def own_compile_cache(tmp_path):
+    """A train.compile_cache folder of this test's own that keeps every compilation, however
+    short (jax keeps those of a second or more); the suite's own cache again afterwards."""
+    from bpt.train import compile_cache
+
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    yield str(tmp_path / "cache")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+    compile_cache.use("auto")
+
+
+@pytest.fixture
 def key():
     """A fresh random key per test; the seed is printed so a failure can be replayed."""
     seed = int(np.random.SeedSequence().entropy % (2**31))

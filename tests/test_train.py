@@ -79,7 +79,7 @@ def test_eval_by_position_logs_each_range_at_every_evaluation_and_plots_it(tmp_p
     assert plot_runs([tmp_path], tmp_path / "curves.png").stat().st_size > 0
 
 
-def test_the_compile_cache_serves_the_probed_step_and_a_restarted_run(tmp_path, capsys):
+def test_the_compile_cache_serves_the_probed_step_and_a_restarted_run(tmp_path, capsys, own_compile_cache):
     """train.compile_cache (every compilation kept here, however short): the step the probe
     compiles (what remat auto measures) is the loop's program, so the run loads it; and a
     second run of the config loads it again. Each says so."""
@@ -90,22 +90,16 @@ def test_the_compile_cache_serves_the_probed_step_and_a_restarted_run(tmp_path, 
     c = copy_config(steps=1)
     c.train.eval_batches = c.train.checkpoint_every = 0
     c.model.remat_layer = "nothing_saveable"
-    c.train.compile_cache = str(tmp_path / "cache")
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    try:
-        compile_cache.use(c.train.compile_cache)
-        TrainingStep(c, vocab_size=make_dataset(c.data, c.seed).vocab_size).compiled()
-        assert any((tmp_path / "cache").iterdir())
-        for run in ("first", "second"):
-            capsys.readouterr()
-            hits = compile_cache.hits()
-            train(c, tmp_path / run)
-            assert compile_cache.hits() > hits, run
-            assert "train step loaded from the compile cache" in capsys.readouterr().out, run
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-        compile_cache.use("auto")  # back to the suite's own cache
+    c.train.compile_cache = own_compile_cache
+    compile_cache.use(c.train.compile_cache)
+    TrainingStep(c, vocab_size=make_dataset(c.data, c.seed).vocab_size).compiled()
+    assert any((tmp_path / "cache").iterdir())
+    for run in ("first", "second"):
+        capsys.readouterr()
+        hits = compile_cache.hits()
+        train(c, tmp_path / run)
+        assert compile_cache.hits() > hits, run
+        assert "train step loaded from the compile cache" in capsys.readouterr().out, run
 
 
 def test_compile_cache_setting(tmp_path, monkeypatch):

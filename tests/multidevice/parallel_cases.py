@@ -461,29 +461,22 @@ def test_training_on_a_mesh_logs_the_one_device_losses(one_device_losses, mode, 
     assert w1.addressable_shards[0].data.size == w1.size // shards
 
 
-def test_the_loop_loads_the_probes_step_on_a_sequence_mesh(tmp_path, capsys, monkeypatch):
+def test_the_loop_loads_the_probes_step_on_a_sequence_mesh(tmp_path, capsys, monkeypatch, own_compile_cache):
     """The program remat auto compiles to measure a candidate (TrainingStep) is the loop's
     own on a mesh too, so the loop loads it from the compile cache: with three candidates
     tried on two sequence shards (by four data shards) the run's step is a hit."""
     import bpt.train.probe as probe
-    from bpt.train import compile_cache
 
     c = tiny_config(data=4, sequence=2)
     c.model.remat_layer = "auto"
     c.train.steps, c.train.eval_batches, c.train.checkpoint_every = 1, 0, 0
-    c.train.compile_cache = str(tmp_path / "cache")
+    c.train.compile_cache = own_compile_cache
     monkeypatch.setattr(probe, "memory_budget", lambda memory_gib=0.0: 1)  # none fits: all compiled
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    try:
-        capsys.readouterr()
-        train(c, tmp_path / "run")
-        out = capsys.readouterr().out
-        assert "model.remat_layer=auto: nothing_saveable (step memory: attention_and_dots_saveable" in out
-        assert "train step loaded from the compile cache" in out
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-        compile_cache.use("auto")
+    capsys.readouterr()
+    train(c, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert "model.remat_layer=auto: nothing_saveable (step memory: attention_and_dots_saveable" in out
+    assert "train step loaded from the compile cache" in out
 
 
 def innermost_loops_with_reductions(hlo: str) -> list[str]:
