@@ -84,6 +84,11 @@ IMPLS = {
 # The Hopper forward under each of its schedules (attention_hopper.forward), e.g. bpt-pallas-overlap.
 for _schedule in attention_hopper.SCHEDULES:
     IMPLS[f"bpt-pallas-{_schedule}"] = functools.partial(flash_attention, hopper_schedule=_schedule)
+# The Hopper kernels' CTAs launched in runs of up to N tiles of one (batch, head) (attention_hopper
+# _Grid; bpt-pallas: TILE_GROUP, 128); bpt-pallas-group1 launches one tile of every (batch, head)
+# in turn, the order before tile groups.
+for _group in (1, 2, 4, 16, 32, 64, 128):
+    IMPLS[f"bpt-pallas-group{_group}"] = functools.partial(flash_attention, hopper_tile_group=_group)
 
 
 def time_fn(fn, *args, min_seconds: float = 0.3) -> float:
@@ -175,6 +180,12 @@ SHAPES = {
         "B1 S16K H32/KV8": dict(batch=1, seq=16384, heads=32, kv_heads=8, head_dim=128, causal=True),
         "B1 S16K H16 d64": dict(batch=1, seq=16384, heads=16, head_dim=64, causal=True),
         "B1 S16K H16 non-causal": dict(batch=1, seq=16384, heads=16, head_dim=128, causal=False),
+    },
+    # GPT-1B's attention in micro-batches of 16K tokens (the throughput table's), by context:
+    # where impl="auto" chooses between bpt's kernels and cuDNN's (SMALL in bpt/ops/attention.py).
+    "micro_batches": {
+        f"B{16 // s} S{s}K H16": dict(batch=16 // s, seq=s * 1024, heads=16, head_dim=128, causal=True)
+        for s in (1, 2, 4, 8, 16)
     },
 }
 

@@ -252,24 +252,25 @@ def test_entry_point_and_bad_inputs(key):
 
 
 @pytest.mark.parametrize(
-    "dtype, head_dim, causal, kv_heads, block_k, fused_dq",
+    "batch, dtype, head_dim, causal, kv_heads, block_k, fused_dq",
     [
         # GQA 2:1; the forward streams 4 key blocks through 2 slots; at head_dim 128 the
         # backward adds dQ in its dK/dV pass (the default there), at 64 it runs a second pass
         # for it. (Each interpreted case costs about 20 s on two cores: MQA, float16, 128-key
         # blocks and the non-causal path run in the GPU tests, test_hopper_kernels_on_gpu.)
-        (jnp.bfloat16, 128, True, 1, 64, None),
-        (jnp.bfloat16, 64, True, 1, 64, None),
+        # Batch 2: each CTA finds its batch, head and tile in the launch order's one axis.
+        (2, jnp.bfloat16, 128, True, 1, 64, None),
+        (1, jnp.bfloat16, 64, True, 1, 64, None),
     ],
 )
 def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
-    key, dtype, head_dim, causal, kv_heads, block_k, fused_dq
+    key, batch, dtype, head_dim, causal, kv_heads, block_k, fused_dq
 ):
     """The warp-specialized kernels' data movement, barriers and masks, run by Mosaic GPU's
     interpreter (the matmuls there are plain dots, and the fused backward's dQ is written per
     warpgroup and summed by XLA where the GPU reduces it in place; the GPU tests run the
     wgmma path)."""
-    q, k, v, d_out = inputs(key, 1, 256, 2, kv_heads, head_dim, dtype)
+    q, k, v, d_out = inputs(key, batch, 256, 2, kv_heads, head_dim, dtype)
     hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k, hopper_fused_dq=fused_dq)
     out, lse = flash_attention_with_lse(q, k, v, causal=causal, **hopper)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -280,6 +281,32 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
         scores = jnp.where(jnp.tril(jnp.ones((256, 256), bool)), scores, -jnp.inf)
     assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-3
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
+
+
+@pytest.mark.parametrize("tiles, heads, batch, group", [(16, 16, 8, 8), (6, 3, 2, 8), (5, 2, 3, 4), (4, 2, 2, 1)])
+def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, heads, batch, group):
+    """The Hopper kernels' launch order (attention_hopper._Grid): every (tile, head, batch)
+    once; the tile ranks (rank 0 the heaviest) never go back by a whole group; each run of g
+    CTAs (g: the greatest common divisor of group and the tile count) holds one (batch, head),
+    batch outermost, so the CTAs that run at once share that head's other side. group=1: one
+    tile of every (batch, head) in turn."""
+    grid = attention_hopper._Grid(tiles, heads, batch, group)
+    rank, head, bi = (np.asarray(x) for x in grid.coords(jnp.arange(grid.size, dtype=jnp.int32)))
+    every = {(t, h, b) for t in range(tiles) for h in range(heads) for b in range(batch)}
+    seen = list(zip(rank.tolist(), head.tolist(), bi.tolist()))
+    assert len(set(seen)) == grid.size and set(seen) == every
+    g = math.gcd(tiles, group)
+    assert (np.diff(rank // g) >= 0).all() and (np.diff(rank // g) <= 1).all()
+    pair = (bi * heads + head).reshape(-1, g)
+    assert (pair == pair[:, :1]).all()  # a run: one (batch, head), its tiles in order
+    assert (rank.reshape(-1, g) % g == np.arange(g)).all()
+    runs = pair[:, 0].reshape(tiles // g, batch * heads)
+    assert (runs == np.arange(batch * heads)).all()  # then every (batch, head) in turn, batch outermost
+    if group == 1:
+        assert head[:heads].tolist() == list(range(heads)) and (rank[: heads * batch] == 0).all()
+    with pytest.raises(ValueError, match="hopper_tile_group must be a positive int"):
+        x = jnp.zeros((1, 128, 1, 64))
+        flash_attention(x, x, x, hopper_tile_group=0)
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "pingpong", "overlap_pingpong"])

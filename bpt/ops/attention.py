@@ -35,8 +35,11 @@ from bpt.ops.registry import Implementation, Registry
 Array = jax.Array
 # bpt's Hopper kernels against cuDNN (causal, d=128, batch 1, 16 heads, H100), forward+
 # backward: 1.5x at 2K, 1.17x at 4K, 1.06x at 8K, 0.98-1.00x from 16K to 64K, and 0.68x at
-# batch 8 of 2K, where cuDNN's fixed cost per call is spread over more work
-# (docs/notes/attention_kernels.md). A larger SMALL would also take that batched shape.
+# batch 8 of 2K (docs/notes/attention_kernels.md). Since their CTAs launch in runs of one
+# head's tiles (attention_hopper.TILE_GROUP), 1.02-1.06x at GPT-1B's micro-batches of 16K
+# tokens (batch 8 of 2K to batch 1 of 16K) on an H200, where the whole step ran within 1% of
+# cuDNN's (measured before the runs grew from 8 tiles to 128): not a margin to change the rule
+# for. A larger SMALL would take the batched shapes.
 SHORT = 4096  # tokens
 SMALL = 16 * 4096**2  # batch x heads x seq^2 (query-key pairs, counting both triangles)
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)

@@ -68,6 +68,7 @@ def is_out_of_memory(error: BaseException | str) -> bool:
 
 # model.remat_layer=auto tries these, the fastest first, and takes the first whose step fits.
 AUTO_REMAT = ("attention_and_dots_saveable", "attention_saveable", "nothing_saveable")
+_SAY = functools.partial(print, flush=True)  # resolve_remat's progress lines, printed at once
 
 
 def auto_policies(model: ConfigDict) -> tuple[str, ...]:
@@ -89,7 +90,7 @@ def resolve_remat(
     devices=None,
     budget: int | None = None,
     need: Callable[[ConfigDict], int] | None = None,
-    say=functools.partial(print, flush=True),
+    say=_SAY,
 ) -> ConfigDict:
     """config itself, or where model.remat_layer is "auto" a copy with the first policy of
     auto_policies(config.model) whose training step fits the memory budget (default: the

@@ -75,6 +75,7 @@ class FlashConfig:
     hopper_stages: int = 2
     hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: where it can be)
     hopper_schedule: str = "pingpong"  # attention_hopper.forward's schedule
+    hopper_tile_group: int = attention_hopper.TILE_GROUP  # the Hopper kernels' launch order (attention_hopper._Grid)
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -232,6 +233,7 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
             block_k=cfg.hopper_block_k,
             stages=cfg.hopper_stages,
             schedule=cfg.hopper_schedule,
+            tile_group=cfg.hopper_tile_group,
             interpret=cfg.interpret,
         )
     b, sq, h, d = q.shape
@@ -373,6 +375,7 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
             scale=cfg.scale,
             stages=cfg.hopper_stages,
             fused_dq=cfg.hopper_fused_dq,
+            tile_group=cfg.hopper_tile_group,
             interpret=cfg.interpret,
         )
     seg_args = [q_seg, kv_seg] if has_seg else []
@@ -466,6 +469,7 @@ def flash_attention_with_lse(
     hopper_stages: int = 2,
     hopper_fused_dq: bool | None = None,
     hopper_schedule: str = "pingpong",
+    hopper_tile_group: int = attention_hopper.TILE_GROUP,
     interpret: bool | None = None,
     fp8: bool = False,
 ) -> tuple[Array, Array]:
@@ -480,7 +484,8 @@ def flash_attention_with_lse(
     adds dQ inside its dK/dV pass (True; head_dim 128) or runs a second pass for it
     (False); None: fused where it can be (attention_hopper.fuses_dq). hopper_schedule: how the
     Hopper forward orders each warpgroup's matmuls and softmax (attention_hopper.SCHEDULES; see
-    attention_hopper.forward). interpret: run the kernels in an
+    attention_hopper.forward). hopper_tile_group: the Hopper kernels' launch order, runs of
+    up to this many tiles of one (batch, head) (attention_hopper.forward). interpret: run the kernels in an
     interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
@@ -507,6 +512,7 @@ _SETTINGS = (
     "hopper_stages",
     "hopper_fused_dq",
     "hopper_schedule",
+    "hopper_tile_group",
     "interpret",
     "fp8",
 )
@@ -523,6 +529,8 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     hopper_fused_dq = settings.get("hopper_fused_dq")
     hopper_schedule = settings.get("hopper_schedule", "pingpong")
     attention_hopper.check_schedule(hopper_schedule, "hopper_schedule")
+    hopper_tile_group = settings.get("hopper_tile_group", attention_hopper.TILE_GROUP)
+    attention_hopper.check_tile_group(hopper_tile_group, "hopper_tile_group")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
@@ -588,6 +596,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         hopper_stages=hopper_stages,
         hopper_fused_dq=hopper_fused_dq,
         hopper_schedule=hopper_schedule,
+        hopper_tile_group=hopper_tile_group,
         fp8=fp8,
     )
     if pad_q or pad_k or dp:

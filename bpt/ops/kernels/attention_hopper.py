@@ -52,6 +52,10 @@ LN2 = math.log(2.0)
 COMPUTE_WGS = 2  # compute warpgroups per CTA; one more moves data
 TILE = 128  # the lengths must be multiples of this (two compute warpgroups' 64 rows)
 BLOCKS = (64, 128)  # the block sizes the kernels take
+# The CTAs' launch order (_Grid): runs of up to this many tiles of one (batch, head). On an H200
+# 128 beat 8 by 6% at 16K and 2% at 64K, 1 (one tile of every pair in turn) by 25% at batch 8 of
+# 2K (docs/notes/attention_kernels.md).
+TILE_GROUP = 128
 # Registers per thread: each compute warpgroup's, the memory warpgroup's (2 x 240 + 24 a
 # thread's worth fill the register file: 65,536 a CTA).
 REGISTERS = (240, 24)
@@ -263,7 +267,7 @@ class _KeyStream:
     streaming key/value blocks of `bk` rows; causal grids start with the heaviest tiles (the
     last rows) and stop streaming at the diagonal."""
 
-    num_tiles: int
+    grid: _Grid  # tiles: query tiles; heads: query heads
     num_k: int
     group: int  # query heads per key/value head
     bk: int
@@ -284,9 +288,9 @@ class _KeyStream:
 
     def open(self, k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free):
         """(tile, batch, head, warpgroup, ring) of this CTA."""
-        tile = lax.axis_index("tiles")
-        tile = self.num_tiles - 1 - tile if self.causal else tile
-        bi, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        tile, head, bi = self.grid.here()
+        tile = self.grid.tiles - 1 - tile if self.causal else tile
+        wg = lax.axis_index("wg")
         bk = self.bk
 
         def rows(ref):
@@ -346,20 +350,61 @@ def _barriers(n: int, arrivals: int = 1):
     return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """A kernel's CTAs, one per (tile, head, batch), launched along one grid axis in an order
+    bpt chooses (the GPU starts CTAs in launch order, so the order decides which run at once).
+
+    Tiles go in groups of g, the greatest common divisor of `group` and the tile count: the
+    groups one after another, heaviest first (the streams turn a rank into a tile so that
+    rank 0 is the heaviest under a causal mask); within a group every (batch, head) in turn,
+    batch outermost (a GQA group's query heads next to each other); within that the group's
+    tiles. CTAs that run at once then share their (batch, head)'s other side in L2: a wave
+    of 132 CTAs at batch 8 of 2K with 16 heads holds 8 heads' 16 tiles, where (tiles, heads,
+    batch) as a Pallas grid (its last axis launched fastest) would hold all 128 (batch,
+    head) pairs' same tile, each streaming its own keys and values from HBM. group=1 is
+    that grid's order with batch and heads swapped."""
+
+    tiles: int
+    heads: int
+    batch: int
+    group: int = TILE_GROUP
+
+    @property
+    def size(self) -> int:
+        return self.tiles * self.heads * self.batch
+
+    def coords(self, cta):
+        """(tile rank, head, batch) of CTA number `cta` (an int32 scalar or array)."""
+        g = math.gcd(self.tiles, self.group)
+        per_group = g * self.heads * self.batch
+        within = lax.rem(cta, per_group)
+        pair = lax.div(within, g)  # batch * heads + head
+        rank = lax.div(cta, per_group) * g + lax.rem(within, g)
+        return rank, lax.rem(pair, self.heads), lax.div(pair, self.heads)
+
+    def here(self):
+        """coords() of the CTA that runs this code."""
+        return self.coords(lax.axis_index("cta"))
+
+
+def check_tile_group(group: int, setting: str = "tile_group") -> None:
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+        raise ValueError(f"{setting} must be a positive int (tiles a CTA group holds); got {group!r}")
+
+
 def _launch(
     body,
     scratch,
     *,
     out_type,
-    tiles: int,
-    heads: int,
-    batch: int,
+    grid: _Grid,
     interpret: bool,
     name: str,
     mutable: bool = False,
 ):
-    """Runs body(*hbm_refs, *scratch_refs) on three warpgroups per CTA, over the grid
-    (tiles, heads, batch) that the streams' open() reads by those names.
+    """Runs body(*hbm_refs, *scratch_refs) on three warpgroups per CTA, over `grid`'s CTAs
+    (the streams' open() reads each CTA's tile, head and batch from it).
 
     mutable: the kernel also takes mutable arrays (jax.new_ref) after its inputs, which it
     updates in place; body sees them between the inputs and the outputs."""
@@ -367,7 +412,7 @@ def _launch(
     def entry(*hbm):
         pl.run_scoped(lambda *scratch_refs: body(*hbm, *scratch_refs), *scratch, collective_axes="wg")
 
-    grid = dict(grid=(tiles, heads, batch), grid_names=("tiles", "heads", "batch"))
+    grid = dict(grid=(grid.size,), grid_names=("cta",))
     common = dict(
         compiler_params=plgpu.CompilerParams(approx_math=True, **_profile),
         interpret=interpret_params() if interpret else None,
@@ -424,6 +469,7 @@ def forward(
     block_k: int = 128,
     stages: int = 2,
     schedule: str = "pingpong",
+    tile_group: int = TILE_GROUP,
     interpret: bool = False,
 ) -> tuple[Array, Array]:
     """(out [b, s, h, d], logsumexp [b, h, s] float32); see supported() for what it takes.
@@ -438,12 +484,16 @@ def forward(
     On an H100 at d=128 (docs/notes/attention_kernels.md) pingpong, the default, was 5-10% faster than
     serial; overlap 5% slower (4K) to 2% faster (64K) than serial; overlap_pingpong about 20%
     slower.
+
+    tile_group: the order in which the CTAs launch (_Grid): runs of up to this many tiles of
+    one (batch, head), so that the CTAs that run at once read the same keys and values.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     bq, bk, dtype = TILE // COMPUTE_WGS, block_k, q.dtype
     _check(q, k, causal, hopper_block_k=block_k)
     check_schedule(schedule)
+    check_tile_group(tile_group)
     overlap, pingpong = schedule.startswith("overlap"), schedule.endswith("pingpong")
     num_tiles, num_k = sq // TILE, sk // bk
     # overlap waits for block j's keys while it holds block j-1's values: two slots at least,
@@ -451,7 +501,8 @@ def forward(
     stages = max(2 if overlap else 1, min(stages, num_k))
     regs = _Regs(interpret)
     c = scale * LOG2E
-    keys = _KeyStream(num_tiles, num_k, h // hk, bk, stages, causal, eager=overlap)
+    grid = _Grid(num_tiles, h, b, tile_group)
+    keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, eager=overlap)
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, lse_smem, q_ready, turn, *ring_scratch):
         k_smem, v_smem, k_ready, v_ready, k_free, v_free = ring_scratch
@@ -591,9 +642,7 @@ def forward(
         body,
         scratch,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
-        tiles=num_tiles,
-        heads=h,
-        batch=b,
+        grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_fwd",
     )(q, k, v)
@@ -602,7 +651,7 @@ def forward(
 # --- backward --------------------------------------------------------------------------------
 
 
-def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
+def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, interpret):
     """dQ: per 2 x 64 query rows, over the key blocks (64) they see."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -611,7 +660,8 @@ def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
     stages = max(1, min(stages, num_k))
     regs = _Regs(interpret)
     c = scale * LOG2E
-    keys = _KeyStream(num_tiles, num_k, h // hk, bk, stages, causal)
+    grid = _Grid(num_tiles, h, b, tile_group)
+    keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *scratch):
         q_smem, do_smem, lse_smem, delta_smem, rows_ready, *ring_scratch = scratch
@@ -669,9 +719,7 @@ def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret):
         body,
         scratch,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        tiles=num_tiles,
-        heads=h,
-        batch=b,
+        grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_dq",
     )(q, k, v, d_out, lse2, delta)
@@ -684,6 +732,7 @@ class _QueryStream:
     tile (Q, dO, and the base-2 logsumexp and delta of those rows). Causal: the first key
     tiles are the heaviest, and the grid starts with them."""
 
+    grid: _Grid  # tiles: key tiles; heads: key/value heads
     num_q: int  # query blocks per head
     group: int
     bq: int
@@ -708,8 +757,8 @@ class _QueryStream:
         """(tile, batch, kv head, warpgroup, ring, first, per_head) of this CTA: step j of the
         ring holds query block first + j % per_head of the group's query head j // per_head."""
         q_ref, do_ref, lse2_ref, delta_ref = refs
-        tile = lax.axis_index("tiles")
-        bi, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        tile, kv_head, bi = self.grid.here()
+        wg = lax.axis_index("wg")
         first = tile * TILE // self.bq if self.causal else 0  # the first query block that sees the tile
         per_head = self.num_q - first
 
@@ -735,7 +784,9 @@ class _QueryStream:
         return kv_head * self.group + j // per_head, pl.ds((first + lax.rem(j, per_head)) * self.bq, self.bq)
 
 
-def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_acc=None, dq_parts=False):
+def _dkdv(
+    q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, interpret, dq_acc=None, dq_parts=False
+):
     """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
     query head of its group that see them.
 
@@ -755,7 +806,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
     dtype, num_tiles, num_q = q.dtype, sk // TILE, sq // bq
     regs = _Regs(interpret)
     c = scale * LOG2E
-    queries = _QueryStream(num_q, group, bq, max(1, min(stages, num_q)), causal)
+    grid = _Grid(num_tiles, hk, b, tile_group)
+    queries = _QueryStream(grid, num_q, group, bq, max(1, min(stages, num_q)), causal)
     with_dq = dq_acc is not None or dq_parts
     half = d // COMPUTE_WGS  # dQ's columns per warpgroup
     scratch = [
@@ -916,9 +968,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, causal, scale, stages, interpret, dq_a
         body,
         scratch,
         out_type=tuple(out_type),
-        tiles=num_tiles,
-        heads=hk,
-        batch=b,
+        grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_dkdvdq" if with_dq else "bpt_flash_hopper_dkdv",
         mutable=dq_acc is not None,
@@ -944,18 +994,20 @@ def backward(
     scale: float,
     stages: int = 2,
     fused_dq: bool | None = None,
+    tile_group: int = TILE_GROUP,
     interpret: bool = False,
 ):
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s].
 
     fused_dq: one pass that adds dQ into a float32 buffer as it computes dK and dV (5 matmuls a
     block; head_dim 128), or False: a second pass for dQ that recomputes P (7). None: fused
-    where it can be (fuses_dq)."""
+    where it can be (fuses_dq). tile_group: see forward."""
     _check(q, k, causal)
     fused_dq = fuses_dq(q) if fused_dq is None else fused_dq
     if fused_dq and not fuses_dq(q):
         raise ValueError(f"fused_dq=True needs head_dim 128; got {q.shape[-1]}")
-    kw = dict(causal=causal, scale=scale, stages=stages, interpret=interpret)
+    check_tile_group(tile_group)
+    kw = dict(causal=causal, scale=scale, stages=stages, tile_group=tile_group, interpret=interpret)
     lse2 = lse * LOG2E  # both passes compute p = exp2(s * log2(e) / sqrt(d) - lse2)
     if not fused_dq:
         dk, dv = _dkdv(q, k, v, d_out, lse2, delta, **kw)
