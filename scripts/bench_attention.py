@@ -64,6 +64,11 @@ IMPLS = {
     "bpt-pallas-2pass": lambda q, k, v, *, causal, **kw: flash_attention(
         q, k, v, causal=causal, hopper_fused_dq=False, **kw
     ),
+    # bpt's Hopper kernels asked for by name: with segment ids "auto" takes the Triton ones
+    # (attention_hopper.SEGMENTS_BY_DEFAULT).
+    "bpt-pallas-hopper": lambda q, k, v, *, causal, **kw: flash_attention(
+        q, k, v, causal=causal, forward="hopper", backward="hopper", **kw
+    ),
     "bpt-triton": lambda q, k, v, *, causal, **kw: flash_attention(
         q, k, v, causal=causal, forward="triton", backward="triton", **kw
     ),
@@ -107,22 +112,48 @@ def time_fn(fn, *args, min_seconds: float = 0.3) -> float:
                 return elapsed / calls
 
 
+def packed_segments(batch: int, seq: int, documents: int) -> jax.Array:
+    """[batch, seq] int32 segment ids: `documents` documents of random lengths (at least 64
+    tokens, a fixed seed) packed back to back in each sequence."""
+    key = jax.random.PRNGKey(documents)
+    cuts = jax.random.choice(key, seq // 64 - 1, (batch, documents - 1), replace=False)
+    cuts = 64 * (jnp.sort(cuts, axis=1) + 1)
+    return jnp.sum(jnp.arange(seq)[None, :, None] >= cuts[:, None, :], axis=-1).astype(jnp.int32)
+
+
 def prepare(
-    impl: str, *, seq: int, heads: int, head_dim: int, causal: bool, batch: int, dtype, kv_heads=None, **kw
+    impl: str,
+    *,
+    seq: int,
+    heads: int,
+    head_dim: int,
+    causal: bool,
+    batch: int,
+    dtype,
+    kv_heads=None,
+    segments: int = 0,
+    **kw,
 ) -> tuple[dict, list, tuple]:
     """(the row's description, [(name, jitted function, its FLOPs)], inputs) of one
-    implementation at one shape. kv_heads: the keys' and values' heads (GQA; default: heads)."""
+    implementation at one shape. kv_heads: the keys' and values' heads (GQA; default: heads).
+    segments: that many packed documents a sequence (segment ids; the FLOPs still count the
+    whole causal square)."""
     kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seq + head_dim), 4)
     shape, kv_shape = (batch, seq, heads, head_dim), (batch, seq, kv_heads or heads, head_dim)
     q, do = jax.random.normal(kq, shape, dtype), jax.random.normal(kd, shape, dtype)
     k, v = jax.random.normal(kk, kv_shape, dtype), jax.random.normal(kv, kv_shape, dtype)
+    if segments > 1:
+        kw = kw | dict(segment_ids=packed_segments(batch, seq, segments))
     fn = functools.partial(IMPLS[impl], causal=causal, **kw)
 
     def loss(q, k, v):
         return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 
     flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
-    row = dict(impl=impl, seq=seq, heads=heads, head_dim=head_dim, causal=causal, batch=batch, **kw)
+    row = dict(impl=impl, seq=seq, heads=heads, head_dim=head_dim, causal=causal, batch=batch)
+    row |= {name: value for name, value in kw.items() if name != "segment_ids"}
+    if segments > 1:
+        row["segments"] = segments
     if kv_heads and kv_heads != heads:
         row["kv_heads"] = kv_heads
     timed = [
@@ -183,6 +214,14 @@ SHAPES = {
     },
     # GPT-1B's attention in micro-batches of 16K tokens (the throughput table's), by context:
     # where impl="auto" chooses between bpt's kernels and cuDNN's (SMALL in bpt/ops/attention.py).
+    # Packed documents (segment ids): bpt's Hopper kernels against its Triton ones (cuDNN
+    # through jax.nn takes no segment ids).
+    "packed": {
+        "B1 S16K H16 8 docs": dict(batch=1, seq=16384, heads=16, head_dim=128, causal=True, segments=8),
+        "B2 S8K H16 4 docs": dict(batch=2, seq=8192, heads=16, head_dim=128, causal=True, segments=4),
+        "B1 S64K H16 32 docs": dict(batch=1, seq=65536, heads=16, head_dim=128, causal=True, segments=32),
+        "B1 S16K H16 d64 8 docs": dict(batch=1, seq=16384, heads=16, head_dim=64, causal=True, segments=8),
+    },
     "micro_batches": {
         f"B{16 // s} S{s}K H16": dict(batch=16 // s, seq=s * 1024, heads=16, head_dim=128, causal=True)
         for s in (1, 2, 4, 8, 16)
@@ -193,10 +232,11 @@ SHAPES = {
 def shapes_table(rows: list[dict], impls: list[str]) -> str:
     """One line a shape (rows carry a "shape" label): each implementation's forward and
     forward+backward TFLOP/s, then the first implementation's forward+backward against
-    cuDNN's where both ran."""
-    compare = "cudnn" in impls and impls[0] != "cudnn"
+    cuDNN's (or, without cuDNN, the last implementation's) where both ran."""
+    base = "cudnn" if "cudnn" in impls else impls[-1]
+    compare = impls[0] != base
     head = "| shape | " + " | ".join(f"{impl} fwd | {impl} f+b" for impl in impls)
-    head += f" | {impls[0]} / cudnn f+b |" if compare else " |"
+    head += f" | {impls[0]} / {base} f+b |" if compare else " |"
     lines = [head, "|---" * (1 + 2 * len(impls) + compare) + "|"]
     by_key = {(r["shape"], r["impl"]): r for r in rows}
     for shape in dict.fromkeys(r["shape"] for r in rows):
@@ -205,7 +245,7 @@ def shapes_table(rows: list[dict], impls: list[str]) -> str:
             r = by_key.get((shape, impl), {})
             cells += [f"{r[n + '_tflops']:.0f}" if n + "_tflops" in r else "–" for n in ("fwd", "fwd_bwd")]
         if compare:
-            ours, theirs = by_key.get((shape, impls[0]), {}), by_key.get((shape, "cudnn"), {})
+            ours, theirs = by_key.get((shape, impls[0]), {}), by_key.get((shape, base), {})
             ratio = "–"
             if "fwd_bwd_tflops" in ours and "fwd_bwd_tflops" in theirs:
                 ratio = f"{ours['fwd_bwd_tflops'] / theirs['fwd_bwd_tflops']:.2f}x"

@@ -304,6 +304,24 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
     assert lines[2].startswith("| GQA |") and lines[2].endswith("| 2.00x |")
     assert lines[3] == "| failed | – | – | – | – | – |"
 
+    # Packed documents: segment ids of `segments` documents of at least 64 tokens, passed to
+    # the implementations that take them; without cuDNN the ratio is against the last one.
+    seg = bench.packed_segments(2, 1024, 4)
+    lengths = jax.vmap(lambda ids: jnp.bincount(ids, length=4))(seg)
+    assert seg.dtype == jnp.int32 and bool(jnp.all(jnp.diff(seg, axis=1) >= 0)) and int(lengths.min()) >= 64
+    assert all(shape["segments"] > 1 for shape in bench.SHAPES["packed"].values())
+    packed = bench.measure(
+        "bpt-triton", seq=128, heads=2, head_dim=16, causal=True, batch=1, dtype=jnp.float32, segments=2
+    )
+    assert packed["segments"] == 2 and "fwd_bwd_tflops" in packed and "segment_ids" not in packed
+    rows = [
+        packed | {"shape": "docs"},
+        dict(packed, impl="bpt-pallas-hopper", shape="docs", fwd_bwd_tflops=3.0),
+    ]
+    head, _, line = bench.shapes_table(rows, ["bpt-pallas-hopper", "bpt-triton"]).splitlines()
+    assert head.endswith("| bpt-pallas-hopper / bpt-triton f+b |")
+    assert line.endswith(f"| {3.0 / packed['fwd_bwd_tflops']:.2f}x |")
+
 
 def test_every_registry_resolves_auto_once_and_never_replaces_a_named_implementation():
     """The four registries share one form: names with auto last, auto's choice among those

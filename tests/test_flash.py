@@ -283,7 +283,54 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
 
 
-@pytest.mark.parametrize("tiles, heads, batch, group", [(16, 16, 8, 8), (6, 3, 2, 8), (5, 2, 3, 4), (4, 2, 2, 1)])
+@pytest.mark.parametrize(
+    "batch, head_dim, causal, kv_heads",
+    [
+        (1, 128, True, 1),  # GQA 2:1; the backward adds dQ in its dK/dV pass
+        (1, 64, False, 2),  # dQ in its own pass
+    ],
+)
+def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
+    key, batch, head_dim, causal, kv_heads
+):
+    """Packed documents in the Hopper kernels (asked for by name; "auto" keeps the Triton
+    kernels for segment ids, SEGMENTS_BY_DEFAULT): each key block's segment ids ride the
+    ring with its keys (forward, dQ), each query block's with its queries (dK/dV); outputs
+    and gradients against float32 attention."""
+    q, k, v, d_out = inputs(key, batch, 256, 2, kv_heads, head_dim, jnp.bfloat16)
+    seg = packed_segments(jax.random.fold_in(key, 1), batch, 256, num=4)
+    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=64)
+    compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
+
+
+def test_hopper_kernels_give_rows_without_keys_what_the_triton_kernels_do(key):
+    """Query segments that no key shares (cross attention with segment ids): the Hopper
+    forward gives those rows 0 and a logsumexp of +inf, as the Triton kernels do, and the
+    gradients stay finite and equal."""
+    q, k, v, d_out = inputs(key, 1, 128, 1, 1, 64, jnp.bfloat16)
+    q_ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 32)[None]  # segment 3 has no keys
+    kv_ids = jnp.array([0] * 48 + [1] * 48 + [2] * 32, jnp.int32)[None]
+    runs = {}
+    for kernel in ("hopper", "triton"):
+        fn = functools.partial(
+            flash_attention_with_lse, segment_ids=(q_ids, kv_ids), forward=kernel, backward=kernel
+        )
+
+        def loss(q, k, v, fn=fn):
+            return jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * d_out.astype(jnp.float32))
+
+        runs[kernel] = (fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    (out, lse), grads = runs["hopper"]
+    (t_out, t_lse), t_grads = runs["triton"]
+    assert bool(jnp.all(out[0, 96:] == 0)) and bool(jnp.all(lse[0, :, 96:] == jnp.inf))
+    assert rel_err(out, t_out) < 1e-2 and rel_err(lse[..., :96], t_lse[..., :96]) < 1e-3
+    for g, t in zip(grads, t_grads):
+        assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) and rel_err(g, t) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "tiles, heads, batch, group", [(16, 16, 8, 8), (6, 3, 2, 8), (5, 2, 3, 4), (4, 2, 2, 1)]
+)
 def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, heads, batch, group):
     """The Hopper kernels' launch order (attention_hopper._Grid): every (tile, head, batch)
     once; the tile ranks (rank 0 the heaviest) never go back by a whole group; each run of g
@@ -337,6 +384,38 @@ def test_hopper_forward_schedules_lower_for_cuda(schedule):
     x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="unknown hopper_schedule 'fast'; allowed: serial, pingpong"):
         flash_attention(x, x, x, hopper_schedule="fast")
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim):
+    """With segment ids every kernel still lowers to one Mosaic GPU launch for CUDA (checked
+    without a GPU: the int32 segment vectors in the wgmma layouts, which the interpreter
+    does not have): the forward, and the backward fused (head_dim 128) or in two passes."""
+    q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
+    stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+
+    def launches(f, *args):
+        """The Mosaic GPU launches of f's CUDA lowering, each with the segment ids among its operands."""
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+        assert all(line.count("tensor<1x512xi32>") >= 2 for line in calls), calls
+        return len(calls)
+
+    for schedule in attention_hopper.SCHEDULES:
+        fwd = functools.partial(attention_hopper.forward, causal=True, scale=0.1, schedule=schedule)
+        assert launches(lambda q, k, v, s: fwd(q, k, v, q_seg=s, kv_seg=s), q, kv, kv, ids) == 1
+
+    def grads(q, k, v, d_out, lse, delta, s):
+        return attention_hopper.backward(
+            q, k, v, d_out, lse, delta, causal=False, scale=0.1, q_seg=s, kv_seg=s
+        )
+
+    assert launches(grads, q, kv, kv, q, stats, stats, ids) == (1 if head_dim == 128 else 2)
+    x, short = jnp.zeros((1, 128, 1, 64), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
+    with pytest.raises(ValueError, match="segment ids must be int32 of shapes"):
+        attention_hopper.forward(x, x, x, causal=True, scale=0.1, q_seg=short, kv_seg=short[:, :0])
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -417,8 +496,6 @@ def test_hopper_kernels_refuse_what_they_cannot_take(key):
     with pytest.raises(ValueError, match="forward='hopper' cannot take dtype float32"):
         flash_attention(q, k, v, forward="hopper")
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    with pytest.raises(ValueError, match="backward='hopper' cannot take segment ids"):
-        flash_attention(q, k, v, backward="hopper", segment_ids=jnp.zeros((1, 256), jnp.int32))
     with pytest.raises(ValueError, match="lengths 192, 192 \\(need multiples of 128\\)"):
         flash_attention(q[:, :192], k[:, :192], v[:, :192], forward="hopper")
     with pytest.raises(ValueError, match="unknown flash backward 'mosaic'; allowed: auto, triton, hopper"):
@@ -485,6 +562,21 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
         hopper_schedule=schedule,
     )
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
+@pytest.mark.parametrize(
+    "head_dim, causal, kv_heads, schedule",
+    [(128, True, 2, "pingpong"), (128, True, 2, "overlap"), (128, False, 8, "pingpong"), (64, True, 1, "pingpong")],
+)
+def test_hopper_kernels_take_segment_ids_on_gpu(key, head_dim, causal, kv_heads, schedule):
+    """Packed documents in the wgmma/TMA kernels at real sizes (what SEGMENTS_BY_DEFAULT waits
+    for): forward under two schedules, the fused backward and the two-pass one."""
+    q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, jnp.bfloat16)
+    seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=5)
+    hopper = dict(forward="hopper", backward="hopper", hopper_schedule=schedule)
+    compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
 
 @pytest.mark.gpu

@@ -181,7 +181,8 @@ def _queries_up(q, k, segment_ids, q_offset: int):
     attention with it, for kernels without an offset: the queries (and their segment ids)
     move one row up, so row r holds query r + 1 and sees keys j <= r; the last row holds
     query 0, which sees no key, and its result is dropped. The keys stay where they are, so
-    the Hopper kernels, which take no segment ids, run such a hop. Returns (q, segment_ids)."""
+    kernels with only the causal mask (cuDNN's, bpt's Hopper kernels without segment ids) run
+    such a hop. Returns (q, segment_ids)."""
     if q_offset != -1:
         raise ValueError(f"the kernels take q_offset 0 or -1; got {q_offset}")
     q_seg, kv_seg = split_segment_ids(segment_ids, q.shape[1], k.shape[1])

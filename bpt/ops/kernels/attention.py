@@ -75,7 +75,7 @@ class FlashConfig:
     hopper_stages: int = 2
     hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: where it can be)
     hopper_schedule: str = "pingpong"  # attention_hopper.forward's schedule
-    hopper_tile_group: int = attention_hopper.TILE_GROUP  # the Hopper kernels' launch order (attention_hopper._Grid)
+    hopper_tile_group: int = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -222,6 +222,13 @@ def _query_grid_specs(block_q: int, seq_k: int, head_dim: int, group: int) -> di
     )
 
 
+def _int32_segments(q_seg, kv_seg) -> dict:
+    """The Hopper kernels' segment-id arguments."""
+    if q_seg is None:
+        return {}
+    return dict(q_seg=q_seg.astype(jnp.int32), kv_seg=kv_seg.astype(jnp.int32))
+
+
 def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
     if cfg.forward == "hopper":
         return attention_hopper.forward(
@@ -234,6 +241,7 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
             stages=cfg.hopper_stages,
             schedule=cfg.hopper_schedule,
             tile_group=cfg.hopper_tile_group,
+            **_int32_segments(q_seg, kv_seg),
             interpret=cfg.interpret,
         )
     b, sq, h, d = q.shape
@@ -376,6 +384,7 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
             stages=cfg.hopper_stages,
             fused_dq=cfg.hopper_fused_dq,
             tile_group=cfg.hopper_tile_group,
+            **_int32_segments(q_seg, kv_seg),
             interpret=cfg.interpret,
         )
     seg_args = [q_seg, kv_seg] if has_seg else []
@@ -566,6 +575,8 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     if why_not is None and (pad_q or pad_k or dp):
         why_not = "inputs the Triton kernels would pad"
     use_hopper = why_not is None and not interpret and attention_hopper.is_hopper()
+    if segment_ids is not None and not attention_hopper.SEGMENTS_BY_DEFAULT:
+        use_hopper = False  # "hopper" asked for by name takes them
     if fp8 and forward == "hopper":
         raise ValueError(
             "flash forward='hopper' cannot take fp8=True; the fp8 forward is the Triton kernel's"

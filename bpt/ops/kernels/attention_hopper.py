@@ -25,9 +25,12 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   diagonal crosses; a warpgroup that needs fewer blocks than its partner still waits for and
   releases the slots it skips, so the ring keeps turning (the fused backward's warpgroups
   take the same blocks, the partner's first one fully masked, since dQ needs both halves).
+- segment ids (packed documents): each block's other side brings its segment ids through
+  the ring (the keys' in the forward and dQ, the queries' in dK/dV), and every block is
+  masked by them; none is skipped for its segments.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
-multiple of 64 up to 256, no segment ids, lengths a multiple of the blocks (see supported).
+multiple of 64 up to 256, lengths a multiple of the blocks (see supported).
 Off the GPU the kernels run under Mosaic GPU's interpreter (slow; for tests), where the
 matmuls are plain dots and register layouts do not exist; it has no TMA reduce-add, so
 there the fused backward writes each key tile's partial dQ and XLA sums them.
@@ -56,6 +59,12 @@ BLOCKS = (64, 128)  # the block sizes the kernels take
 # 128 beat 8 by 6% at 16K and 2% at 64K, 1 (one tile of every pair in turn) by 25% at batch 8 of
 # 2K (docs/notes/attention_kernels.md).
 TILE_GROUP = 128
+# Whether flash_attention's forward/backward="auto" gives these kernels segment ids (packed
+# documents). They take them (forward, backward, dQ: every block masked by segment, none
+# skipped for it), checked in Mosaic GPU's interpreter and lowered for CUDA on a CPU; until
+# they have run on a GPU, "auto" keeps the Triton kernels for segment ids, and "hopper" asked
+# for by name runs these.
+SEGMENTS_BY_DEFAULT = False
 # Registers per thread: each compute warpgroup's, the memory warpgroup's (2 x 240 + 24 a
 # thread's worth fill the register file: 65,536 a CTA).
 REGISTERS = (240, 24)
@@ -63,14 +72,14 @@ _profile: dict = {}  # profiled()'s settings while it is active
 
 
 def supported(q: Array, k: Array, *, segment_ids=None) -> str | None:
-    """None when the Hopper kernels can take these inputs, else the reason they cannot."""
+    """None when the Hopper kernels can take these inputs, else the reason they cannot
+    (segment ids they take; whether flash_attention's "auto" gives them segment ids is
+    SEGMENTS_BY_DEFAULT)."""
     d = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (needs bfloat16 or float16)"
     if d % 64 or d > 256:
         return f"head_dim {d} (needs a multiple of 64, at most 256)"
-    if segment_ids is not None:
-        return "segment ids"
     if q.shape[1] % TILE or k.shape[1] % TILE:
         return f"lengths {q.shape[1]}, {k.shape[1]} (need multiples of {TILE})"
     return None
@@ -183,6 +192,11 @@ class _Regs:
         return self.iota(shape, queries_dim) + q0 >= self.iota(shape, 1 - queries_dim) + k0
 
 
+def _same_segment(row_ids: Array, col_ids: Array, shape) -> Array:
+    """Where a block's row and column belong to the same segment (both [rows] / [cols] int32)."""
+    return _rows(row_ids, shape) == _cols(col_ids, shape)
+
+
 def _rows(x: Array, shape) -> Array:
     """A per-row vector broadcast over the columns."""
     return lax.broadcast_in_dim(x, shape, [0])
@@ -274,10 +288,11 @@ class _KeyStream:
     stages: int
     causal: bool
     eager: bool = False  # the ring refills keys and values each as soon as they are free
+    segments: bool = False  # each key block's segment ids come with its keys
 
     def scratch(self, d: int, dtype) -> list:
         """The ring's shared memory and barriers: open() takes them in this order."""
-        return [
+        ring = [
             _smem((self.stages, self.bk, d), dtype),
             _smem((self.stages, self.bk, d), dtype),
             _barriers(self.stages),
@@ -285,9 +300,17 @@ class _KeyStream:
             _barriers(self.stages, COMPUTE_WGS),
             _barriers(self.stages, COMPUTE_WGS),
         ]
+        if self.segments:
+            ring += [_smem((self.stages, self.bk), jnp.int32, swizzled=False), _barriers(self.stages)]
+        return ring
 
-    def open(self, k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free):
-        """(tile, batch, head, warpgroup, ring) of this CTA."""
+    def open(
+        self, k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, *seg_scratch, seg_ref=None
+    ):
+        """(tile, batch, head, warpgroup, ring, key segments) of this CTA. With segments
+        (seg_scratch: the smem and ready barriers scratch() added; seg_ref: the keys' segment
+        ids [b, sk]), key_segments(slot, regs) waits for the slot's segment ids and loads
+        them, one per column of a [queries, keys] block; else it is None."""
         tile, head, bi = self.grid.here()
         tile = self.grid.tiles - 1 - tile if self.causal else tile
         wg = lax.axis_index("wg")
@@ -297,8 +320,18 @@ class _KeyStream:
             return lambda j: ref.at[bi, pl.ds(j * bk, bk), head // self.group]
 
         steps = pl.cdiv((tile + 1) * TILE, bk) if self.causal else self.num_k
-        groups = [(k_free, [(k_smem, k_ready, rows(k_ref))]), (v_free, [(v_smem, v_ready, rows(v_ref))])]
-        return tile, bi, head, wg, _Ring(groups, self.stages, steps, self.eager)
+        keys = [(k_smem, k_ready, rows(k_ref))]
+        key_segments = None
+        if self.segments:
+            seg_smem, seg_ready = seg_scratch
+            keys.append((seg_smem, seg_ready, lambda j: seg_ref.at[bi, pl.ds(j * bk, bk)]))
+
+            def key_segments(slot, regs):
+                plgpu.barrier_wait(seg_ready.at[slot])
+                return regs.vector(seg_smem.at[slot], 0)
+
+        groups = [(k_free, keys), (v_free, [(v_smem, v_ready, rows(v_ref))])]
+        return tile, bi, head, wg, _Ring(groups, self.stages, steps, self.eager), key_segments
 
 
 def _visible_keys(ring: _Ring, *, row0, bq: int, bk: int, causal: bool):
@@ -448,6 +481,21 @@ def _check(q: Array, k: Array, causal: bool, **blocks) -> None:
             )
 
 
+def _check_segments(q: Array, k: Array, q_seg, kv_seg) -> bool:
+    """Whether the kernels get segment ids (both or neither, [b, sq] and [b, sk] int32)."""
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError("the Hopper flash kernels take query and key segment ids together, or neither")
+    if q_seg is None:
+        return False
+    want = ((q.shape[0], q.shape[1]), (k.shape[0], k.shape[1]))
+    if (q_seg.shape, kv_seg.shape) != want or q_seg.dtype != jnp.int32 or kv_seg.dtype != jnp.int32:
+        raise ValueError(
+            f"segment ids must be int32 of shapes {want[0]} and {want[1]}; got {q_seg.dtype}{q_seg.shape},"
+            f" {kv_seg.dtype}{kv_seg.shape}"
+        )
+    return True
+
+
 # --- forward ---------------------------------------------------------------------------------
 
 
@@ -470,9 +518,15 @@ def forward(
     stages: int = 2,
     schedule: str = "pingpong",
     tile_group: int = TILE_GROUP,
+    q_seg: Array | None = None,
+    kv_seg: Array | None = None,
     interpret: bool = False,
 ) -> tuple[Array, Array]:
     """(out [b, s, h, d], logsumexp [b, h, s] float32); see supported() for what it takes.
+
+    q_seg, kv_seg: segment ids ([b, sq], [b, sk] int32), or None: a query sees only the keys
+    of its segment (every block is then masked; none is skipped for its segments). A row
+    that sees no key gets 0 and a logsumexp of +inf, as the Triton kernels' do.
 
     schedule, how a compute warpgroup orders its matmuls and its softmax:
     - "serial": per key block, S = Q K^T, then its softmax, then O += P V, each waited for.
@@ -502,11 +556,16 @@ def forward(
     regs = _Regs(interpret)
     c = scale * LOG2E
     grid = _Grid(num_tiles, h, b, tile_group)
-    keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, eager=overlap)
+    segments = _check_segments(q, k, q_seg, kv_seg)
+    keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, eager=overlap, segments=segments)
 
-    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, lse_smem, q_ready, turn, *ring_scratch):
-        k_smem, v_smem, k_ready, v_ready, k_free, v_free = ring_scratch
-        tile, bi, head, wg, ring = keys.open(k_ref, v_ref, *ring_scratch)
+    def body(*refs):
+        q_ref, k_ref, v_ref, *refs = refs
+        qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if segments else (None, None)
+        o_ref, lse_ref, q_smem, lse_smem, q_ready, turn, *scratch = refs
+        qseg_smem = scratch.pop(0) if segments else None
+        k_smem, v_smem, k_ready, v_ready, k_free, v_free = (ring_scratch := scratch)[:6]
+        tile, bi, head, wg, ring, key_segments = keys.open(k_ref, v_ref, *ring_scratch, seg_ref=ks_ref)
 
         turn = turn.at[0]
 
@@ -520,29 +579,44 @@ def forward(
             plgpu.set_max_registers(REGISTERS[0], action="increase")
             row0 = tile * TILE + wg * bq
             my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, bq), head], my_q, q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
+            rows = pl.ds(row0, bq)
+            _copy_in(
+                q_ready.at[wg],
+                (q_ref.at[bi, rows, head], my_q),
+                *([(qs_ref.at[bi, rows], qseg_smem.at[wg])] if segments else []),
+            )
+            my_segments = regs.vector(qseg_smem.at[wg], 1) if segments else None
 
-            def softmax(j, s, m, denom, masked: bool):
+            def softmax(j, s, m, denom, masked: bool, segs=None):
                 """Block j's probabilities (in the inputs' dtype), the new running max and
-                denominator, and the factor that rescales what was summed before."""
+                denominator, and the factor that rescales what was summed before. segs: the
+                block's key segment ids, with segments."""
                 if masked:
                     s = jnp.where(regs.visible(s.shape, row0, j * bk), s, -jnp.inf)
+                if segments:
+                    s = jnp.where(_same_segment(my_segments, segs, s.shape), s, -jnp.inf)
                 # The running max is kept in base-2 units (c > 0 commutes with max), so that
                 # the scale goes into each exponential's argument: one FFMA an element where
                 # scaling the scores first took an FMUL more (the forward 2-6% faster).
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s * c - _rows(m_new, s.shape))
+                # with segments a row may have seen no key yet: its max is still -inf
+                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if segments else m_new
+                alpha = jnp.exp2(m - shift)
+                p = jnp.exp2(s * c - _rows(shift, s.shape))
                 return p.astype(dtype), m_new, denom * alpha + p.sum(axis=1), alpha
+
+            def arrived(slot):
+                """Wait for the slot's keys (and their segment ids: None without)."""
+                plgpu.barrier_wait(k_ready.at[slot])
+                return key_segments(slot, regs) if segments else None
 
             def serial(j, carry, masked: bool):
                 acc, m, denom = carry
                 slot = ring.slot(j)
-                plgpu.barrier_wait(k_ready.at[slot])
+                segs = arrived(slot)
                 s = _scores(my_q, k_smem.at[slot], interpret, issued=meet)
                 plgpu.barrier_arrive(k_free.at[slot])
-                p, m, denom, alpha = softmax(j, s, m, denom, masked)
+                p, m, denom, alpha = softmax(j, s, m, denom, masked, segs)
                 acc = acc * _rows(alpha, acc.shape)
                 if pingpong:  # my softmax is done; the tensor cores are mine once the partner's is
                     plgpu.barrier_arrive(turn)
@@ -557,12 +631,12 @@ def forward(
                 """Block j's S with block j-1's P V in flight; the softmax of j overlaps P V."""
                 acc, m, denom, p_prev = carry
                 slot, prev = ring.slot(j), ring.slot(j - 1)
-                plgpu.barrier_wait(k_ready.at[slot])
+                segs = arrived(slot)
                 plgpu.barrier_wait(v_ready.at[prev])
                 if interpret:  # the same order of barriers, with plain dots
                     s = _scores(my_q, k_smem.at[slot], interpret, issued=meet)
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, m, denom, alpha = softmax(j, s, m, denom, masked)
+                    p, m, denom, alpha = softmax(j, s, m, denom, masked, segs)
                     meet()
                     acc = _accumulate(acc, p_prev, v_smem.at[prev], interpret)
                 else:
@@ -574,7 +648,7 @@ def forward(
                         meet()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S done, P V may run on
                         plgpu.barrier_arrive(k_free.at[slot])
-                        out = softmax(j, s, m, denom, masked)
+                        out = softmax(j, s, m, denom, masked, segs)
                         meet()
                         return (o_ref[...], *out)
 
@@ -599,10 +673,10 @@ def forward(
                 steps, clear = _visible_keys(ring, **sweep)
                 # block 0's S and softmax (masked if the diagonal may cross it: masking a block
                 # it does not cross changes nothing), then the pipeline, then the last P V
-                plgpu.barrier_wait(k_ready.at[0])
+                segs = arrived(0)
                 s = _scores(my_q, k_smem.at[0], interpret, issued=meet)
                 plgpu.barrier_arrive(k_free.at[0])
-                p, m, denom, _ = softmax(0, s, m0, denom0, masked=causal)
+                p, m, denom, _ = softmax(0, s, m0, denom0, masked=causal, segs=segs)
                 meet()
                 carry = (regs.zeros((bq, d)), m, denom, p)
                 first_masked = jnp.maximum(clear, 1)
@@ -620,11 +694,15 @@ def forward(
                     ring.skip(steps, ring.steps, each=meet_twice)
             if wg == 0:
                 meet()
+            if segments:  # a row that saw no key: 0, and a logsumexp of +inf
+                seen = denom > 0.0
+                denom = jnp.where(seen, denom, 1.0)
             my_q[...] = (acc * _rows(1.0 / denom, acc.shape)).astype(dtype)
-            my_lse[...] = (m + jnp.log2(denom)) * LN2
+            lse = (m + jnp.log2(denom)) * LN2
+            my_lse[...] = jnp.where(seen, lse, jnp.inf) if segments else lse
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, pl.ds(row0, bq), head])
-            plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, head, pl.ds(row0, bq)])
+            plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, rows, head])
+            plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, head, rows])
             plgpu.wait_smem_to_gmem(0)
 
         _per_warpgroup(wg, _compute)
@@ -636,6 +714,7 @@ def forward(
         _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
         _barriers(COMPUTE_WGS),
         _barriers(1, COMPUTE_WGS),  # the warpgroups' meeting point (pingpong)
+        *([_smem((COMPUTE_WGS, bq), jnp.int32, swizzled=False)] if segments else []),
         *keys.scratch(d, dtype),
     ]
     return _launch(
@@ -645,13 +724,15 @@ def forward(
         grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_fwd",
-    )(q, k, v)
+    )(q, k, v, *((q_seg, kv_seg) if segments else ()))
 
 
 # --- backward --------------------------------------------------------------------------------
 
 
-def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, interpret):
+def _dq(
+    q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, interpret, q_seg=None, kv_seg=None
+):
     """dQ: per 2 x 64 query rows, over the key blocks (64) they see."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -661,12 +742,16 @@ def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, inter
     regs = _Regs(interpret)
     c = scale * LOG2E
     grid = _Grid(num_tiles, h, b, tile_group)
-    keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal)
+    segments = q_seg is not None
+    keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, segments=segments)
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *scratch):
-        q_smem, do_smem, lse_smem, delta_smem, rows_ready, *ring_scratch = scratch
-        k_smem, v_smem, k_ready, v_ready, k_free, v_free = ring_scratch
-        tile, bi, head, wg, ring = keys.open(k_ref, v_ref, *ring_scratch)
+    def body(*refs):
+        q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
+        qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if segments else (None, None)
+        dq_ref, q_smem, do_smem, lse_smem, delta_smem, rows_ready, *scratch = refs
+        qseg_smem = scratch.pop(0) if segments else None
+        k_smem, v_smem, k_ready, v_ready, k_free, v_free = (ring_scratch := scratch)[:6]
+        tile, bi, head, wg, ring, key_segments = keys.open(k_ref, v_ref, *ring_scratch, seg_ref=ks_ref)
 
         def _compute(wg):
             plgpu.set_max_registers(REGISTERS[0], action="increase")
@@ -679,12 +764,15 @@ def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, inter
                 (do_ref.at[bi, rows, head], my_do),
                 (lse2_ref.at[bi, head, rows], lse_smem.at[wg]),
                 (delta_ref.at[bi, head, rows], delta_smem.at[wg]),
+                *([(qs_ref.at[bi, rows], qseg_smem.at[wg])] if segments else []),
             )
             lse2, delta = regs.vector(lse_smem.at[wg], 1), regs.vector(delta_smem.at[wg], 1)
+            my_segments = regs.vector(qseg_smem.at[wg], 1) if segments else None
 
             def step(j, dq, masked: bool):
                 slot = ring.slot(j)
                 plgpu.barrier_wait(k_ready.at[slot])
+                segs = key_segments(slot, regs) if segments else None
                 s = _scores(my_q, k_smem.at[slot], interpret)
                 plgpu.barrier_wait(v_ready.at[slot])
                 dp = _scores(my_do, v_smem.at[slot], interpret)
@@ -692,6 +780,8 @@ def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, inter
                 p = jnp.exp2(s * c - _rows(lse2, s.shape))
                 if masked:
                     p = jnp.where(regs.visible(s.shape, row0, j * bk), p, 0.0)
+                if segments:
+                    p = jnp.where(_same_segment(my_segments, segs, p.shape), p, 0.0)
                 ds = p * (dp - _rows(delta, dp.shape))
                 dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], interpret)
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -713,6 +803,7 @@ def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, inter
         _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
         _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
         _barriers(COMPUTE_WGS),
+        *([_smem((COMPUTE_WGS, bq), jnp.int32, swizzled=False)] if segments else []),
         *keys.scratch(d, dtype),
     ]
     return _launch(
@@ -722,7 +813,7 @@ def _dq(q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, inter
         grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_dq",
-    )(q, k, v, d_out, lse2, delta)
+    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if segments else ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -738,11 +829,12 @@ class _QueryStream:
     bq: int
     stages: int
     causal: bool
+    segments: bool = False  # each query block's segment ids come with it
 
     def scratch(self, d: int, dtype) -> list:
         """The ring's shared memory and barriers: open() takes them in this order."""
         rows, stats = (self.stages, self.bq, d), (self.stages, self.bq)
-        return [
+        ring = [
             _smem(rows, dtype),
             _smem(rows, dtype),
             _smem(stats, jnp.float32, swizzled=False),
@@ -750,12 +842,30 @@ class _QueryStream:
             *[_barriers(self.stages) for _ in range(4)],
             _barriers(self.stages, COMPUTE_WGS),
         ]
+        if self.segments:
+            ring += [_smem(stats, jnp.int32, swizzled=False), _barriers(self.stages)]
+        return ring
 
     def open(
-        self, refs, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free
+        self,
+        refs,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        q_ready,
+        do_ready,
+        lse_ready,
+        delta_ready,
+        free,
+        *seg_scratch,
+        seg_ref=None,
     ):
         """(tile, batch, kv head, warpgroup, ring, first, per_head) of this CTA: step j of the
-        ring holds query block first + j % per_head of the group's query head j // per_head."""
+        ring holds query block first + j % per_head of the group's query head j // per_head.
+        With segments (seg_scratch: the smem and ready barriers scratch() added; seg_ref: the
+        queries' segment ids [b, sq]) the step's query segment ids come too, in the smem
+        seg_scratch[0] on the barriers seg_scratch[1]."""
         q_ref, do_ref, lse2_ref, delta_ref = refs
         tile, kv_head, bi = self.grid.here()
         wg = lax.axis_index("wg")
@@ -776,6 +886,8 @@ class _QueryStream:
             (lse_smem, lse_ready, stats_of(lse2_ref)),
             (delta_smem, delta_ready, stats_of(delta_ref)),
         ]
+        if self.segments:
+            buffers.append((*seg_scratch, lambda j: seg_ref.at[bi, head_rows(j)[1]]))
         ring = _Ring([(free, buffers)], self.stages, self.group * per_head)
         return tile, bi, kv_head, wg, ring, first, per_head
 
@@ -785,7 +897,22 @@ class _QueryStream:
 
 
 def _dkdv(
-    q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, interpret, dq_acc=None, dq_parts=False
+    q,
+    k,
+    v,
+    d_out,
+    lse2,
+    delta,
+    *,
+    causal,
+    scale,
+    stages,
+    tile_group,
+    interpret,
+    dq_acc=None,
+    dq_parts=False,
+    q_seg=None,
+    kv_seg=None,
 ):
     """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
     query head of its group that see them.
@@ -807,13 +934,15 @@ def _dkdv(
     regs = _Regs(interpret)
     c = scale * LOG2E
     grid = _Grid(num_tiles, hk, b, tile_group)
-    queries = _QueryStream(grid, num_q, group, bq, max(1, min(stages, num_q)), causal)
+    segments = q_seg is not None
+    queries = _QueryStream(grid, num_q, group, bq, max(1, min(stages, num_q)), causal, segments)
     with_dq = dq_acc is not None or dq_parts
     half = d // COMPUTE_WGS  # dQ's columns per warpgroup
     scratch = [
         _smem((TILE, d), dtype),  # the tile's keys, warpgroup w's rows at 64 w
         _smem((COMPUTE_WGS, bk, d), dtype),
         _barriers(COMPUTE_WGS),
+        *([_smem((COMPUTE_WGS, bk), jnp.int32, swizzled=False)] if segments else []),  # the keys' segments
         *queries.scratch(d, dtype),
     ]
     if with_dq:
@@ -831,6 +960,7 @@ def _dkdv(
             refs[: -len(scratch)],
             refs[-len(scratch) :],
         )
+        qs_ref, ks_ref = (outs.pop(0), outs.pop(0)) if segments else (None, None)
         dq_ref = None
         if dq_acc is not None:  # mutable arrays come before the outputs
             dq_ref, *outs = outs
@@ -838,11 +968,17 @@ def _dkdv(
             *outs, dq_ref = outs
         dk_ref, dv_ref = outs
         k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
+        kseg_smem = ring_scratch.pop(0) if segments else None
         if with_dq:
             *ring_scratch, ds_smem, dq_smem, ds_ready, keys_read, dq_full, dq_empty = ring_scratch
+        if segments:
+            *ring_scratch, qseg_smem, qseg_ready = ring_scratch
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_scratch
         tile, bi, kv_head, wg, ring, first, per_head = queries.open(
-            (q_ref, do_ref, lse2_ref, delta_ref), *ring_scratch
+            (q_ref, do_ref, lse2_ref, delta_ref),
+            *ring_scratch,
+            *((qseg_smem, qseg_ready) if segments else ()),
+            seg_ref=qs_ref,
         )
 
         def _compute(wg):
@@ -851,8 +987,12 @@ def _dkdv(
             keys = pl.ds(key0, bk)
             my_k, my_v = k_smem.at[pl.ds(wg * bk, bk)], v_smem.at[wg]
             _copy_in(
-                own_ready.at[wg], (k_ref.at[bi, keys, kv_head], my_k), (v_ref.at[bi, keys, kv_head], my_v)
+                own_ready.at[wg],
+                (k_ref.at[bi, keys, kv_head], my_k),
+                (v_ref.at[bi, keys, kv_head], my_v),
+                *([(ks_ref.at[bi, keys], kseg_smem.at[wg])] if segments else []),
             )
+            my_segments = regs.vector(kseg_smem.at[wg], 1) if segments else None  # one a row of S^T
             cols = pl.ds(wg * half, half)
 
             def share_ds(j, ds_t):
@@ -893,6 +1033,9 @@ def _dkdv(
                     if masked:
                         q0 = (first + lax.rem(j, per_head)) * bq
                         p_t = jnp.where(regs.visible(s_t.shape, q0, key0, queries_dim=1), p_t, 0.0)
+                    if segments:
+                        segs = stat(qseg_ready, qseg_smem)
+                        p_t = jnp.where(_same_segment(my_segments, segs, p_t.shape), p_t, 0.0)
                 with jax.named_scope("wait_dO"):
                     plgpu.barrier_wait(do_ready.at[slot])
                 with jax.named_scope("dV"):
@@ -972,7 +1115,16 @@ def _dkdv(
         interpret=interpret,
         name="bpt_flash_hopper_dkdvdq" if with_dq else "bpt_flash_hopper_dkdv",
         mutable=dq_acc is not None,
-    )(q, k, v, d_out, lse2, delta, *([dq_acc] if dq_acc is not None else []))
+    )(
+        q,
+        k,
+        v,
+        d_out,
+        lse2,
+        delta,
+        *((q_seg, kv_seg) if segments else ()),
+        *([dq_acc] if dq_acc is not None else []),
+    )
 
 
 def fuses_dq(q: Array) -> bool:
@@ -995,19 +1147,30 @@ def backward(
     stages: int = 2,
     fused_dq: bool | None = None,
     tile_group: int = TILE_GROUP,
+    q_seg: Array | None = None,
+    kv_seg: Array | None = None,
     interpret: bool = False,
 ):
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s].
 
     fused_dq: one pass that adds dQ into a float32 buffer as it computes dK and dV (5 matmuls a
     block; head_dim 128), or False: a second pass for dQ that recomputes P (7). None: fused
-    where it can be (fuses_dq). tile_group: see forward."""
+    where it can be (fuses_dq). tile_group, q_seg, kv_seg: see forward."""
     _check(q, k, causal)
     fused_dq = fuses_dq(q) if fused_dq is None else fused_dq
     if fused_dq and not fuses_dq(q):
         raise ValueError(f"fused_dq=True needs head_dim 128; got {q.shape[-1]}")
     check_tile_group(tile_group)
-    kw = dict(causal=causal, scale=scale, stages=stages, tile_group=tile_group, interpret=interpret)
+    _check_segments(q, k, q_seg, kv_seg)
+    kw = dict(
+        causal=causal,
+        scale=scale,
+        stages=stages,
+        tile_group=tile_group,
+        interpret=interpret,
+        q_seg=q_seg,
+        kv_seg=kv_seg,
+    )
     lse2 = lse * LOG2E  # both passes compute p = exp2(s * log2(e) / sqrt(d) - lse2)
     if not fused_dq:
         dk, dv = _dkdv(q, k, v, d_out, lse2, delta, **kw)
