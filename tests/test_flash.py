@@ -252,25 +252,24 @@ def test_entry_point_and_bad_inputs(key):
 
 
 @pytest.mark.parametrize(
-    "batch, dtype, head_dim, causal, kv_heads, block_k, fused_dq",
+    "dtype, head_dim, causal, kv_heads, block_k, fused_dq",
     [
         # GQA 2:1; the forward streams 4 key blocks through 2 slots; at head_dim 128 the
         # backward adds dQ in its dK/dV pass (the default there), at 64 it runs a second pass
         # for it. (Each interpreted case costs about 20 s on two cores: MQA, float16, 128-key
         # blocks and the non-causal path run in the GPU tests, test_hopper_kernels_on_gpu.)
-        # Batch 2: each CTA finds its batch, head and tile in the launch order's one axis.
-        (2, jnp.bfloat16, 128, True, 1, 64, None),
-        (1, jnp.bfloat16, 64, True, 1, 64, None),
+        (jnp.bfloat16, 128, True, 1, 64, None),
+        (jnp.bfloat16, 64, True, 1, 64, None),
     ],
 )
 def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
-    key, batch, dtype, head_dim, causal, kv_heads, block_k, fused_dq
+    key, dtype, head_dim, causal, kv_heads, block_k, fused_dq
 ):
     """The warp-specialized kernels' data movement, barriers and masks, run by Mosaic GPU's
     interpreter (the matmuls there are plain dots, and the fused backward's dQ is written per
     warpgroup and summed by XLA where the GPU reduces it in place; the GPU tests run the
     wgmma path)."""
-    q, k, v, d_out = inputs(key, batch, 256, 2, kv_heads, head_dim, dtype)
+    q, k, v, d_out = inputs(key, 1, 256, 2, kv_heads, head_dim, dtype)
     hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k, hopper_fused_dq=fused_dq)
     out, lse = flash_attention_with_lse(q, k, v, causal=causal, **hopper)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -284,21 +283,19 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
 
 
 @pytest.mark.parametrize(
-    "batch, head_dim, causal, kv_heads",
+    "head_dim, causal, kv_heads",
     [
-        (1, 128, True, 1),  # GQA 2:1; the backward adds dQ in its dK/dV pass
-        (1, 64, False, 2),  # dQ in its own pass
+        (128, True, 1),  # GQA 2:1; the backward adds dQ in its dK/dV pass
+        (64, False, 2),  # dQ in its own pass
     ],
 )
-def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
-    key, batch, head_dim, causal, kv_heads
-):
+def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(key, head_dim, causal, kv_heads):
     """Packed documents in the Hopper kernels (asked for by name; "auto" keeps the Triton
     kernels for segment ids, SEGMENTS_BY_DEFAULT): each key block's segment ids ride the
     ring with its keys (forward, dQ), each query block's with its queries (dK/dV); outputs
     and gradients against float32 attention."""
-    q, k, v, d_out = inputs(key, batch, 256, 2, kv_heads, head_dim, jnp.bfloat16)
-    seg = packed_segments(jax.random.fold_in(key, 1), batch, 256, num=4)
+    q, k, v, d_out = inputs(key, 1, 256, 2, kv_heads, head_dim, jnp.bfloat16)
+    seg = packed_segments(jax.random.fold_in(key, 1), 1, 256, num=4)
     hopper = dict(forward="hopper", backward="hopper", hopper_block_k=64)
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
@@ -306,10 +303,11 @@ def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
 def test_hopper_kernels_give_rows_without_keys_what_the_triton_kernels_do(key):
     """Query segments that no key shares (cross attention with segment ids): the Hopper
     forward gives those rows 0 and a logsumexp of +inf, as the Triton kernels do, and the
-    gradients stay finite and equal."""
-    q, k, v, d_out = inputs(key, 1, 128, 1, 1, 64, jnp.bfloat16)
-    q_ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 32)[None]  # segment 3 has no keys
-    kv_ids = jnp.array([0] * 48 + [1] * 48 + [2] * 32, jnp.int32)[None]
+    gradients stay finite and equal. Batch 2: each CTA finds its batch in the launch
+    order's one axis (attention_hopper._Grid)."""
+    q, k, v, d_out = inputs(key, 2, 128, 1, 1, 64, jnp.bfloat16)
+    q_ids = jnp.tile(jnp.repeat(jnp.arange(4, dtype=jnp.int32), 32)[None], (2, 1))  # segment 3: no keys
+    kv_ids = jnp.array([[0] * 48 + [1] * 48 + [2] * 32, [0] * 32 + [1] * 64 + [2] * 32], jnp.int32)
     runs = {}
     for kernel in ("hopper", "triton"):
         fn = functools.partial(
@@ -322,7 +320,7 @@ def test_hopper_kernels_give_rows_without_keys_what_the_triton_kernels_do(key):
         runs[kernel] = (fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
     (out, lse), grads = runs["hopper"]
     (t_out, t_lse), t_grads = runs["triton"]
-    assert bool(jnp.all(out[0, 96:] == 0)) and bool(jnp.all(lse[0, :, 96:] == jnp.inf))
+    assert bool(jnp.all(out[:, 96:] == 0)) and bool(jnp.all(lse[:, :, 96:] == jnp.inf))
     assert rel_err(out, t_out) < 1e-2 and rel_err(lse[..., :96], t_lse[..., :96]) < 1e-3
     for g, t in zip(grads, t_grads):
         assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) and rel_err(g, t) < 1e-2
@@ -568,7 +566,12 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
 @pytest.mark.parametrize(
     "head_dim, causal, kv_heads, schedule",
-    [(128, True, 2, "pingpong"), (128, True, 2, "overlap"), (128, False, 8, "pingpong"), (64, True, 1, "pingpong")],
+    [
+        (128, True, 2, "pingpong"),
+        (128, True, 2, "overlap"),
+        (128, False, 8, "pingpong"),
+        (64, True, 1, "pingpong"),
+    ],
 )
 def test_hopper_kernels_take_segment_ids_on_gpu(key, head_dim, causal, kv_heads, schedule):
     """Packed documents in the wgmma/TMA kernels at real sizes (what SEGMENTS_BY_DEFAULT waits

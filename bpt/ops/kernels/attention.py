@@ -487,15 +487,15 @@ def flash_attention_with_lse(
     segment_ids: [b, s] ints (or a (q_ids, kv_ids) pair): tokens attend within their segment.
     k and v may have fewer heads than q (a divisor of it). forward, backward: "triton",
     "hopper" (the Mosaic GPU kernels of attention_hopper.py: wgmma/TMA, H100-class GPUs,
-    bf16/fp16, no segment ids, lengths multiples of 128), or "auto" (hopper where it can run,
-    else triton). hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
+    bf16/fp16, lengths multiples of 128), or "auto" (hopper where it can run, else triton;
+    triton for segment ids while attention_hopper.SEGMENTS_BY_DEFAULT is False). hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
     the depth of the Hopper kernels' shared-memory ring; hopper_fused_dq: the Hopper backward
     adds dQ inside its dK/dV pass (True; head_dim 128) or runs a second pass for it
     (False); None: fused where it can be (attention_hopper.fuses_dq). hopper_schedule: how the
     Hopper forward orders each warpgroup's matmuls and softmax (attention_hopper.SCHEDULES; see
     attention_hopper.forward). hopper_tile_group: the Hopper kernels' launch order, runs of
-    up to this many tiles of one (batch, head) (attention_hopper.forward). interpret: run the kernels in an
-    interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
+    up to this many tiles of one (batch, head) (attention_hopper.forward). interpret: run
+    the kernels in an interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
     (the Triton forward; q and k scaled per token and head, v per channel, the probabilities
