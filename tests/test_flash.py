@@ -283,18 +283,20 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, kv_heads",
+    "head_dim, causal, heads, kv_heads",
     [
-        (128, True, 1),  # GQA 2:1; the backward adds dQ in its dK/dV pass
-        (64, False, 2),  # dQ in its own pass
+        (128, True, 2, 1),  # GQA 2:1; the backward adds dQ in its dK/dV pass
+        (64, False, 1, 1),  # dQ in its own pass
     ],
 )
-def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(key, head_dim, causal, kv_heads):
+def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
+    key, head_dim, causal, heads, kv_heads
+):
     """Packed documents in the Hopper kernels (asked for by name; "auto" keeps the Triton
     kernels for segment ids, SEGMENTS_BY_DEFAULT): each key block's segment ids ride the
     ring with its keys (forward, dQ), each query block's with its queries (dK/dV); outputs
     and gradients against float32 attention."""
-    q, k, v, d_out = inputs(key, 1, 256, 2, kv_heads, head_dim, jnp.bfloat16)
+    q, k, v, d_out = inputs(key, 1, 256, heads, kv_heads, head_dim, jnp.bfloat16)
     seg = packed_segments(jax.random.fold_in(key, 1), 1, 256, num=4)
     hopper = dict(forward="hopper", backward="hopper", hopper_block_k=64)
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
