@@ -222,13 +222,6 @@ def _query_grid_specs(block_q: int, seq_k: int, head_dim: int, group: int) -> di
     )
 
 
-def _int32_segments(q_seg, kv_seg) -> dict:
-    """The Hopper kernels' segment-id arguments."""
-    if q_seg is None:
-        return {}
-    return dict(q_seg=q_seg.astype(jnp.int32), kv_seg=kv_seg.astype(jnp.int32))
-
-
 def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
     if cfg.forward == "hopper":
         return attention_hopper.forward(
@@ -241,7 +234,8 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
             stages=cfg.hopper_stages,
             schedule=cfg.hopper_schedule,
             tile_group=cfg.hopper_tile_group,
-            **_int32_segments(q_seg, kv_seg),
+            q_seg=q_seg,
+            kv_seg=kv_seg,
             interpret=cfg.interpret,
         )
     b, sq, h, d = q.shape
@@ -384,7 +378,8 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
             stages=cfg.hopper_stages,
             fused_dq=cfg.hopper_fused_dq,
             tile_group=cfg.hopper_tile_group,
-            **_int32_segments(q_seg, kv_seg),
+            q_seg=q_seg,
+            kv_seg=kv_seg,
             interpret=cfg.interpret,
         )
     seg_args = [q_seg, kv_seg] if has_seg else []
@@ -488,7 +483,8 @@ def flash_attention_with_lse(
     k and v may have fewer heads than q (a divisor of it). forward, backward: "triton",
     "hopper" (the Mosaic GPU kernels of attention_hopper.py: wgmma/TMA, H100-class GPUs,
     bf16/fp16, lengths multiples of 128), or "auto" (hopper where it can run, else triton;
-    triton for segment ids while attention_hopper.SEGMENTS_BY_DEFAULT is False). hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
+    triton for segment ids while attention_hopper.SEGMENTS_BY_DEFAULT is False).
+    hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
     the depth of the Hopper kernels' shared-memory ring; hopper_fused_dq: the Hopper backward
     adds dQ inside its dK/dV pass (True; head_dim 128) or runs a second pass for it
     (False); None: fused where it can be (attention_hopper.fuses_dq). hopper_schedule: how the
@@ -614,7 +610,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, dp)))
         k = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, dp)))
         v = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, dp)))
-    if q_seg is not None:  # padded queries and keys get segments of their own
+    if q_seg is not None:  # int32 for every kernel; padded queries and keys get segments of their own
         q_seg = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, pad_q)), constant_values=-1)
         kv_seg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, pad_k)), constant_values=-2)
     return cfg, (q, k, v, q_seg, kv_seg)
