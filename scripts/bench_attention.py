@@ -64,8 +64,7 @@ IMPLS = {
     "bpt-pallas-2pass": lambda q, k, v, *, causal, **kw: flash_attention(
         q, k, v, causal=causal, hopper_fused_dq=False, **kw
     ),
-    # bpt's Hopper kernels asked for by name: with segment ids "auto" takes the Triton ones
-    # (attention_hopper.SEGMENTS_BY_DEFAULT).
+    # bpt's Hopper kernels asked for by name (what "auto" takes where they run).
     "bpt-pallas-hopper": lambda q, k, v, *, causal, **kw: flash_attention(
         q, k, v, causal=causal, forward="hopper", backward="hopper", **kw
     ),

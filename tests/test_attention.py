@@ -232,25 +232,28 @@ def test_cudnn_matches_reference_in_bf16(key, kv_heads):
             assert rel_err(g, g_r) < 1e-2, impl
 
 
-def test_auto_takes_bpts_hopper_kernels_only_for_small_causal_problems(monkeypatch):
+def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
     """On an H100-class GPU auto runs bpt's Hopper kernels where bench_attention measured them
-    faster than cuDNN: causal, up to 4K tokens, no more work than one 4K sequence of 16
-    heads (batch 8 of 2K went to cuDNN's kernels, 1.6x faster there)."""
+    faster than cuDNN (LEADS): causal, head_dim 128 up to one 16K sequence of 16 heads' work
+    (GPT-1B's micro-batches), any head_dim up to one 4K sequence's; cuDNN beyond."""
     from bpt.ops import select_impl
     from bpt.ops.kernels import attention_hopper
 
     monkeypatch.setattr(attention_hopper, "is_hopper", lambda: True)
 
-    def impl(batch, seq, heads=16, causal=True, dtype=jnp.bfloat16):
-        q = jax.ShapeDtypeStruct((batch, seq, heads, 128), dtype)
+    def impl(batch, seq, heads=16, causal=True, dtype=jnp.bfloat16, head_dim=128):
+        q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dtype)
         return select_impl(q, q, causal=causal, segment_ids=None, q_chunk_size=1024, kv_chunk_size=1024)
 
-    assert impl(1, 2048) == impl(1, 4096) == impl(2, 2048) == impl(4, 1024) == "pallas"
+    leads = (impl(1, 2048), impl(8, 2048), impl(16, 1024), impl(2, 8192), impl(1, 16384),
+             impl(1, 4096, heads=32), impl(1, 4096, head_dim=64), impl(1, 2048, head_dim=64))
+    assert set(leads) == {"pallas"}, leads
     for other in (
-        impl(8, 2048),
-        impl(2, 4096),
-        impl(1, 4096, heads=32),
-        impl(1, 8192),
+        impl(1, 32768),
+        impl(2, 16384),
+        impl(1, 16384, heads=32),
+        impl(1, 8192, head_dim=64),
+        impl(2, 4096, head_dim=64),
         impl(1, 2048, causal=False),
     ):
         assert other != "pallas"  # cuDNN on a GPU; here, without one, blockwise

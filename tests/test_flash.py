@@ -292,8 +292,8 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
 def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
     key, head_dim, causal, heads, kv_heads
 ):
-    """Packed documents in the Hopper kernels (asked for by name; "auto" keeps the Triton
-    kernels for segment ids, SEGMENTS_BY_DEFAULT): each key block's segment ids ride the
+    """Packed documents in the Hopper kernels (what "auto" takes for them on an H100-class
+    GPU): each key block's segment ids ride the
     ring with its keys (forward, dQ), each query block's with its queries (dK/dV); outputs
     and gradients against float32 attention."""
     q, k, v, d_out = inputs(key, 1, 256, heads, kv_heads, head_dim, jnp.bfloat16)
@@ -576,8 +576,8 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
     ],
 )
 def test_hopper_kernels_take_segment_ids_on_gpu(key, head_dim, causal, kv_heads, schedule):
-    """Packed documents in the wgmma/TMA kernels at real sizes (what SEGMENTS_BY_DEFAULT waits
-    for): forward under two schedules, the fused backward and the two-pass one."""
+    """Packed documents in the wgmma/TMA kernels at real sizes: forward under two schedules,
+    the fused backward and the two-pass one."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, jnp.bfloat16)
     seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=5)
     hopper = dict(forward="hopper", backward="hopper", hopper_schedule=schedule)

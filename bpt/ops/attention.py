@@ -11,11 +11,11 @@ return a piece's output and logsumexp for a merge (context parallelism's hops).
 | pallas      | O(seq)      | NVIDIA GPU (Mosaic GPU kernels on H100-class GPUs where they
 |             |             | take the inputs, else Triton); elsewhere interpret mode (tests) | yes |
 | auto        | on an H100-class GPU, pallas for causal bf16/fp16 inputs that the Mosaic GPU
-|             | kernels take, up to 4K tokens and batch x heads x seq^2 no more than one
-|             | 4K sequence of 16 heads has (measured faster than cuDNN there; slower at
-|             | 8K and up, and at batch 8 of 2K); on a GPU otherwise cudnn where it supports
-|             | the inputs, else pallas for bf16/fp16; off the GPU blockwise (reference
-|             | when one chunk covers it) |
+|             | kernels take where they were measured faster than cuDNN (LEADS: head_dim
+|             | 128 up to 16K tokens and one 16K sequence of 16 heads' work; any head_dim
+|             | up to 4K and one 4K sequence's); on a GPU otherwise cudnn where it supports
+|             | the inputs, else pallas for bf16/fp16 (segment ids); off the GPU blockwise
+|             | (reference when one chunk covers it) |
 
 An implementation named explicitly runs where it takes the inputs and is an error
 elsewhere (never replaced by another).
@@ -33,15 +33,18 @@ from bpt.ops.reference import SegmentIds, check_qkv, reference_attention, split_
 from bpt.ops.registry import Implementation, Registry
 
 Array = jax.Array
-# bpt's Hopper kernels against cuDNN (causal, d=128, batch 1, 16 heads, H100), forward+
-# backward: 1.5x at 2K, 1.17x at 4K, 1.06x at 8K, 0.98-1.00x from 16K to 64K, and 0.68x at
-# batch 8 of 2K (docs/notes/attention_kernels.md). Since their CTAs launch in runs of one
-# head's tiles (attention_hopper.TILE_GROUP), 1.02-1.06x at GPT-1B's micro-batches of 16K
-# tokens (batch 8 of 2K to batch 1 of 16K) on an H200, where the whole step ran within 1% of
-# cuDNN's (measured before the runs grew from 8 tiles to 128): not a margin to change the rule
-# for. A larger SMALL would take the batched shapes.
-SHORT = 4096  # tokens
-SMALL = 16 * 4096**2  # batch x heads x seq^2 (query-key pairs, counting both triangles)
+# Where bpt's Hopper kernels run causal attention faster than cuDNN, forward+backward:
+# (most keys a sequence, most query-key pairs batch x heads x seq^2, head_dims or None for
+# any). Measured: on an H100 at batch 1, 1.5x at 2K and 1.17x at 4K (the second row; 0.68x
+# at batch 8 of 2K then). Since their CTAs launch in runs of one head's tiles
+# (attention_hopper.TILE_GROUP, 128), on an H200 at head_dim 128: 1.02-1.06x at GPT-1B's
+# micro-batches of 16K tokens (batch 16 of 1K to batch 1 of 16K), 1.01x with GQA 32/8 at 16K,
+# and GPT-1B's whole step 1.004-1.009x cuDNN's at 2K-8K (the first row); 0.96x at 64K, 0.91x
+# at head_dim 64 of 16K, 1.00x non-causal (docs/notes/attention_kernels.md).
+LEADS = (
+    (16384, 16 * 16384**2, (128,)),
+    (4096, 16 * 4096**2, None),
+)
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -65,10 +68,13 @@ def select_impl(
 ) -> str:
     """The implementation impl='auto' runs for these inputs (one device's shapes: the
     thresholds were measured per device) on this platform."""
+    pairs = q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1]
     if (
         causal
-        and k.shape[1] <= SHORT
-        and q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= SMALL
+        and any(
+            k.shape[1] <= keys and pairs <= most and (dims is None or q.shape[-1] in dims)
+            for keys, most, dims in LEADS
+        )
         and attention_hopper.is_hopper()
         and attention_hopper.supported(q, k, segment_ids=segment_ids) is None
     ):

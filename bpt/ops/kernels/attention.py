@@ -482,8 +482,8 @@ def flash_attention_with_lse(
     segment_ids: [b, s] ints (or a (q_ids, kv_ids) pair): tokens attend within their segment.
     k and v may have fewer heads than q (a divisor of it). forward, backward: "triton",
     "hopper" (the Mosaic GPU kernels of attention_hopper.py: wgmma/TMA, H100-class GPUs,
-    bf16/fp16, lengths multiples of 128), or "auto" (hopper where it can run, else triton;
-    triton for segment ids while attention_hopper.SEGMENTS_BY_DEFAULT is False).
+    bf16/fp16, lengths multiples of 128), or "auto" (hopper where it can run, segment ids
+    too, else triton).
     hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
     the depth of the Hopper kernels' shared-memory ring; hopper_fused_dq: the Hopper backward
     adds dQ inside its dK/dV pass (True; head_dim 128) or runs a second pass for it
@@ -571,8 +571,6 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     if why_not is None and (pad_q or pad_k or dp):
         why_not = "inputs the Triton kernels would pad"
     use_hopper = why_not is None and not interpret and attention_hopper.is_hopper()
-    if segment_ids is not None and not attention_hopper.SEGMENTS_BY_DEFAULT:
-        use_hopper = False  # "hopper" asked for by name takes them
     if fp8 and forward == "hopper":
         raise ValueError(
             "flash forward='hopper' cannot take fp8=True; the fp8 forward is the Triton kernel's"

@@ -59,12 +59,6 @@ BLOCKS = (64, 128)  # the block sizes the kernels take
 # 128 beat 8 by 6% at 16K and 2% at 64K, 1 (one tile of every pair in turn) by 25% at batch 8 of
 # 2K (docs/notes/attention_kernels.md).
 TILE_GROUP = 128
-# Whether flash_attention's forward/backward="auto" gives these kernels segment ids (packed
-# documents). They take them (forward, backward, dQ: every block masked by segment, none
-# skipped for it), checked in Mosaic GPU's interpreter and lowered for CUDA on a CPU; until
-# they have run on a GPU, "auto" keeps the Triton kernels for segment ids, and "hopper" asked
-# for by name runs these.
-SEGMENTS_BY_DEFAULT = False
 # Registers per thread: each compute warpgroup's, the memory warpgroup's (2 x 240 + 24 a
 # thread's worth fill the register file: 65,536 a CTA).
 REGISTERS = (240, 24)
@@ -73,8 +67,7 @@ _profile: dict = {}  # profiled()'s settings while it is active
 
 def supported(q: Array, k: Array, *, segment_ids=None) -> str | None:
     """None when the Hopper kernels can take these inputs, else the reason they cannot
-    (segment ids they take; whether flash_attention's "auto" gives them segment ids is
-    SEGMENTS_BY_DEFAULT)."""
+    (segment ids they take: every block masked by segment, none skipped for it)."""
     d = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (needs bfloat16 or float16)"
