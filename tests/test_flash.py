@@ -254,9 +254,9 @@ def test_entry_point_and_bad_inputs(key):
 @pytest.mark.parametrize(
     "dtype, head_dim, causal, kv_heads, block_k, fused_dq",
     [
-        # GQA 2:1; the forward streams 4 key blocks through 2 slots; at head_dim 128 the
-        # backward adds dQ in its dK/dV pass (the default there), at 64 it runs a second pass
-        # for it. (Each interpreted case costs about 20 s on two cores: MQA, float16, 128-key
+        # GQA 2:1; the forward streams 4 key blocks through 2 slots; the backward adds dQ in
+        # its dK/dV pass (the default): at head_dim 128 each warpgroup half of its columns, at
+        # 64 each all of them over its own keys. (Each interpreted case costs about 20 s on two cores: MQA, float16, 128-key
         # blocks and the non-causal path run in the GPU tests, test_hopper_kernels_on_gpu.)
         (jnp.bfloat16, 128, True, 1, 64, None),
         (jnp.bfloat16, 64, True, 1, 64, None),
@@ -286,7 +286,7 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
     "head_dim, causal, heads, kv_heads",
     [
         (128, True, 2, 1),  # GQA 2:1; the backward adds dQ in its dK/dV pass
-        (64, False, 1, 1),  # dQ in its own pass
+        (64, False, 1, 1),  # dQ in its own pass (fused_dq=False)
     ],
 )
 def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
@@ -298,7 +298,7 @@ def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
     and gradients against float32 attention."""
     q, k, v, d_out = inputs(key, 1, 256, heads, kv_heads, head_dim, jnp.bfloat16)
     seg = packed_segments(jax.random.fold_in(key, 1), 1, 256, num=4)
-    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=64)
+    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=64, hopper_fused_dq=head_dim == 128)
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
 
@@ -390,7 +390,8 @@ def test_hopper_forward_schedules_lower_for_cuda(schedule):
 def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim):
     """With segment ids every kernel still lowers to one Mosaic GPU launch for CUDA (checked
     without a GPU: the int32 segment vectors in the wgmma layouts, which the interpreter
-    does not have): the forward, and the backward fused (head_dim 128) or in two passes."""
+    does not have): the forward, and the backward fused (dQ added as it goes) and in two
+    passes."""
     q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
@@ -407,26 +408,27 @@ def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim):
         fwd = functools.partial(attention_hopper.forward, causal=True, scale=0.1, schedule=schedule)
         assert launches(lambda q, k, v, s: fwd(q, k, v, q_seg=s, kv_seg=s), q, kv, kv, ids) == 1
 
-    def grads(q, k, v, d_out, lse, delta, s):
+    def grads(q, k, v, d_out, lse, delta, s, fused_dq):
         return attention_hopper.backward(
-            q, k, v, d_out, lse, delta, causal=False, scale=0.1, q_seg=s, kv_seg=s
+            q, k, v, d_out, lse, delta, causal=False, scale=0.1, q_seg=s, kv_seg=s, fused_dq=fused_dq
         )
 
-    assert launches(grads, q, kv, kv, q, stats, stats, ids) == (1 if head_dim == 128 else 2)
+    for fused_dq, kernels in ((True, 1), (False, 2)):
+        assert launches(functools.partial(grads, fused_dq=fused_dq), q, kv, kv, q, stats, stats, ids) == kernels
     x, short = jnp.zeros((1, 128, 1, 64), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
     with pytest.raises(ValueError, match="segment ids must be int32 of shapes"):
         attention_hopper.forward(x, x, x, causal=True, scale=0.1, q_seg=short, kv_seg=short[:, :0])
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal):
+@pytest.mark.parametrize("causal, head_dim", [(True, 128), (False, 128), (True, 64)])
+def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal, head_dim):
     """On the GPU the fused backward adds each block's dQ into one float32 buffer with TMA's
     reduce-add (which the interpreter lacks): its Mosaic GPU lowering, checked here without a
     GPU, aliases that buffer in and out of the kernel and issues the reduction (one kernel
     where the two-pass backward has two and no reduction), also inside shard_map and inside a
     scan of checkpointed layers, where ring attention and the models call it."""
-    q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
 
     def lowered(fused_dq):
@@ -476,7 +478,7 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal):
 
     text = jax.jit(jax.grad(layers)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("cp.reduce.async.bulk.tensor") == 1
-    with pytest.raises(ValueError, match="fused_dq=True needs head_dim 128; got 256"):
+    with pytest.raises(ValueError, match="fused_dq=True needs head_dim 64 or 128; got 256"):
         big = jnp.zeros((1, 128, 1, 256), jnp.bfloat16)
         attention_hopper.backward(
             big,
@@ -540,14 +542,14 @@ def test_flash_on_gpu(key, dtype, head_dim, causal, segments, kv_heads):
 @pytest.mark.parametrize(
     "dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule",
     [
-        # fused_dq None: dQ fused where it can be (head_dim 128); pingpong: the default
+        # fused_dq None: dQ fused where it can be (head_dim 64 and 128); pingpong: the default
         (jnp.bfloat16, 128, True, 2, 128, None, "pingpong"),
         (jnp.float16, 128, False, 8, 128, None, "pingpong"),
         (jnp.float16, 64, False, 8, 128, None, "pingpong"),
         (jnp.bfloat16, 64, True, 1, 64, None, "pingpong"),
         (jnp.bfloat16, 128, True, 2, 128, False, "serial"),
         (jnp.bfloat16, 128, True, 2, 128, None, "overlap"),
-        (jnp.bfloat16, 64, True, 1, 64, None, "overlap_pingpong"),
+        (jnp.bfloat16, 64, True, 1, 64, False, "overlap_pingpong"),
     ],
 )
 def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule):

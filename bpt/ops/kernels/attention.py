@@ -486,7 +486,7 @@ def flash_attention_with_lse(
     too, else triton).
     hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
     the depth of the Hopper kernels' shared-memory ring; hopper_fused_dq: the Hopper backward
-    adds dQ inside its dK/dV pass (True; head_dim 128) or runs a second pass for it
+    adds dQ inside its dK/dV pass (True; head_dim 64 and 128) or runs a second pass for it
     (False); None: fused where it can be (attention_hopper.fuses_dq). hopper_schedule: how the
     Hopper forward orders each warpgroup's matmuls and softmax (attention_hopper.SCHEDULES; see
     attention_hopper.forward). hopper_tile_group: the Hopper kernels' launch order, runs of

@@ -18,7 +18,8 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   At head_dim 128 the same pass adds dQ: the two warpgroups share their dS through shared
   memory, each computes dS^T K for half of dQ's columns over the tile's 128 keys and leaves
   it in shared memory, and the memory warpgroup sends both halves into a float32 buffer
-  with TMA's reduce-add (5 matmuls a block). Otherwise a second pass,
+  with TMA's reduce-add (5 matmuls a block). At head_dim 64 each warpgroup computes all of
+  dQ's columns over its own 64 keys, and both parts are reduce-added alike. At 256 a second pass,
   per query block over key blocks, recomputes P for dQ += dS K (7). D = rowsum(dO * O)
   (minus the logsumexp's cotangent) comes from XLA.
 - causal: a warpgroup visits only the blocks that its rows can see and masks only those the
@@ -913,12 +914,14 @@ def _dkdv(
     With dq_acc (a float32 mutable array shaped like q, zeros) the pass also adds dS^T K of
     each query block to its rows of dQ (unscaled), so that no second pass recomputes P: the
     two compute warpgroups put their dS in shared memory (two buffers, so one may run a step
-    ahead), and each computes half of dQ's columns over the tile's 128 keys and leaves them
-    in shared memory, from where the memory warpgroup sends both halves to dq_acc with TMA's
-    reduce-add (issuing the copy cost a compute warpgroup hundreds of cycles a step).
-    dq_parts: the same in the interpreter, which has no reduce-add: each key tile writes its
-    own partial dQ, a third output [key tiles, *q.shape] whose rows above the diagonal
-    (causal) stay unwritten."""
+    ahead), and at head_dim 128 each computes half of dQ's columns (one swizzled tile) over
+    the tile's 128 keys; at head_dim 64, where half would be half a swizzled tile, each
+    computes all of dQ's columns over its own 64 keys (split_keys: no dS crosses between
+    them). Either leaves its part in shared memory, from where the memory warpgroup sends
+    both to dq_acc with TMA's reduce-add (issuing the copy cost a compute warpgroup hundreds
+    of cycles a step). dq_parts: the same in the interpreter, which has no reduce-add: each
+    key tile (at head_dim 64 each warpgroup's half of it) writes its own partial dQ, a third
+    output [parts, *q.shape] whose rows above the diagonal (causal) stay unwritten."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group = h // hk
@@ -930,7 +933,8 @@ def _dkdv(
     segments = q_seg is not None
     queries = _QueryStream(grid, num_q, group, bq, max(1, min(stages, num_q)), causal, segments)
     with_dq = dq_acc is not None or dq_parts
-    half = d // COMPUTE_WGS  # dQ's columns per warpgroup
+    split_keys = d < TILE  # each warpgroup's dQ part: all columns over its keys, else half of them
+    half = d if split_keys else d // COMPUTE_WGS  # dQ's columns per warpgroup
     scratch = [
         _smem((TILE, d), dtype),  # the tile's keys, warpgroup w's rows at 64 w
         _smem((COMPUTE_WGS, bk, d), dtype),
@@ -992,16 +996,21 @@ def _dkdv(
                 parity = lax.rem(j, 2)
                 ds_smem.at[parity, pl.ds(wg * bk, bk)][...] = ds_t
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_ready.at[parity])
+                if not split_keys:
+                    plgpu.barrier_arrive(ds_ready.at[parity])
 
             def add_dq(j):
-                """dQ[rows of step j, my columns] += dS^T K over the tile's keys, handed to
-                the memory warpgroup (send_dq)."""
+                """dQ[rows of step j, my columns] += dS^T K over the tile's keys (split_keys:
+                over my keys, all columns), handed to the memory warpgroup (send_dq)."""
                 parity = lax.rem(j, 2)
-                with jax.named_scope("dQ_wait_dS"):
-                    plgpu.barrier_wait(ds_ready.at[parity])
-                with jax.named_scope("dQ"):
-                    part = _scores_t(ds_smem.at[parity], k_smem.at[:, cols], interpret)  # [queries, half]
+                if split_keys:
+                    with jax.named_scope("dQ"):
+                        part = _scores_t(ds_smem.at[parity, pl.ds(wg * bk, bk)], my_k, interpret)
+                else:
+                    with jax.named_scope("dQ_wait_dS"):
+                        plgpu.barrier_wait(ds_ready.at[parity])
+                    with jax.named_scope("dQ"):
+                        part = _scores_t(ds_smem.at[parity], k_smem.at[:, cols], interpret)  # [queries, half]
                 with jax.named_scope("dQ_store"):
                     pl.when(j > 0)(lambda: plgpu.barrier_wait(dq_empty.at[0]))  # step j - 1's is sent
                     dq_smem.at[wg][...] = part
@@ -1083,9 +1092,10 @@ def _dkdv(
             plgpu.barrier_wait(dq_full.at[0])
             head, rows = queries.head_rows(kv_head, first, per_head, j)
             for w in range(COMPUTE_WGS):
-                cols = pl.ds(w * half, half)
+                cols = pl.ds(0 if split_keys else w * half, half)
                 if dq_parts:
-                    plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[tile, bi, rows, head, cols])
+                    part = tile * COMPUTE_WGS + w if split_keys else tile
+                    plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[part, bi, rows, head, cols])
                 else:
                     dst = dq_ref.at[bi, rows, head, cols]
                     plgpu.copy_smem_to_gmem(dq_smem.at[w], dst, reduction_op="add")
@@ -1099,7 +1109,8 @@ def _dkdv(
 
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     if dq_parts:
-        out_type.append(jax.ShapeDtypeStruct((num_tiles, *q.shape), jnp.float32))
+        parts = num_tiles * (COMPUTE_WGS if split_keys else 1)
+        out_type.append(jax.ShapeDtypeStruct((parts, *q.shape), jnp.float32))
     return _launch(
         body,
         scratch,
@@ -1122,9 +1133,9 @@ def _dkdv(
 
 def fuses_dq(q: Array) -> bool:
     """Whether backward() can add dQ inside the dK/dV pass: head_dim 128 (each compute
-    warpgroup takes 64 of dQ's columns, one swizzled tile wide; 256 would not fit in shared
-    memory)."""
-    return q.shape[-1] == 128
+    warpgroup takes 64 of dQ's columns, one swizzled tile wide) and 64 (each takes all 64
+    over its own keys); 256 would not fit in shared memory."""
+    return q.shape[-1] in (64, 128)
 
 
 def backward(
@@ -1147,12 +1158,12 @@ def backward(
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s].
 
     fused_dq: one pass that adds dQ into a float32 buffer as it computes dK and dV (5 matmuls a
-    block; head_dim 128), or False: a second pass for dQ that recomputes P (7). None: fused
+    block; head_dim 64 and 128), or False: a second pass for dQ that recomputes P (7). None: fused
     where it can be (fuses_dq). tile_group, q_seg, kv_seg: see forward."""
     _check(q, k, causal)
     fused_dq = fuses_dq(q) if fused_dq is None else fused_dq
     if fused_dq and not fuses_dq(q):
-        raise ValueError(f"fused_dq=True needs head_dim 128; got {q.shape[-1]}")
+        raise ValueError(f"fused_dq=True needs head_dim 64 or 128; got {q.shape[-1]}")
     check_tile_group(tile_group)
     _check_segments(q, k, q_seg, kv_seg)
     kw = dict(
@@ -1170,8 +1181,9 @@ def backward(
         return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
     if interpret:
         dk, dv, parts = _dkdv(q, k, v, d_out, lse2, delta, dq_parts=True, **kw)
-        if causal:  # part t holds keys [128 t, 128 t + 128): it wrote the query rows from 128 t on
-            rows = TILE * jnp.arange(parts.shape[0])
+        if causal:  # part t holds keys of tile t // per_tile: it wrote the query rows from 128 t on
+            per_tile = parts.shape[0] // (k.shape[1] // TILE)
+            rows = TILE * (jnp.arange(parts.shape[0]) // per_tile)
             seen = jnp.arange(q.shape[1])[None, :] >= rows[:, None]
             parts = jnp.where(seen[:, None, :, None, None], parts, 0.0)
         dq = parts.sum(0)
