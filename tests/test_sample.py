@@ -154,12 +154,12 @@ def test_generation_past_the_context_slides_a_window():
 
 
 def test_a_long_prompt_read_in_chunks_gives_the_full_forward(key):
-    """A 4K prompt: the first chunk a prefill, the later ones extend the cache (attending to it
+    """A 2K prompt: the first chunk a prefill, the later ones extend the cache (attending to it
     chunk of keys by chunk of keys); their logits are the full forward's, and greedy generation
     after them equals the full forward's argmax, token by token."""
     cfg = dataclasses.replace(BASE, q_chunk_size=256, kv_chunk_size=256, loss_chunk_size=256)
     model = GPT(cfg)
-    length, chunk = 4096, 1024
+    length, chunk = 2048, 512
     tokens = jax.random.randint(key, (1, length + 4), 0, cfg.vocab_size)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :64])["params"])
     reference = jax.jit(GPT(dataclasses.replace(cfg, attention_mode="vanilla")).apply)  # any length
