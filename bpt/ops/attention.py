@@ -39,8 +39,8 @@ Array = jax.Array
 # at batch 8 of 2K then). Since their CTAs launch in runs of one head's tiles
 # (attention_hopper.TILE_GROUP, 128), on an H200 at head_dim 128: 1.02-1.06x at GPT-1B's
 # micro-batches of 16K tokens (batch 16 of 1K to batch 1 of 16K), 1.01x with GQA 32/8 at 16K,
-# and GPT-1B's whole step 1.004-1.009x cuDNN's at 2K-8K (the first row); 0.96x at 64K, 0.91x
-# at head_dim 64 of 16K, 1.00x non-causal (docs/notes/attention_kernels.md).
+# and GPT-1B's whole step 1.004-1.009x cuDNN's at 2K-16K (the first row); 0.96x at 64K, 0.95x
+# at head_dim 64 of 16K, 1.00x non-causal (docs/benchmarks.md, docs/notes/attention_kernels.md).
 LEADS = (
     (16384, 16 * 16384**2, (128,)),
     (4096, 16 * 4096**2, None),

@@ -1181,7 +1181,7 @@ def backward(
         return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
     if interpret:
         dk, dv, parts = _dkdv(q, k, v, d_out, lse2, delta, dq_parts=True, **kw)
-        if causal:  # part t holds keys of tile t // per_tile: it wrote the query rows from 128 t on
+        if causal:  # part p holds keys of tile t = p // per_tile: it wrote the query rows from 128 t on
             per_tile = parts.shape[0] // (k.shape[1] // TILE)
             rows = TILE * (jnp.arange(parts.shape[0]) // per_tile)
             seen = jnp.arange(q.shape[1])[None, :] >= rows[:, None]
