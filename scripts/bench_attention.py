@@ -208,7 +208,9 @@ SHAPES = {
         "B1 S64K H16": dict(batch=1, seq=65536, heads=16, head_dim=128, causal=True),
         "B8 S2K H16": dict(batch=8, seq=2048, heads=16, head_dim=128, causal=True),
         "B1 S16K H32/KV8": dict(batch=1, seq=16384, heads=32, kv_heads=8, head_dim=128, causal=True),
+        "B1 S16K H32/KV4": dict(batch=1, seq=16384, heads=32, kv_heads=4, head_dim=128, causal=True),
         "B1 S16K H16 d64": dict(batch=1, seq=16384, heads=16, head_dim=64, causal=True),
+        "B1 S16K H8 d256": dict(batch=1, seq=16384, heads=8, head_dim=256, causal=True),
         "B1 S16K H16 non-causal": dict(batch=1, seq=16384, heads=16, head_dim=128, causal=False),
     },
     # GPT-1B's attention in micro-batches of 16K tokens (the throughput table's), by context:

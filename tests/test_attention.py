@@ -293,7 +293,8 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
     bench = load_script("bench_attention")
     monkeypatch.setattr(bench, "time_fn", lambda fn, *args: (jax.block_until_ready(fn(*args)), 1e-3)[1])
     shapes = bench.SHAPES["training"]
-    assert len(shapes) == 6 and {s["head_dim"] for s in shapes.values()} == {64, 128}
+    assert len(shapes) == 8 and {s["head_dim"] for s in shapes.values()} == {64, 128, 256}
+    assert {s["heads"] // s.get("kv_heads", s["heads"]) for s in shapes.values()} == {1, 4, 8}  # GQA 4:1, 8:1
     gqa = dict(shapes["B1 S16K H32/KV8"], seq=256)
     row = bench.measure("xla", dtype=jnp.float32, **gqa) | {"shape": "GQA"}
     assert row["kv_heads"] == 8 and row["fwd_bwd_tflops"] == pytest.approx(3.5 * row["fwd_tflops"])
