@@ -11,8 +11,9 @@
 FLOPs: 4*B*H*S^2*D for the forward (halved when causal); forward+backward counts 3.5x the
 forward. The implementations of a shape are compiled together and timed in turn, --repeats
 times (medians reported): a GPU's clock drifts with its power draw, by several percent from
-one second to the next on an H100 under these kernels. Prints a markdown table last; --out
-writes every measurement as JSON and --png draws TFLOP/s against the sequence length.
+one second to the next on an H100 under these kernels. Prints a markdown table last (also
+when stopped early by Ctrl-C or SIGTERM: of what it measured); --out writes every
+measurement as JSON and --png draws TFLOP/s against the sequence length.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from benchlib import script_parser, write_results
+from benchlib import script_parser, stop_on_sigterm, write_results
 
 from bpt.ops import blockwise_attention, reference_attention
 from bpt.ops.kernels import attention_hopper, flash_attention
@@ -366,30 +367,34 @@ def main() -> None:
                 ((32, 64), (64, 64), (64, 128), (128, 64), (128, 128)), (4, 8), (2, 3)
             )
         ]
-    if args.shapes:
-        impls = args.impls.split(",")
-        for label, shape in SHAPES[args.shapes].items():
-            for row in measure_together(impls, repeats=args.repeats, dtype=dtype, **shape):
-                rows.append(row | {"shape": label})
-                print(json.dumps(rows[-1]), flush=True)
-    elif args.tune:
-        for seq, d, causal in itertools.product(seqs, dims, causals):
-            for kw in settings:
-                row = measure("bpt-pallas", seq=seq, head_dim=d, causal=causal, **common, **kw)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    else:
-        for d, causal, seq in itertools.product(dims, causals, seqs):
-            impls = [
-                impl
-                for impl in args.impls.split(",")
-                if not (impl == "xla" and seq > args.max_xla_seq)
-                and not (impl == "blockwise" and seq > args.max_blockwise_seq)
-            ]
-            shape = dict(seq=seq, head_dim=d, causal=causal, **common)
-            for row in measure_together(impls, repeats=args.repeats, **shape):
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    stop_on_sigterm()  # cut short (timeout, a scheduler), it still prints what it measured
+    try:
+        if args.shapes:
+            impls = args.impls.split(",")
+            for label, shape in SHAPES[args.shapes].items():
+                for row in measure_together(impls, repeats=args.repeats, dtype=dtype, **shape):
+                    rows.append(row | {"shape": label})
+                    print(json.dumps(rows[-1]), flush=True)
+        elif args.tune:
+            for seq, d, causal in itertools.product(seqs, dims, causals):
+                for kw in settings:
+                    row = measure("bpt-pallas", seq=seq, head_dim=d, causal=causal, **common, **kw)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        else:
+            for d, causal, seq in itertools.product(dims, causals, seqs):
+                impls = [
+                    impl
+                    for impl in args.impls.split(",")
+                    if not (impl == "xla" and seq > args.max_xla_seq)
+                    and not (impl == "blockwise" and seq > args.max_blockwise_seq)
+                ]
+                shape = dict(seq=seq, head_dim=d, causal=causal, **common)
+                for row in measure_together(impls, repeats=args.repeats, **shape):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    except KeyboardInterrupt as stop:
+        print(f"{stop or 'interrupted'}: the table holds the {len(rows)} measurements made", flush=True)
     if args.out:
         write_results(args.out, rows)
     if args.png and not (args.tune or args.shapes):

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -159,6 +160,18 @@ def write_results(out, results, *, table: str | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "table.md").write_text(table.rstrip("\n") + "\n")
+
+
+def stop_on_sigterm() -> None:
+    """From here on SIGTERM (what `timeout` and batch schedulers send) raises
+    KeyboardInterrupt, as Ctrl-C does, so that a script cut short can still write and print
+    what it measured. Python takes the signal between bytecodes: a running XLA compilation
+    finishes first (give `timeout -k` the time it needs)."""
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def run_meta(**extra) -> dict:

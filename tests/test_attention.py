@@ -1,5 +1,7 @@
 """Blockwise attention against the materialized reference: outputs, gradients, memory, cost."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -355,3 +357,31 @@ def test_every_registry_resolves_auto_once_and_never_replaces_a_named_implementa
     assert (toy.resolve("auto", 3), toy.resolve("auto", 4), toy.resolve("even", 4)) == ("any", "even", "even")
     with pytest.raises(ValueError, match="toy implementation 'even' cannot run here: odd"):
         toy.resolve("even", 3)
+
+
+def test_bench_attention_stopped_by_sigterm_still_prints_its_table(tmp_path):
+    """Cut short by SIGTERM (what `timeout` sends), scripts/bench_attention.py still writes its
+    JSON and prints its table, of the shapes it measured (the others blank)."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    command = [sys.executable, str(REPO / "scripts" / "bench_attention.py"), "--impls=xla", "--heads=2"]
+    command += ["--head_dims=16", "--seqs=128,4096,8192,16384", "--repeats=3", f"--out={tmp_path / 'rows.json'}"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("{"):  # the first shape is measured: stop it
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=300) == 0, "".join(lines)
+    stopped = [line for line in lines if "the table holds" in line]
+    assert stopped and stopped[0].startswith(f"stopped by signal {int(signal.SIGTERM)}:"), lines
+    assert lines[-1].startswith("| xla (d=16, causal) | ") and " – " in lines[-1], lines
+    assert lines[-1].split(" | ")[1] != "–"  # 128's forward was measured
+    written = json.loads((tmp_path / "rows.json").read_text())
+    assert [row["seq"] for row in written][:1] == [128] and len(written) < 4
