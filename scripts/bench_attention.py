@@ -94,6 +94,9 @@ for _schedule in attention_hopper.SCHEDULES:
 # in turn, the order before tile groups.
 for _group in (1, 2, 4, 16, 32, 64, 128):
     IMPLS[f"bpt-pallas-group{_group}"] = functools.partial(flash_attention, hopper_tile_group=_group)
+# The Hopper kernels' shared-memory rings N blocks deep (bpt-pallas: 2).
+for _stages in (1, 3, 4, 6, 8):
+    IMPLS[f"bpt-pallas-stages{_stages}"] = functools.partial(flash_attention, hopper_stages=_stages)
 
 
 def time_fn(fn, *args, min_seconds: float = 0.3) -> float:

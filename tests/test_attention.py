@@ -237,7 +237,8 @@ def test_cudnn_matches_reference_in_bf16(key, kv_heads):
 def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
     """On an H100-class GPU auto runs bpt's Hopper kernels where bench_attention measured them
     faster than cuDNN (LEADS): causal, head_dim 128 up to one 16K sequence of 16 heads' work
-    (GPT-1B's micro-batches), any head_dim up to one 4K sequence's; cuDNN beyond."""
+    (GPT-1B's micro-batches), head_dim 64 or 128 up to one 4K sequence's (both kernels must
+    be Hopper's: head_dim 256 has only the forward); cuDNN beyond."""
     from bpt.ops import select_impl
     from bpt.ops.kernels import attention_hopper
 
@@ -257,6 +258,7 @@ def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
         impl(1, 8192, head_dim=64),
         impl(2, 4096, head_dim=64),
         impl(1, 2048, causal=False),
+        impl(1, 2048, heads=8, head_dim=256),  # the Hopper backward stops at head_dim 128
     ):
         assert other != "pallas"  # cuDNN on a GPU; here, without one, blockwise
     assert impl(1, 2048, dtype=jnp.float32) != "pallas"

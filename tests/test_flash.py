@@ -302,6 +302,24 @@ def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
 
+def test_head_dim_256_runs_the_hopper_forward_and_the_triton_backward(key):
+    """At head_dim 256 the Hopper forward takes key blocks of 64 (two 128-key blocks of keys
+    and values beside the query tile overflow shared memory: the CUDA lowering, checked here
+    without a GPU, raised) and the backward is the Triton kernels' (the Hopper one would
+    hold 256 float32 accumulators a thread): auto picks each on its own, and the two agree
+    with float32 attention, values and gradients."""
+    x = jax.ShapeDtypeStruct((1, 256, 1, 256), jnp.bfloat16)
+    fwd = functools.partial(attention_hopper.forward, causal=True, scale=0.1)  # block_k 128 asked
+    text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert attention_hopper.supported(x, x) is None
+    assert "head_dim 256 in the backward" in attention_hopper.supported(x, x, backward=True)
+    q, k, v, d_out = inputs(key, 1, 128, 1, 1, 256, jnp.bfloat16)
+    with pytest.raises(ValueError, match="flash backward='hopper' cannot take head_dim 256 in the backward"):
+        flash_attention(q, k, v, forward="hopper", backward="hopper")
+    compare(q, k, v, d_out, causal=True, segment_ids=None, tol=1e-2, forward="hopper", backward="auto")
+
+
 def test_hopper_kernels_give_rows_without_keys_what_the_triton_kernels_do(key):
     """Query segments that no key shares (cross attention with segment ids): the Hopper
     forward gives those rows 0 and a logsumexp of +inf, as the Triton kernels do, and the
@@ -478,7 +496,7 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal, head_dim):
 
     text = jax.jit(jax.grad(layers)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("cp.reduce.async.bulk.tensor") == 1
-    with pytest.raises(ValueError, match="fused_dq=True needs head_dim 64 or 128; got 256"):
+    with pytest.raises(ValueError, match="cannot take head_dim 256 in the backward"):
         big = jnp.zeros((1, 128, 1, 256), jnp.bfloat16)
         attention_hopper.backward(
             big,
@@ -564,6 +582,16 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
         hopper_schedule=schedule,
     )
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_dim_256_on_gpu(key, causal):
+    """head_dim 256: the Hopper forward in key blocks of 64 (wgmma path, registers at their
+    fullest), the Triton backward behind it, as auto runs them."""
+    q, k, v, d_out = inputs(key, 2, 2048, 8, 2, 256, jnp.bfloat16)
+    compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, forward="auto", backward="auto")
 
 
 @pytest.mark.gpu

@@ -11,9 +11,10 @@ return a piece's output and logsumexp for a merge (context parallelism's hops).
 | pallas      | O(seq)      | NVIDIA GPU (Mosaic GPU kernels on H100-class GPUs where they
 |             |             | take the inputs, else Triton); elsewhere interpret mode (tests) | yes |
 | auto        | on an H100-class GPU, pallas for causal bf16/fp16 inputs that the Mosaic GPU
-|             | kernels take where they were measured faster than cuDNN (LEADS: head_dim
-|             | 128 up to 16K tokens and one 16K sequence of 16 heads' work; any head_dim
-|             | up to 4K and one 4K sequence's); on a GPU otherwise cudnn where it supports
+|             | kernels take, forward and backward (head_dim 64, 128), where they were
+|             | measured faster than cuDNN (LEADS: head_dim 128 up to 16K tokens and one
+|             | 16K sequence of 16 heads' work; both up to 4K and one 4K sequence's); on
+|             | a GPU otherwise cudnn where it supports
 |             | the inputs, else pallas for bf16/fp16 (segment ids); off the GPU blockwise
 |             | (reference when one chunk covers it) |
 
@@ -39,8 +40,10 @@ Array = jax.Array
 # at batch 8 of 2K then). Since their CTAs launch in runs of one head's tiles
 # (attention_hopper.TILE_GROUP, 128), on an H200 at head_dim 128: 1.02-1.06x at GPT-1B's
 # micro-batches of 16K tokens (batch 16 of 1K to batch 1 of 16K), 1.01x with GQA 32/8 at 16K,
-# and GPT-1B's whole step 1.004-1.009x cuDNN's at 2K-16K (the first row); 0.96x at 64K, 0.95x
-# at head_dim 64 of 16K, 1.00x non-causal (docs/benchmarks.md, docs/notes/attention_kernels.md).
+# and GPT-1B's whole step 1.004-1.009x cuDNN's at 2K-16K (the first row); 0.96x at 64K, 0.94x
+# with GQA 32/4, 0.98x at head_dim 64 of 16K (1.05x at 4K), 0.99-1.00x non-causal
+# (docs/benchmarks.md, docs/notes/attention_kernels.md).
+# Head_dim 256 has no Hopper backward (supported(..., backward=True)), so auto takes cuDNN there.
 LEADS = (
     (16384, 16 * 16384**2, (128,)),
     (4096, 16 * 4096**2, None),
@@ -76,7 +79,7 @@ def select_impl(
             for keys, most, dims in LEADS
         )
         and attention_hopper.is_hopper()
-        and attention_hopper.supported(q, k, segment_ids=segment_ids) is None
+        and attention_hopper.supported(q, k, segment_ids=segment_ids, backward=True) is None
     ):
         return "pallas"
     if cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids) is None:

@@ -72,7 +72,7 @@ class FlashConfig:
     forward: str = "triton"  # which kernels: "triton" (this file) or "hopper" (attention_hopper.py)
     backward: str = "triton"
     hopper_block_k: int = 128
-    hopper_stages: int = 2
+    hopper_stages: int | None = None  # None: attention_hopper.default_stages
     hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: where it can be)
     hopper_schedule: str = "pingpong"  # attention_hopper.forward's schedule
     hopper_tile_group: int = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
@@ -470,7 +470,7 @@ def flash_attention_with_lse(
     forward: str = "auto",
     backward: str = "auto",
     hopper_block_k: int = 128,
-    hopper_stages: int = 2,
+    hopper_stages: int | None = None,
     hopper_fused_dq: bool | None = None,
     hopper_schedule: str = "pingpong",
     hopper_tile_group: int = attention_hopper.TILE_GROUP,
@@ -482,13 +482,14 @@ def flash_attention_with_lse(
     segment_ids: [b, s] ints (or a (q_ids, kv_ids) pair): tokens attend within their segment.
     k and v may have fewer heads than q (a divisor of it). forward, backward: "triton",
     "hopper" (the Mosaic GPU kernels of attention_hopper.py: wgmma/TMA, H100-class GPUs,
-    bf16/fp16, lengths multiples of 128), or "auto" (hopper where it can run, segment ids
-    too, else triton).
+    bf16/fp16, lengths multiples of 128; the backward up to head_dim 128), or "auto" (hopper
+    where it can run, segment ids too, else triton; each of the two on its own, so head_dim
+    256 runs the Hopper forward and the Triton backward).
     hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
-    the depth of the Hopper kernels' shared-memory ring; hopper_fused_dq: the Hopper backward
-    adds dQ inside its dK/dV pass (True; head_dim 64 and 128) or runs a second pass for it
-    (False); None: fused where it can be (attention_hopper.fuses_dq). hopper_schedule: how the
-    Hopper forward orders each warpgroup's matmuls and softmax (attention_hopper.SCHEDULES; see
+    the depth of the Hopper kernels' shared-memory ring (None: attention_hopper.default_stages,
+    by head_dim); hopper_fused_dq: the Hopper backward adds dQ inside its dK/dV pass (True or
+    None) or runs a second pass for it (False). hopper_schedule: how the Hopper forward orders
+    each warpgroup's matmuls and softmax (attention_hopper.SCHEDULES; see
     attention_hopper.forward). hopper_tile_group: the Hopper kernels' launch order, runs of
     up to this many tiles of one (batch, head) (attention_hopper.forward). interpret: run
     the kernels in an interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
@@ -530,7 +531,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         settings.get(name) for name in _SETTINGS[:6]
     )
     forward, backward = settings.get("forward", "auto"), settings.get("backward", "auto")
-    hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages", 2)
+    hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages")
     hopper_fused_dq = settings.get("hopper_fused_dq")
     hopper_schedule = settings.get("hopper_schedule", "pingpong")
     attention_hopper.check_schedule(hopper_schedule, "hopper_schedule")
@@ -567,21 +568,25 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     else:
         pad_q, pad_k = -sq % max(bq, bq_b), -sk % max(bk, bk_b)
     dp = max(16, _pow2(d)) - d
-    why_not = attention_hopper.supported(q, k, segment_ids=segment_ids)
-    if why_not is None and (pad_q or pad_k or dp):
-        why_not = "inputs the Triton kernels would pad"
-    use_hopper = why_not is None and not interpret and attention_hopper.is_hopper()
+    why_not = {
+        part: attention_hopper.supported(q, k, segment_ids=segment_ids, backward=part == "backward")
+        for part in ("forward", "backward")
+    }
+    for part, reason in why_not.items():
+        if reason is None and (pad_q or pad_k or dp):
+            why_not[part] = "inputs the Triton kernels would pad"
+    on_hopper = not interpret and attention_hopper.is_hopper()
     if fp8 and forward == "hopper":
         raise ValueError(
             "flash forward='hopper' cannot take fp8=True; the fp8 forward is the Triton kernel's"
         )
     if forward == "auto":
-        forward = "hopper" if use_hopper and not fp8 else "triton"
+        forward = "hopper" if on_hopper and why_not["forward"] is None and not fp8 else "triton"
     if backward == "auto":
-        backward = "hopper" if use_hopper else "triton"
+        backward = "hopper" if on_hopper and why_not["backward"] is None else "triton"
     for setting, value in (("forward", forward), ("backward", backward)):
-        if value == "hopper" and why_not is not None:
-            raise ValueError(f"flash {setting}='hopper' cannot take {why_not}; use 'triton' or 'auto'")
+        if value == "hopper" and why_not[setting] is not None:
+            raise ValueError(f"flash {setting}='hopper' cannot take {why_not[setting]}; use 'triton' or 'auto'")
     cfg = FlashConfig(
         pad_d=dp,
         causal=causal,

@@ -31,7 +31,8 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   masked by them; none is skipped for its segments.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
-multiple of 64 up to 256, lengths a multiple of the blocks (see supported).
+multiple of 64 up to 256 for the forward (above 128 in key blocks of 64) and up to 128 for
+the backward, lengths a multiple of the blocks (see supported).
 Off the GPU the kernels run under Mosaic GPU's interpreter (slow; for tests), where the
 matmuls are plain dots and register layouts do not exist; it has no TMA reduce-add, so
 there the fused backward writes each key tile's partial dQ and XLA sums them.
@@ -56,6 +57,22 @@ LN2 = math.log(2.0)
 COMPUTE_WGS = 2  # compute warpgroups per CTA; one more moves data
 TILE = 128  # the lengths must be multiples of this (two compute warpgroups' 64 rows)
 BLOCKS = (64, 128)  # the block sizes the kernels take
+# Above this head_dim the forward's key blocks are 64 keys (a ring of two 128-key blocks of
+# keys and values beside the query tile is 320 KiB at head_dim 256, over the 227 KiB a CTA has).
+MAX_HEAD_DIM_BLOCK_128 = 128
+MAX_BACKWARD_HEAD_DIM = 128  # see supported()
+# The shared-memory rings' depth (stages=None): the forward's 2, the backward's by head_dim.
+# At head_dim 64 a ring 4 deep ran the backward 3-5% faster than 2 on an H200 (forward+backward
+# at 16K 417-419 against 404 TFLOP/s; 6 no faster, 8 over shared memory); the forward gained
+# nothing. At 128 the forward's ring of 3 is 120 bytes over shared memory, and the backward's
+# ran slower (GQA 32/8 at 16K 499 against 523, non-causal 529 against 549; notes/attention_kernels.md).
+FORWARD_STAGES = 2
+BACKWARD_STAGES = {64: 4}  # head_dim -> stages; 2 for the others
+
+
+def default_stages(head_dim: int, *, backward: bool) -> int:
+    """The ring depth the kernels take when stages is None."""
+    return BACKWARD_STAGES.get(head_dim, 2) if backward else FORWARD_STAGES
 # The CTAs' launch order (_Grid): runs of up to this many tiles of one (batch, head). On an H200
 # 128 beat 8 by 6% at 16K and 2% at 64K, 1 (one tile of every pair in turn) by 25% at batch 8 of
 # 2K (docs/notes/attention_kernels.md).
@@ -66,14 +83,19 @@ REGISTERS = (240, 24)
 _profile: dict = {}  # profiled()'s settings while it is active
 
 
-def supported(q: Array, k: Array, *, segment_ids=None) -> str | None:
-    """None when the Hopper kernels can take these inputs, else the reason they cannot
-    (segment ids they take: every block masked by segment, none skipped for it)."""
+def supported(q: Array, k: Array, *, segment_ids=None, backward: bool = False) -> str | None:
+    """None when the Hopper forward (backward=True: also the backward) can take these inputs,
+    else the reason it cannot (segment ids they take: every block masked by segment, none
+    skipped for it). The backward stops at head_dim 128: each compute warpgroup holds its
+    keys' dK and dV in float32 registers, 2 x 64 x 256 / 128 = 256 a thread at head_dim 256,
+    more than a thread has (REGISTERS)."""
     d = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (needs bfloat16 or float16)"
     if d % 64 or d > 256:
         return f"head_dim {d} (needs a multiple of 64, at most 256)"
+    if backward and d > MAX_BACKWARD_HEAD_DIM:
+        return f"head_dim {d} in the backward (at most {MAX_BACKWARD_HEAD_DIM})"
     if q.shape[1] % TILE or k.shape[1] % TILE:
         return f"lengths {q.shape[1]}, {k.shape[1]} (need multiples of {TILE})"
     return None
@@ -460,8 +482,8 @@ def _launch(
     return pl.kernel(entry, out_type=out_type, mesh=mesh, name=name, **common)
 
 
-def _check(q: Array, k: Array, causal: bool, **blocks) -> None:
-    reason = supported(q, k)
+def _check(q: Array, k: Array, causal: bool, backward: bool = False, **blocks) -> None:
+    reason = supported(q, k, backward=backward)
     if reason:
         raise ValueError(f"the Hopper flash kernels cannot take {reason}")
     if causal and q.shape[1] != k.shape[1]:
@@ -509,7 +531,7 @@ def forward(
     causal: bool,
     scale: float,
     block_k: int = 128,
-    stages: int = 2,
+    stages: int | None = None,
     schedule: str = "pingpong",
     tile_group: int = TILE_GROUP,
     q_seg: Array | None = None,
@@ -535,11 +557,15 @@ def forward(
 
     tile_group: the order in which the CTAs launch (_Grid): runs of up to this many tiles of
     one (batch, head), so that the CTAs that run at once read the same keys and values.
+    block_k: 64 or 128 keys a block; above head_dim 128 at most 64 (MAX_HEAD_DIM_BLOCK_128).
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    bq, bk, dtype = TILE // COMPUTE_WGS, block_k, q.dtype
     _check(q, k, causal, hopper_block_k=block_k)
+    if d > MAX_HEAD_DIM_BLOCK_128:
+        block_k = min(block_k, 64)
+    stages = default_stages(d, backward=False) if stages is None else stages
+    bq, bk, dtype = TILE // COMPUTE_WGS, block_k, q.dtype
     check_schedule(schedule)
     check_tile_group(tile_group)
     overlap, pingpong = schedule.startswith("overlap"), schedule.endswith("pingpong")
@@ -946,11 +972,14 @@ def _dkdv(
         scratch += [
             _smem((2, TILE, bq), dtype),  # dS^T of both warpgroups, by the step's parity
             _smem((COMPUTE_WGS, bq, half), jnp.float32),  # each warpgroup's dQ columns, for TMA
-            _barriers(2, COMPUTE_WGS),  # both warpgroups' dS are in
-            _barriers(1, COMPUTE_WGS),  # both warpgroups are done reading the keys
             _barriers(1, COMPUTE_WGS),  # both warpgroups' dQ columns are in
             _barriers(1),  # the memory warpgroup has read them
         ]
+        if not split_keys:  # the warpgroups read each other's dS and keys
+            scratch += [
+                _barriers(2, COMPUTE_WGS),  # both warpgroups' dS are in
+                _barriers(1, COMPUTE_WGS),  # both warpgroups are done reading the keys
+            ]
 
     def body(*refs):
         (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *outs), scratch_refs = (
@@ -966,8 +995,11 @@ def _dkdv(
         dk_ref, dv_ref = outs
         k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
         kseg_smem = ring_scratch.pop(0) if segments else None
+        ds_ready = keys_read = None
+        if with_dq and not split_keys:
+            *ring_scratch, ds_ready, keys_read = ring_scratch
         if with_dq:
-            *ring_scratch, ds_smem, dq_smem, ds_ready, keys_read, dq_full, dq_empty = ring_scratch
+            *ring_scratch, ds_smem, dq_smem, dq_full, dq_empty = ring_scratch
         if segments:
             *ring_scratch, qseg_smem, qseg_ready = ring_scratch
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_scratch
@@ -1074,9 +1106,10 @@ def _dkdv(
                 return lax.fori_loop(base, base + num_q, functools.partial(step, masked=False), carry)
 
             dk, dv = lax.fori_loop(0, group, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
-            if with_dq:  # the partner's last dQ still reads my keys; the last step's is sent
-                plgpu.barrier_arrive(keys_read.at[0])
-                plgpu.barrier_wait(keys_read.at[0])
+            if with_dq:  # the last step's dQ is sent; at head_dim 128 the partner's still reads my keys
+                if not split_keys:
+                    plgpu.barrier_arrive(keys_read.at[0])
+                    plgpu.barrier_wait(keys_read.at[0])
                 plgpu.barrier_wait(dq_empty.at[0])
             my_k[...] = (dk * scale).astype(dtype)
             my_v[...] = dv.astype(dtype)
@@ -1131,13 +1164,6 @@ def _dkdv(
     )
 
 
-def fuses_dq(q: Array) -> bool:
-    """Whether backward() can add dQ inside the dK/dV pass: head_dim 128 (each compute
-    warpgroup takes 64 of dQ's columns, one swizzled tile wide) and 64 (each takes all 64
-    over its own keys); 256 would not fit in shared memory."""
-    return q.shape[-1] in (64, 128)
-
-
 def backward(
     q,
     k,
@@ -1148,7 +1174,7 @@ def backward(
     *,
     causal: bool,
     scale: float,
-    stages: int = 2,
+    stages: int | None = None,
     fused_dq: bool | None = None,
     tile_group: int = TILE_GROUP,
     q_seg: Array | None = None,
@@ -1157,13 +1183,14 @@ def backward(
 ):
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s].
 
-    fused_dq: one pass that adds dQ into a float32 buffer as it computes dK and dV (5 matmuls a
-    block; head_dim 64 and 128), or False: a second pass for dQ that recomputes P (7). None: fused
-    where it can be (fuses_dq). tile_group, q_seg, kv_seg: see forward."""
-    _check(q, k, causal)
-    fused_dq = fuses_dq(q) if fused_dq is None else fused_dq
-    if fused_dq and not fuses_dq(q):
-        raise ValueError(f"fused_dq=True needs head_dim 64 or 128; got {q.shape[-1]}")
+    fused_dq: True (or None, the default): one pass that adds dQ into a float32 buffer as it
+    computes dK and dV (5 matmuls a block; at head_dim 128 each compute warpgroup takes 64 of
+    dQ's columns, one swizzled tile wide, at 64 all of them over its own keys); False: a
+    second pass for dQ that recomputes P (7). stages: the query ring's depth (None:
+    default_stages). tile_group, q_seg, kv_seg: see forward."""
+    _check(q, k, causal, backward=True)
+    stages = default_stages(q.shape[-1], backward=True) if stages is None else stages
+    fused_dq = True if fused_dq is None else fused_dq
     check_tile_group(tile_group)
     _check_segments(q, k, q_seg, kv_seg)
     kw = dict(
