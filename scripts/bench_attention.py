@@ -94,7 +94,8 @@ for _schedule in attention_hopper.SCHEDULES:
 # in turn, the order before tile groups.
 for _group in (1, 2, 4, 16, 32, 64, 128):
     IMPLS[f"bpt-pallas-group{_group}"] = functools.partial(flash_attention, hopper_tile_group=_group)
-# The Hopper kernels' shared-memory rings N blocks deep (bpt-pallas: 2).
+# The Hopper kernels' shared-memory rings N blocks deep (bpt-pallas: attention_hopper.default_stages,
+# 2 but the backward's 4 at head_dim 64).
 for _stages in (1, 3, 4, 6, 8):
     IMPLS[f"bpt-pallas-stages{_stages}"] = functools.partial(flash_attention, hopper_stages=_stages)
 

@@ -73,7 +73,7 @@ class FlashConfig:
     backward: str = "triton"
     hopper_block_k: int = 128
     hopper_stages: int | None = None  # None: attention_hopper.default_stages
-    hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: where it can be)
+    hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: fused)
     hopper_schedule: str = "pingpong"  # attention_hopper.forward's schedule
     hopper_tile_group: int = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
     pad_d: int = 0  # zeros added to head_dim
