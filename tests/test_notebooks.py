@@ -1,5 +1,7 @@
 """The notebooks run top to bottom in a fresh kernel, and are committed without outputs."""
 
+import os
+
 import pytest
 from conftest import REPO
 
@@ -19,13 +21,16 @@ def test_there_are_notebooks_and_they_are_stripped():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom(path):
+def test_notebook_runs_top_to_bottom(path, tmp_path):
     from nbclient import NotebookClient
 
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
         notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     )
-    client.execute()  # raises CellExecutionError with the failing cell and its traceback
+    # The notebooks make their working folders with tempfile: under the test's own folder
+    # they go when pytest cleans up, not into the machine's /tmp run after run.
+    client.execute(env=dict(os.environ, TMPDIR=str(tmp_path)))  # raises CellExecutionError on a failing cell
+    assert any(tmp_path.glob("bpt-*")), "the notebook's working folder was not made under TMPDIR"
     errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
