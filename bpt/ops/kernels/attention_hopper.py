@@ -68,11 +68,6 @@ MAX_BACKWARD_HEAD_DIM = 128  # see supported()
 # ran slower (GQA 32/8 at 16K 499 against 523, non-causal 529 against 549; notes/attention_kernels.md).
 FORWARD_STAGES = 2
 BACKWARD_STAGES = {64: 4}  # head_dim -> stages; 2 for the others
-
-
-def default_stages(head_dim: int, *, backward: bool) -> int:
-    """The ring depth the kernels take when stages is None."""
-    return BACKWARD_STAGES.get(head_dim, 2) if backward else FORWARD_STAGES
 # The CTAs' launch order (_Grid): runs of up to this many tiles of one (batch, head). On an H200
 # 128 beat 8 by 6% at 16K and 2% at 64K, 1 (one tile of every pair in turn) by 25% at batch 8 of
 # 2K (docs/notes/attention_kernels.md).
@@ -81,6 +76,11 @@ TILE_GROUP = 128
 # thread's worth fill the register file: 65,536 a CTA).
 REGISTERS = (240, 24)
 _profile: dict = {}  # profiled()'s settings while it is active
+
+
+def default_stages(head_dim: int, *, backward: bool) -> int:
+    """The ring depth the kernels take when stages is None."""
+    return BACKWARD_STAGES.get(head_dim, 2) if backward else FORWARD_STAGES
 
 
 def supported(q: Array, k: Array, *, segment_ids=None, backward: bool = False) -> str | None:
