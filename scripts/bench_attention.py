@@ -86,6 +86,12 @@ IMPLS = {
     "tokamax-mosaic": tokamax("mosaic"),
     "tokamax-triton": tokamax("triton"),
 }
+# The Hopper backward with GQA run as one CTA a query head (keys and values repeated, dK and
+# dV summed over the group) instead of one a key/value head walking its group.
+IMPLS["bpt-pallas-gqa-expand"] = functools.partial(flash_attention, hopper_gqa="expand")
+# The Hopper backward with GQA as one CTA a key/value head's tile, walking its group's query
+# heads (bpt-pallas: one a query head's, attention_hopper.backward's gqa="expand").
+IMPLS["bpt-pallas-gqa-walk"] = functools.partial(flash_attention, hopper_gqa="walk")
 # The Hopper forward under each of its schedules (attention_hopper.forward), e.g. bpt-pallas-overlap.
 for _schedule in attention_hopper.SCHEDULES:
     IMPLS[f"bpt-pallas-{_schedule}"] = functools.partial(flash_attention, hopper_schedule=_schedule)

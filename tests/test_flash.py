@@ -252,32 +252,38 @@ def test_entry_point_and_bad_inputs(key):
 
 
 @pytest.mark.parametrize(
-    "dtype, head_dim, causal, kv_heads, block_k, fused_dq",
+    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa",
     [
         # GQA 2:1; the forward streams 4 key blocks through 2 slots; the backward adds dQ in
         # its dK/dV pass (the default), at head_dim 64 each warpgroup all of dQ's columns over
-        # its own keys. (Each interpreted case costs a minute or more on two cores: head_dim
-        # 128's fused backward runs here with segment ids, in the next test; MQA, float16,
-        # 128-key blocks and the non-causal path run in the GPU tests.)
-        (jnp.bfloat16, 64, True, 1, 64, None),
+        # its own keys; a CTA a key/value head walks the group. (Each interpreted case costs
+        # a minute or more on two cores: head_dim 128's fused backward runs here with segment
+        # ids, in the next test; MQA, float16, 128-key blocks and the non-causal path run in
+        # the GPU tests.)
+        (jnp.bfloat16, 64, True, 1, 64, None, 256, "walk"),
+        # GQA's default split, a CTA a query head's keys: one tile, since the interpreter did
+        # not finish the dK/dV pass over two tiles of two heads (MHA too) in ten minutes.
+        (jnp.bfloat16, 64, True, 1, 64, None, 128, "expand"),
     ],
 )
 def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
-    key, dtype, head_dim, causal, kv_heads, block_k, fused_dq
+    key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa
 ):
     """The warp-specialized kernels' data movement, barriers and masks, run by Mosaic GPU's
     interpreter (the matmuls there are plain dots, and the fused backward's dQ is written per
     warpgroup and summed by XLA where the GPU reduces it in place; the GPU tests run the
     wgmma path)."""
-    q, k, v, d_out = inputs(key, 1, 256, 2, kv_heads, head_dim, dtype)
-    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=block_k, hopper_fused_dq=fused_dq)
+    q, k, v, d_out = inputs(key, 1, seq, 2, kv_heads, head_dim, dtype)
+    hopper = dict(
+        forward="hopper", backward="hopper", hopper_block_k=block_k, hopper_fused_dq=fused_dq, hopper_gqa=gqa
+    )
     out, lse = flash_attention_with_lse(q, k, v, causal=causal, **hopper)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     scores = jnp.einsum("bqhd,bkhd->bhqk", up(q), jnp.repeat(up(k), 2 // kv_heads, axis=2)) / math.sqrt(
         head_dim
     )
     if causal:
-        scores = jnp.where(jnp.tril(jnp.ones((256, 256), bool)), scores, -jnp.inf)
+        scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
     assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-3
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
 
@@ -295,10 +301,14 @@ def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
     """Packed documents in the Hopper kernels (what "auto" takes for them on an H100-class
     GPU): each key block's segment ids ride the
     ring with its keys (forward, dQ), each query block's with its queries (dK/dV); outputs
-    and gradients against float32 attention."""
+    and gradients against float32 attention. GQA here as a CTA a key/value head walking its
+    group's query heads (hopper_gqa="walk": the default's CTA a query head would make two
+    heads of two tiles, which the interpreter does not finish; see the test before)."""
     q, k, v, d_out = inputs(key, 1, 256, heads, kv_heads, head_dim, jnp.bfloat16)
     seg = packed_segments(jax.random.fold_in(key, 1), 1, 256, num=4)
-    hopper = dict(forward="hopper", backward="hopper", hopper_block_k=64, hopper_fused_dq=head_dim == 128)
+    hopper = dict(
+        forward="hopper", backward="hopper", hopper_block_k=64, hopper_fused_dq=head_dim == 128, hopper_gqa="walk"
+    )
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
 
@@ -369,9 +379,11 @@ def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, head
     assert (runs == np.arange(batch * heads)).all()  # then every (batch, head) in turn, batch outermost
     if group == 1:
         assert head[:heads].tolist() == list(range(heads)) and (rank[: heads * batch] == 0).all()
+    x = jnp.zeros((1, 128, 1, 64))
     with pytest.raises(ValueError, match="hopper_tile_group must be a positive int"):
-        x = jnp.zeros((1, 128, 1, 64))
         flash_attention(x, x, x, hopper_tile_group=0)
+    with pytest.raises(ValueError, match="unknown hopper_gqa 'split'; allowed: expand, walk"):
+        flash_attention(x, x, x, hopper_gqa="split")
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "pingpong", "overlap_pingpong"])
@@ -409,7 +421,8 @@ def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim):
     """With segment ids every kernel still lowers to one Mosaic GPU launch for CUDA (checked
     without a GPU: the int32 segment vectors in the wgmma layouts, which the interpreter
     does not have): the forward, and the backward fused (dQ added as it goes) and in two
-    passes."""
+    passes, its GQA work split either way (gqa: a CTA a query head's keys, or a key/value
+    head's walking its group)."""
     q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
@@ -426,13 +439,17 @@ def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim):
         fwd = functools.partial(attention_hopper.forward, causal=True, scale=0.1, schedule=schedule)
         assert launches(lambda q, k, v, s: fwd(q, k, v, q_seg=s, kv_seg=s), q, kv, kv, ids) == 1
 
-    def grads(q, k, v, d_out, lse, delta, s, fused_dq):
+    def grads(q, k, v, d_out, lse, delta, s, fused_dq, gqa):
         return attention_hopper.backward(
-            q, k, v, d_out, lse, delta, causal=False, scale=0.1, q_seg=s, kv_seg=s, fused_dq=fused_dq
+            q, k, v, d_out, lse, delta, causal=False, scale=0.1, q_seg=s, kv_seg=s, fused_dq=fused_dq, gqa=gqa
         )
 
-    for fused_dq, kernels in ((True, 1), (False, 2)):
-        assert launches(functools.partial(grads, fused_dq=fused_dq), q, kv, kv, q, stats, stats, ids) == kernels
+    for gqa in attention_hopper.GQA_SPLITS:
+        for fused_dq, kernels in ((True, 1), (False, 2)):
+            f = functools.partial(grads, fused_dq=fused_dq, gqa=gqa)
+            assert launches(f, q, kv, kv, q, stats, stats, ids) == kernels
+            dq, dk, dv = jax.eval_shape(f, q, kv, kv, q, stats, stats, ids)
+            assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
     x, short = jnp.zeros((1, 128, 1, 64), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
     with pytest.raises(ValueError, match="segment ids must be int32 of shapes"):
         attention_hopper.forward(x, x, x, causal=True, scale=0.1, q_seg=short, kv_seg=short[:, :0])
@@ -558,21 +575,24 @@ def test_flash_on_gpu(key, dtype, head_dim, causal, segments, kv_heads):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
 @pytest.mark.parametrize(
-    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule",
+    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule, gqa",
     [
-        # fused_dq None: dQ fused where it can be (head_dim 64 and 128); pingpong: the default
-        (jnp.bfloat16, 128, True, 2, 128, None, "pingpong"),
-        (jnp.float16, 128, False, 8, 128, None, "pingpong"),
-        (jnp.float16, 64, False, 8, 128, None, "pingpong"),
-        (jnp.bfloat16, 64, True, 1, 64, None, "pingpong"),
-        (jnp.bfloat16, 128, True, 2, 128, False, "serial"),
-        (jnp.bfloat16, 128, True, 2, 128, None, "overlap"),
-        (jnp.bfloat16, 64, True, 1, 64, False, "overlap_pingpong"),
+        # fused_dq None: dQ fused where it can be (head_dim 64 and 128); pingpong: the default;
+        # kv_heads 8 of 8 query heads: MHA, else GQA (gqa: the backward's split of it)
+        (jnp.bfloat16, 128, True, 2, 128, None, "pingpong", "expand"),
+        (jnp.bfloat16, 128, True, 2, 128, None, "pingpong", "walk"),
+        (jnp.float16, 128, False, 8, 128, None, "pingpong", "expand"),
+        (jnp.float16, 64, False, 8, 128, None, "pingpong", "expand"),
+        (jnp.bfloat16, 64, True, 1, 64, None, "pingpong", "expand"),
+        (jnp.bfloat16, 128, True, 2, 128, False, "serial", "expand"),
+        (jnp.bfloat16, 128, True, 2, 128, None, "overlap", "walk"),
+        (jnp.bfloat16, 64, True, 1, 64, False, "overlap_pingpong", "walk"),
     ],
 )
-def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule):
+def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule, gqa):
     """The wgmma/TMA kernels at real sizes, forward (under each schedule) and backward (dQ
-    fused into the dK/dV pass by default, or in its own pass)."""
+    fused into the dK/dV pass by default, or in its own pass; GQA as a CTA a query head's
+    keys, the default, or a key/value head's walking its group)."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, dtype)
     hopper = dict(
         forward="hopper",
@@ -580,6 +600,7 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
         hopper_block_k=block_k,
         hopper_fused_dq=fused_dq,
         hopper_schedule=schedule,
+        hopper_gqa=gqa,
     )
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
 

@@ -39,10 +39,11 @@ Array = jax.Array
 # any). Measured: on an H100 at batch 1, 1.5x at 2K and 1.17x at 4K (the second row; 0.68x
 # at batch 8 of 2K then). Since their CTAs launch in runs of one head's tiles
 # (attention_hopper.TILE_GROUP, 128), on an H200 at head_dim 128: 1.02-1.06x at GPT-1B's
-# micro-batches of 16K tokens (batch 16 of 1K to batch 1 of 16K), 1.01x with GQA 32/8 at 16K,
-# and GPT-1B's whole step 1.004-1.009x cuDNN's at 2K-16K (the first row); 0.96x at 64K, 0.94x
-# with GQA 32/4, 0.98x at head_dim 64 of 16K (1.05x at 4K), 0.99-1.00x non-causal
-# (docs/benchmarks.md, docs/notes/attention_kernels.md).
+# micro-batches of 16K tokens (batch 16 of 1K to batch 1 of 16K), GQA 32/4 and 32/8 1.00x
+# at 4K and 1.00-1.01x at 16K (its backward a CTA a query head's keys, gqa="expand"), and
+# GPT-1B's whole step 1.004-1.009x cuDNN's at 2K-16K (the first row; with 4 key/value heads
+# 0.996x at 8K); 0.97x at 64K, 0.98-0.99x at head_dim 64 of 16K (1.05x at 4K), 0.99-1.00x
+# non-causal (docs/benchmarks.md, docs/notes/attention_kernels.md).
 # Head_dim 256 has no Hopper backward (supported(..., backward=True)), so auto takes cuDNN there.
 LEADS = (
     (16384, 16 * 16384**2, (128,)),

@@ -76,6 +76,7 @@ class FlashConfig:
     hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: fused)
     hopper_schedule: str = "pingpong"  # attention_hopper.forward's schedule
     hopper_tile_group: int = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
+    hopper_gqa: str = "expand"  # attention_hopper.backward's gqa: how the dK/dV pass splits GQA
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -380,6 +381,7 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
             tile_group=cfg.hopper_tile_group,
             q_seg=q_seg,
             kv_seg=kv_seg,
+            gqa=cfg.hopper_gqa,
             interpret=cfg.interpret,
         )
     seg_args = [q_seg, kv_seg] if has_seg else []
@@ -474,6 +476,7 @@ def flash_attention_with_lse(
     hopper_fused_dq: bool | None = None,
     hopper_schedule: str = "pingpong",
     hopper_tile_group: int = attention_hopper.TILE_GROUP,
+    hopper_gqa: str = "expand",
     interpret: bool | None = None,
     fp8: bool = False,
 ) -> tuple[Array, Array]:
@@ -491,7 +494,10 @@ def flash_attention_with_lse(
     None) or runs a second pass for it (False). hopper_schedule: how the Hopper forward orders
     each warpgroup's matmuls and softmax (attention_hopper.SCHEDULES; see
     attention_hopper.forward). hopper_tile_group: the Hopper kernels' launch order, runs of
-    up to this many tiles of one (batch, head) (attention_hopper.forward). interpret: run
+    up to this many tiles of one (batch, head) (attention_hopper.forward). hopper_gqa: with
+    fewer key/value heads than query heads, the Hopper backward's split of the work,
+    "expand" (a CTA a query head's keys) or "walk" (a CTA a key/value head's keys, walking
+    its group; attention_hopper.backward). interpret: run
     the kernels in an interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
@@ -519,6 +525,7 @@ _SETTINGS = (
     "hopper_fused_dq",
     "hopper_schedule",
     "hopper_tile_group",
+    "hopper_gqa",
     "interpret",
     "fp8",
 )
@@ -537,6 +544,8 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     attention_hopper.check_schedule(hopper_schedule, "hopper_schedule")
     hopper_tile_group = settings.get("hopper_tile_group", attention_hopper.TILE_GROUP)
     attention_hopper.check_tile_group(hopper_tile_group, "hopper_tile_group")
+    hopper_gqa = settings.get("hopper_gqa", "expand")
+    attention_hopper.check_gqa(hopper_gqa, "hopper_gqa")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
@@ -607,6 +616,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         hopper_fused_dq=hopper_fused_dq,
         hopper_schedule=hopper_schedule,
         hopper_tile_group=hopper_tile_group,
+        hopper_gqa=hopper_gqa,
         fp8=fp8,
     )
     if pad_q or pad_k or dp:

@@ -72,6 +72,9 @@ BACKWARD_STAGES = {64: 4}  # head_dim -> stages; 2 for the others
 # 128 beat 8 by 6% at 16K and 2% at 64K, 1 (one tile of every pair in turn) by 25% at batch 8 of
 # 2K (docs/notes/attention_kernels.md).
 TILE_GROUP = 128
+# How the dK/dV pass splits GQA's work (backward's gqa): a CTA a query head's key tile (the
+# default) or a key/value head's, walking its group's query heads.
+GQA_SPLITS = ("expand", "walk")
 # Registers per thread: each compute warpgroup's, the memory warpgroup's (2 x 240 + 24 a
 # thread's worth fill the register file: 65,536 a CTA).
 REGISTERS = (240, 24)
@@ -839,7 +842,8 @@ def _dq(
 @dataclasses.dataclass(frozen=True)
 class _QueryStream:
     """The key side's grid (dK/dV): CTAs over (key tiles, key/value heads, batch), each
-    streaming, for every query head of its group, the query blocks of `bq` rows that see the
+    streaming, for every query head of its group (group 1 with gqa="expand": the grid's heads
+    are then query heads), the query blocks of `bq` rows that see the
     tile (Q, dO, and the base-2 logsumexp and delta of those rows). Causal: the first key
     tiles are the heaviest, and the grid starts with them."""
 
@@ -933,9 +937,12 @@ def _dkdv(
     dq_parts=False,
     q_seg=None,
     kv_seg=None,
+    expand=False,
 ):
     """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
-    query head of its group that see them.
+    query head of its group that see them. expand (GQA): per 2 x 64 key rows of one query
+    head's view of them instead, over that head's query blocks: dK and dV come out per query
+    head ([b, sk, h, d]), the group's to be summed.
 
     With dq_acc (a float32 mutable array shaped like q, zeros) the pass also adds dS^T K of
     each query block to its rows of dQ (unscaled), so that no second pass recomputes P: the
@@ -951,13 +958,14 @@ def _dkdv(
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group = h // hk
+    walked = 1 if expand else group  # query heads a CTA walks
     bq = bk = TILE // COMPUTE_WGS
     dtype, num_tiles, num_q = q.dtype, sk // TILE, sq // bq
     regs = _Regs(interpret)
     c = scale * LOG2E
-    grid = _Grid(num_tiles, hk, b, tile_group)
+    grid = _Grid(num_tiles, h if expand else hk, b, tile_group)
     segments = q_seg is not None
-    queries = _QueryStream(grid, num_q, group, bq, max(1, min(stages, num_q)), causal, segments)
+    queries = _QueryStream(grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments)
     with_dq = dq_acc is not None or dq_parts
     split_keys = d < TILE  # each warpgroup's dQ part: all columns over its keys, else half of them
     half = d if split_keys else d // COMPUTE_WGS  # dQ's columns per warpgroup
@@ -1003,12 +1011,13 @@ def _dkdv(
         if segments:
             *ring_scratch, qseg_smem, qseg_ready = ring_scratch
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_scratch
-        tile, bi, kv_head, wg, ring, first, per_head = queries.open(
+        tile, bi, head, wg, ring, first, per_head = queries.open(
             (q_ref, do_ref, lse2_ref, delta_ref),
             *ring_scratch,
             *((qseg_smem, qseg_ready) if segments else ()),
             seg_ref=qs_ref,
         )
+        kv_head = lax.div(head, group) if expand else head  # the keys' head (`head`: the grid's)
 
         def _compute(wg):
             plgpu.set_max_registers(REGISTERS[0], action="increase")
@@ -1105,7 +1114,7 @@ def _dkdv(
                     )
                 return lax.fori_loop(base, base + num_q, functools.partial(step, masked=False), carry)
 
-            dk, dv = lax.fori_loop(0, group, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
+            dk, dv = lax.fori_loop(0, walked, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
             if with_dq:  # the last step's dQ is sent; at head_dim 128 the partner's still reads my keys
                 if not split_keys:
                     plgpu.barrier_arrive(keys_read.at[0])
@@ -1114,8 +1123,8 @@ def _dkdv(
             my_k[...] = (dk * scale).astype(dtype)
             my_v[...] = dv.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, keys, kv_head])
-            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, keys, kv_head])
+            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, keys, head])
+            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, keys, head])
             plgpu.wait_smem_to_gmem(0)
 
         _per_warpgroup(wg, _compute)
@@ -1123,14 +1132,14 @@ def _dkdv(
         def send_dq(j):
             """(memory warpgroup) Both compute warpgroups' dQ columns of step j into dQ."""
             plgpu.barrier_wait(dq_full.at[0])
-            head, rows = queries.head_rows(kv_head, first, per_head, j)
+            q_head, rows = queries.head_rows(head, first, per_head, j)
             for w in range(COMPUTE_WGS):
                 cols = pl.ds(0 if split_keys else w * half, half)
                 if dq_parts:
                     part = tile * COMPUTE_WGS + w if split_keys else tile
-                    plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[part, bi, rows, head, cols])
+                    plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[part, bi, rows, q_head, cols])
                 else:
-                    dst = dq_ref.at[bi, rows, head, cols]
+                    dst = dq_ref.at[bi, rows, q_head, cols]
                     plgpu.copy_smem_to_gmem(dq_smem.at[w], dst, reduction_op="add")
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(dq_empty.at[0])
@@ -1140,7 +1149,8 @@ def _dkdv(
             ring.produce(released=send_dq if with_dq else None)
             plgpu.wait_smem_to_gmem(0)
 
-    out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    kv_shape = (b, sk, h, d) if expand else k.shape
+    out_type = [jax.ShapeDtypeStruct(kv_shape, dtype), jax.ShapeDtypeStruct(kv_shape, dtype)]
     if dq_parts:
         parts = num_tiles * (COMPUTE_WGS if split_keys else 1)
         out_type.append(jax.ShapeDtypeStruct((parts, *q.shape), jnp.float32))
@@ -1164,6 +1174,11 @@ def _dkdv(
     )
 
 
+def check_gqa(gqa: str, setting: str = "gqa") -> None:
+    if gqa not in GQA_SPLITS:
+        raise ValueError(f"unknown {setting} {gqa!r}; allowed: {', '.join(GQA_SPLITS)}")
+
+
 def backward(
     q,
     k,
@@ -1179,6 +1194,7 @@ def backward(
     tile_group: int = TILE_GROUP,
     q_seg: Array | None = None,
     kv_seg: Array | None = None,
+    gqa: str = "expand",
     interpret: bool = False,
 ):
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s].
@@ -1187,12 +1203,23 @@ def backward(
     computes dK and dV (5 matmuls a block; at head_dim 128 each compute warpgroup takes 64 of
     dQ's columns, one swizzled tile wide, at 64 all of them over its own keys); False: a
     second pass for dQ that recomputes P (7). stages: the query ring's depth (None:
-    default_stages). tile_group, q_seg, kv_seg: see forward."""
+    default_stages). tile_group, q_seg, kv_seg: see forward.
+
+    gqa, with fewer key/value heads than query heads (GQA_SPLITS): "expand" (the default) runs
+    the dK/dV pass as if every query head had its own keys and values (a CTA a query head's
+    key tile, reading its group's keys) and sums each group's dK and dV in float32 after it;
+    "walk" gives each key/value head's tile one CTA that walks the group's query heads: fewer
+    and longer CTAs, which at 4K tokens with 32/4 heads are 128 for an H200's 132 SMs (0.78x
+    expand's speed there, 0.96x at 64K; docs/notes/attention_kernels.md). expand writes the
+    per-head dK and dV (two arrays shaped like q, in its dtype) before the sum."""
     _check(q, k, causal, backward=True)
     stages = default_stages(q.shape[-1], backward=True) if stages is None else stages
     fused_dq = True if fused_dq is None else fused_dq
     check_tile_group(tile_group)
+    check_gqa(gqa)
     _check_segments(q, k, q_seg, kv_seg)
+    group = q.shape[2] // k.shape[2]
+    expand = gqa == "expand" and group > 1
     kw = dict(
         causal=causal,
         scale=scale,
@@ -1203,11 +1230,18 @@ def backward(
         kv_seg=kv_seg,
     )
     lse2 = lse * LOG2E  # both passes compute p = exp2(s * log2(e) / sqrt(d) - lse2)
+    b, sk, hk, d = k.shape
+
+    def summed(dk, dv):  # expand's per-query-head dK and dV, summed over each group
+        if not expand:
+            return dk, dv
+        return tuple(x.reshape(b, sk, hk, group, d).sum(3, dtype=jnp.float32).astype(k.dtype) for x in (dk, dv))
+
     if not fused_dq:
-        dk, dv = _dkdv(q, k, v, d_out, lse2, delta, **kw)
+        dk, dv = summed(*_dkdv(q, k, v, d_out, lse2, delta, expand=expand, **kw))
         return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
     if interpret:
-        dk, dv, parts = _dkdv(q, k, v, d_out, lse2, delta, dq_parts=True, **kw)
+        dk, dv, parts = _dkdv(q, k, v, d_out, lse2, delta, dq_parts=True, expand=expand, **kw)
         if causal:  # part p holds keys of tile t = p // per_tile: it wrote the query rows from 128 t on
             per_tile = parts.shape[0] // (k.shape[1] // TILE)
             rows = TILE * (jnp.arange(parts.shape[0]) // per_tile)
@@ -1216,6 +1250,6 @@ def backward(
         dq = parts.sum(0)
     else:
         acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-        dk, dv = _dkdv(q, k, v, d_out, lse2, delta, dq_acc=acc, **kw)
+        dk, dv = _dkdv(q, k, v, d_out, lse2, delta, dq_acc=acc, expand=expand, **kw)
         dq = acc[...]
-    return (dq * scale).astype(q.dtype), dk, dv
+    return (dq * scale).astype(q.dtype), *summed(dk, dv)
