@@ -96,9 +96,9 @@ IMPLS["bpt-pallas-gqa-walk"] = functools.partial(flash_attention, hopper_gqa="wa
 for _schedule in attention_hopper.SCHEDULES:
     IMPLS[f"bpt-pallas-{_schedule}"] = functools.partial(flash_attention, hopper_schedule=_schedule)
 # The Hopper kernels' CTAs launched in runs of up to N tiles of one (batch, head) (attention_hopper
-# _Grid; bpt-pallas: TILE_GROUP, 128); bpt-pallas-group1 launches one tile of every (batch, head)
-# in turn, the order before tile groups.
-for _group in (1, 2, 4, 16, 32, 64, 128):
+# _Grid; bpt-pallas: TILE_GROUP, None: all of a head's tiles); bpt-pallas-group1 launches one
+# tile of every (batch, head) in turn, the order before tile groups.
+for _group in (1, 2, 4, 16, 32, 64, 128, 256, 512, 1024):
     IMPLS[f"bpt-pallas-group{_group}"] = functools.partial(flash_attention, hopper_tile_group=_group)
 # The Hopper kernels' shared-memory rings N blocks deep (bpt-pallas: attention_hopper.default_stages,
 # 2 but the backward's 4 at head_dim 64).

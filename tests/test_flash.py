@@ -357,20 +357,20 @@ def test_hopper_kernels_give_rows_without_keys_what_the_triton_kernels_do(key):
 
 
 @pytest.mark.parametrize(
-    "tiles, heads, batch, group", [(16, 16, 8, 8), (6, 3, 2, 8), (5, 2, 3, 4), (4, 2, 2, 1)]
+    "tiles, heads, batch, group", [(16, 16, 8, 8), (6, 3, 2, 8), (5, 2, 3, 4), (4, 2, 2, 1), (6, 3, 2, None)]
 )
 def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, heads, batch, group):
     """The Hopper kernels' launch order (attention_hopper._Grid): every (tile, head, batch)
     once; the tile ranks (rank 0 the heaviest) never go back by a whole group; each run of g
-    CTAs (g: the greatest common divisor of group and the tile count) holds one (batch, head),
-    batch outermost, so the CTAs that run at once share that head's other side. group=1: one
-    tile of every (batch, head) in turn."""
+    CTAs (g: the greatest common divisor of group and the tile count; group None, the
+    default: the tile count) holds one (batch, head), batch outermost, so the CTAs that run at
+    once share that head's other side. group=1: one tile of every (batch, head) in turn."""
     grid = attention_hopper._Grid(tiles, heads, batch, group)
     rank, head, bi = (np.asarray(x) for x in grid.coords(jnp.arange(grid.size, dtype=jnp.int32)))
     every = {(t, h, b) for t in range(tiles) for h in range(heads) for b in range(batch)}
     seen = list(zip(rank.tolist(), head.tolist(), bi.tolist()))
     assert len(set(seen)) == grid.size and set(seen) == every
-    g = math.gcd(tiles, group)
+    g = tiles if group is None else math.gcd(tiles, group)
     assert (np.diff(rank // g) >= 0).all() and (np.diff(rank // g) <= 1).all()
     pair = (bi * heads + head).reshape(-1, g)
     assert (pair == pair[:, :1]).all()  # a run: one (batch, head), its tiles in order

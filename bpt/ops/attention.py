@@ -12,8 +12,8 @@ return a piece's output and logsumexp for a merge (context parallelism's hops).
 |             |             | take the inputs, else Triton); elsewhere interpret mode (tests) | yes |
 | auto        | on an H100-class GPU, pallas for causal bf16/fp16 inputs that the Mosaic GPU
 |             | kernels take, forward and backward (head_dim 64, 128), where they were
-|             | measured faster than cuDNN (LEADS: head_dim 128 up to 16K tokens and one
-|             | 16K sequence of 16 heads' work; both up to 4K and one 4K sequence's); on
+|             | measured faster than cuDNN (LEADS: head_dim 128 up to 32K tokens and one
+|             | 32K sequence of 16 heads' work; both up to 4K and one 4K sequence's); on
 |             | a GPU otherwise cudnn where it supports
 |             | the inputs, else pallas for bf16/fp16 (segment ids); off the GPU blockwise
 |             | (reference when one chunk covers it) |
@@ -38,15 +38,16 @@ Array = jax.Array
 # (most keys a sequence, most query-key pairs batch x heads x seq^2, head_dims or None for
 # any). Measured: on an H100 at batch 1, 1.5x at 2K and 1.17x at 4K (the second row; 0.68x
 # at batch 8 of 2K then). Since their CTAs launch in runs of one head's tiles
-# (attention_hopper.TILE_GROUP, 128), on an H200 at head_dim 128: 1.02-1.06x at GPT-1B's
-# micro-batches of 16K tokens (batch 16 of 1K to batch 1 of 16K), GQA 32/4 and 32/8 1.00x
-# at 4K and 1.00-1.01x at 16K (its backward a CTA a query head's keys, gqa="expand"), and
-# GPT-1B's whole step 1.004-1.009x cuDNN's at 2K-16K (the first row; with 4 key/value heads
-# 0.996x at 8K); 0.97x at 64K, 0.98-0.99x at head_dim 64 of 16K (1.05x at 4K), 0.99-1.00x
+# (attention_hopper.TILE_GROUP), on an H200 at head_dim 128: 1.02-1.06x at GPT-1B's
+# micro-batches of 16K tokens (batch 16 of 1K to batch 1 of 16K), 1.01x at 32K and 64K and
+# 1.03x at 128K (all of a head's tiles a run), GQA 32/4 and 32/8 1.00x at 4K and 1.00-1.01x
+# at 16K (its backward a CTA a query head's keys, gqa="expand"); GPT-1B's whole step
+# 1.004-1.009x cuDNN's at 2K-16K, 1.007x at 32K, 0.999x at 64K (the first row; with 4
+# key/value heads 0.996x at 8K); 0.98-0.99x at head_dim 64 of 16K (1.05x at 4K), 0.99-1.00x
 # non-causal (docs/benchmarks.md, docs/notes/attention_kernels.md).
 # Head_dim 256 has no Hopper backward (supported(..., backward=True)), so auto takes cuDNN there.
 LEADS = (
-    (16384, 16 * 16384**2, (128,)),
+    (32768, 16 * 32768**2, (128,)),
     (4096, 16 * 4096**2, None),
 )
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)

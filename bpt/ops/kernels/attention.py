@@ -75,7 +75,7 @@ class FlashConfig:
     hopper_stages: int | None = None  # None: attention_hopper.default_stages
     hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: fused)
     hopper_schedule: str = "pingpong"  # attention_hopper.forward's schedule
-    hopper_tile_group: int = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
+    hopper_tile_group: int | None = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
     hopper_gqa: str = "expand"  # attention_hopper.backward's gqa: how the dK/dV pass splits GQA
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
@@ -475,7 +475,7 @@ def flash_attention_with_lse(
     hopper_stages: int | None = None,
     hopper_fused_dq: bool | None = None,
     hopper_schedule: str = "pingpong",
-    hopper_tile_group: int = attention_hopper.TILE_GROUP,
+    hopper_tile_group: int | None = attention_hopper.TILE_GROUP,
     hopper_gqa: str = "expand",
     interpret: bool | None = None,
     fp8: bool = False,
@@ -494,7 +494,7 @@ def flash_attention_with_lse(
     None) or runs a second pass for it (False). hopper_schedule: how the Hopper forward orders
     each warpgroup's matmuls and softmax (attention_hopper.SCHEDULES; see
     attention_hopper.forward). hopper_tile_group: the Hopper kernels' launch order, runs of
-    up to this many tiles of one (batch, head) (attention_hopper.forward). hopper_gqa: with
+    up to this many tiles of one (batch, head), None: all of them (attention_hopper.forward). hopper_gqa: with
     fewer key/value heads than query heads, the Hopper backward's split of the work,
     "expand" (a CTA a query head's keys) or "walk" (a CTA a key/value head's keys, walking
     its group; attention_hopper.backward). interpret: run

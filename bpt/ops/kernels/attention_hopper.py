@@ -68,10 +68,12 @@ MAX_BACKWARD_HEAD_DIM = 128  # see supported()
 # ran slower (GQA 32/8 at 16K 499 against 523, non-causal 529 against 549; notes/attention_kernels.md).
 FORWARD_STAGES = 2
 BACKWARD_STAGES = {64: 4}  # head_dim -> stages; 2 for the others
-# The CTAs' launch order (_Grid): runs of up to this many tiles of one (batch, head). On an H200
-# 128 beat 8 by 6% at 16K and 2% at 64K, 1 (one tile of every pair in turn) by 25% at batch 8 of
-# 2K (docs/notes/attention_kernels.md).
-TILE_GROUP = 128
+# The CTAs' launch order (_Grid): runs of up to this many tiles of one (batch, head); None: all
+# of them, one (batch, head) after another. On an H200 128 beat 8 by 6% at 16K and 2% at 64K,
+# 1 (one tile of every pair in turn) by 25% at batch 8 of 2K; all of a head's tiles beat runs of
+# 128 by 3% at 32K and 64K (forward+backward 544-551 against 527-535 TFLOP/s) and 4% at 128K
+# (docs/notes/attention_kernels.md); up to 16K (128 tiles) the two are one order.
+TILE_GROUP = None
 # How the dK/dV pass splits GQA's work (backward's gqa): a CTA a query head's key tile (the
 # default) or a key/value head's, walking its group's query heads.
 GQA_SPLITS = ("expand", "walk")
@@ -407,7 +409,8 @@ class _Grid:
     """A kernel's CTAs, one per (tile, head, batch), launched along one grid axis in an order
     bpt chooses (the GPU starts CTAs in launch order, so the order decides which run at once).
 
-    Tiles go in groups of g, the greatest common divisor of `group` and the tile count: the
+    Tiles go in groups of g, the greatest common divisor of `group` and the tile count (group
+    None: g is the tile count, every (batch, head)'s tiles one run, heaviest first): the
     groups one after another, heaviest first (the streams turn a rank into a tile so that
     rank 0 is the heaviest under a causal mask); within a group every (batch, head) in turn,
     batch outermost (a GQA group's query heads next to each other); within that the group's
@@ -420,7 +423,7 @@ class _Grid:
     tiles: int
     heads: int
     batch: int
-    group: int = TILE_GROUP
+    group: int | None = TILE_GROUP
 
     @property
     def size(self) -> int:
@@ -428,7 +431,7 @@ class _Grid:
 
     def coords(self, cta):
         """(tile rank, head, batch) of CTA number `cta` (an int32 scalar or array)."""
-        g = math.gcd(self.tiles, self.group)
+        g = self.tiles if self.group is None else math.gcd(self.tiles, self.group)
         per_group = g * self.heads * self.batch
         within = lax.rem(cta, per_group)
         pair = lax.div(within, g)  # batch * heads + head
@@ -440,9 +443,11 @@ class _Grid:
         return self.coords(lax.axis_index("cta"))
 
 
-def check_tile_group(group: int, setting: str = "tile_group") -> None:
-    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
-        raise ValueError(f"{setting} must be a positive int (tiles a CTA group holds); got {group!r}")
+def check_tile_group(group: int | None, setting: str = "tile_group") -> None:
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
+        raise ValueError(
+            f"{setting} must be a positive int (tiles a CTA group holds) or None (all of a head's); got {group!r}"
+        )
 
 
 def _launch(
@@ -536,7 +541,7 @@ def forward(
     block_k: int = 128,
     stages: int | None = None,
     schedule: str = "pingpong",
-    tile_group: int = TILE_GROUP,
+    tile_group: int | None = TILE_GROUP,
     q_seg: Array | None = None,
     kv_seg: Array | None = None,
     interpret: bool = False,
@@ -559,7 +564,8 @@ def forward(
     slower.
 
     tile_group: the order in which the CTAs launch (_Grid): runs of up to this many tiles of
-    one (batch, head), so that the CTAs that run at once read the same keys and values.
+    one (batch, head) (None, the default: all of them), so that the CTAs that run at once
+    read the same keys and values.
     block_k: 64 or 128 keys a block; above head_dim 128 at most 64 (MAX_HEAD_DIM_BLOCK_128).
     """
     b, sq, h, d = q.shape
@@ -1191,7 +1197,7 @@ def backward(
     scale: float,
     stages: int | None = None,
     fused_dq: bool | None = None,
-    tile_group: int = TILE_GROUP,
+    tile_group: int | None = TILE_GROUP,
     q_seg: Array | None = None,
     kv_seg: Array | None = None,
     gqa: str = "expand",
