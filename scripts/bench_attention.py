@@ -92,6 +92,10 @@ IMPLS["bpt-pallas-gqa-expand"] = functools.partial(flash_attention, hopper_gqa="
 # The Hopper backward with GQA as one CTA a key/value head's tile, walking its group's query
 # heads (bpt-pallas: one a query head's, attention_hopper.backward's gqa="expand").
 IMPLS["bpt-pallas-gqa-walk"] = functools.partial(flash_attention, hopper_gqa="walk")
+# The fused Hopper backward's split of dQ between its warpgroups (attention_hopper.DQ_SPLITS; at
+# head_dim 64 "keys" or "steps"), e.g. bpt-pallas-dq-steps.
+for _split in attention_hopper.DQ_SPLITS:
+    IMPLS[f"bpt-pallas-dq-{_split}"] = functools.partial(flash_attention, hopper_dq_split=_split)
 # The Hopper forward under each of its schedules (attention_hopper.forward), e.g. bpt-pallas-overlap.
 for _schedule in attention_hopper.SCHEDULES:
     IMPLS[f"bpt-pallas-{_schedule}"] = functools.partial(flash_attention, hopper_schedule=_schedule)

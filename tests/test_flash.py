@@ -252,30 +252,36 @@ def test_entry_point_and_bad_inputs(key):
 
 
 @pytest.mark.parametrize(
-    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa",
+    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa, dq_split",
     [
         # GQA 2:1; the forward streams 4 key blocks through 2 slots; the backward adds dQ in
-        # its dK/dV pass (the default), at head_dim 64 each warpgroup all of dQ's columns over
-        # its own keys; a CTA a key/value head walks the group. (Each interpreted case costs
+        # its dK/dV pass (the default), each warpgroup all of dQ's columns over its own keys
+        # ("keys"); a CTA a key/value head walks the group. (Each interpreted case costs
         # a minute or more on two cores: head_dim 128's fused backward runs here with segment
         # ids, in the next test; MQA, float16, 128-key blocks and the non-causal path run in
         # the GPU tests.)
-        (jnp.bfloat16, 64, True, 1, 64, None, 256, "walk"),
-        # GQA's default split, a CTA a query head's keys: one tile, since the interpreter did
-        # not finish the dK/dV pass over two tiles of two heads (MHA too) in ten minutes.
-        (jnp.bfloat16, 64, True, 1, 64, None, 128, "expand"),
+        (jnp.bfloat16, 64, True, 1, 64, None, 256, "walk", "keys"),
+        # GQA's default split, a CTA a query head's keys, and dQ over the tile's keys by the
+        # warpgroups in turn ("steps"): one tile, since the interpreter did not finish the
+        # dK/dV pass over two tiles of two heads (MHA too) in ten minutes.
+        (jnp.bfloat16, 64, True, 1, 64, None, 128, "expand", "steps"),
     ],
 )
 def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
-    key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa
+    key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa, dq_split
 ):
     """The warp-specialized kernels' data movement, barriers and masks, run by Mosaic GPU's
     interpreter (the matmuls there are plain dots, and the fused backward's dQ is written per
-    warpgroup and summed by XLA where the GPU reduces it in place; the GPU tests run the
+    part and summed by XLA where the GPU reduces it in place; the GPU tests run the
     wgmma path)."""
     q, k, v, d_out = inputs(key, 1, seq, 2, kv_heads, head_dim, dtype)
     hopper = dict(
-        forward="hopper", backward="hopper", hopper_block_k=block_k, hopper_fused_dq=fused_dq, hopper_gqa=gqa
+        forward="hopper",
+        backward="hopper",
+        hopper_block_k=block_k,
+        hopper_fused_dq=fused_dq,
+        hopper_gqa=gqa,
+        hopper_dq_split=dq_split,
     )
     out, lse = flash_attention_with_lse(q, k, v, causal=causal, **hopper)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -455,13 +461,16 @@ def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim):
         attention_hopper.forward(x, x, x, causal=True, scale=0.1, q_seg=short, kv_seg=short[:, :0])
 
 
-@pytest.mark.parametrize("causal, head_dim", [(True, 128), (False, 128), (True, 64)])
-def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal, head_dim):
+@pytest.mark.parametrize(
+    "causal, head_dim, dq_split", [(True, 128, None), (False, 128, None), (True, 64, "keys"), (False, 64, "steps")]
+)
+def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal, head_dim, dq_split):
     """On the GPU the fused backward adds each block's dQ into one float32 buffer with TMA's
     reduce-add (which the interpreter lacks): its Mosaic GPU lowering, checked here without a
     GPU, aliases that buffer in and out of the kernel and issues the reduction (one kernel
     where the two-pass backward has two and no reduction), also inside shard_map and inside a
-    scan of checkpointed layers, where ring attention and the models call it."""
+    scan of checkpointed layers, where ring attention and the models call it; under each of
+    the splits of dQ between the warpgroups (dq_split)."""
     q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
@@ -469,7 +478,7 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal, head_dim):
     def lowered(fused_dq):
         def grads(q, k, v, d_out, lse, delta):
             return attention_hopper.backward(
-                q, k, v, d_out, lse, delta, causal=causal, scale=0.1, fused_dq=fused_dq
+                q, k, v, d_out, lse, delta, causal=causal, scale=0.1, fused_dq=fused_dq, dq_split=dq_split
             )
 
         return jax.jit(grads).trace(q, kv, kv, q, stats, stats).lower(lowering_platforms=("cuda",)).as_text()
@@ -485,7 +494,9 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal, head_dim):
     spec = jax.sharding.PartitionSpec(None, "sp")
 
     def loss(q, k, v):
-        out = flash_attention(q, k, v, causal=causal, forward="hopper", backward="hopper", interpret=False)
+        out = flash_attention(
+            q, k, v, causal=causal, forward="hopper", backward="hopper", hopper_dq_split=dq_split, interpret=False
+        )
         return jnp.sum(out.astype(jnp.float32))
 
     grads = jax.shard_map(
@@ -505,7 +516,7 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal, head_dim):
     def layers(q):
         def attend(x, _):
             return flash_attention(
-                x, x, x, causal=causal, forward="hopper", backward="hopper", interpret=False
+                x, x, x, causal=causal, forward="hopper", backward="hopper", hopper_dq_split=dq_split, interpret=False
             ), None
 
         step = jax.checkpoint(attend)
@@ -539,6 +550,13 @@ def test_hopper_kernels_refuse_what_they_cannot_take(key):
         flash_attention(q, k, v, backward="mosaic")
     with pytest.raises(ValueError, match="hopper_block_k=96 is not a block size of the Hopper kernels"):
         flash_attention(q, k, v, forward="hopper", hopper_block_k=96)
+    with pytest.raises(ValueError, match="unknown hopper_dq_split 'rows'; allowed: None, columns, keys, steps"):
+        flash_attention(q, k, v, hopper_dq_split="rows")
+    with pytest.raises(ValueError, match="hopper_dq_split 'columns' at head_dim 64; allowed there: None, keys, steps"):
+        flash_attention(q, k, v, hopper_dq_split="columns")
+    with pytest.raises(ValueError, match="dq_split 'steps' at head_dim 128; allowed there: None, columns"):
+        x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+        attention_hopper.backward(x, x, x, x, jnp.zeros((1, 1, 128)), jnp.zeros((1, 1, 128)), causal=True, scale=0.1, dq_split="steps")
 
 
 @pytest.mark.gpu
@@ -575,24 +593,28 @@ def test_flash_on_gpu(key, dtype, head_dim, causal, segments, kv_heads):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
 @pytest.mark.parametrize(
-    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule, gqa",
+    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule, gqa, dq_split",
     [
         # fused_dq None: dQ fused where it can be (head_dim 64 and 128); pingpong: the default;
-        # kv_heads 8 of 8 query heads: MHA, else GQA (gqa: the backward's split of it)
-        (jnp.bfloat16, 128, True, 2, 128, None, "pingpong", "expand"),
-        (jnp.bfloat16, 128, True, 2, 128, None, "pingpong", "walk"),
-        (jnp.float16, 128, False, 8, 128, None, "pingpong", "expand"),
-        (jnp.float16, 64, False, 8, 128, None, "pingpong", "expand"),
-        (jnp.bfloat16, 64, True, 1, 64, None, "pingpong", "expand"),
-        (jnp.bfloat16, 128, True, 2, 128, False, "serial", "expand"),
-        (jnp.bfloat16, 128, True, 2, 128, None, "overlap", "walk"),
-        (jnp.bfloat16, 64, True, 1, 64, False, "overlap_pingpong", "walk"),
+        # kv_heads 8 of 8 query heads: MHA, else GQA (gqa: the backward's split of it);
+        # dq_split: how the fused backward splits dQ (None: by head_dim)
+        (jnp.bfloat16, 128, True, 2, 128, None, "pingpong", "expand", None),
+        (jnp.bfloat16, 128, True, 2, 128, None, "pingpong", "walk", None),
+        (jnp.float16, 128, False, 8, 128, None, "pingpong", "expand", None),
+        (jnp.float16, 64, False, 8, 128, None, "pingpong", "expand", "keys"),
+        (jnp.float16, 64, False, 8, 128, None, "pingpong", "expand", "steps"),
+        (jnp.bfloat16, 64, True, 1, 64, None, "pingpong", "expand", "keys"),
+        (jnp.bfloat16, 64, True, 2, 64, None, "pingpong", "walk", "steps"),
+        (jnp.bfloat16, 128, True, 2, 128, False, "serial", "expand", None),
+        (jnp.bfloat16, 128, True, 2, 128, None, "overlap", "walk", None),
+        (jnp.bfloat16, 64, True, 1, 64, False, "overlap_pingpong", "walk", None),
     ],
 )
-def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule, gqa):
+def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule, gqa, dq_split):
     """The wgmma/TMA kernels at real sizes, forward (under each schedule) and backward (dQ
     fused into the dK/dV pass by default, or in its own pass; GQA as a CTA a query head's
-    keys, the default, or a key/value head's walking its group)."""
+    keys, the default, or a key/value head's walking its group; at head_dim 64 dQ split
+    between the warpgroups by keys or by steps)."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, dtype)
     hopper = dict(
         forward="hopper",
@@ -601,6 +623,7 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
         hopper_fused_dq=fused_dq,
         hopper_schedule=schedule,
         hopper_gqa=gqa,
+        hopper_dq_split=dq_split,
     )
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
 

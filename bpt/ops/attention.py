@@ -13,7 +13,8 @@ return a piece's output and logsumexp for a merge (context parallelism's hops).
 | auto        | on an H100-class GPU, pallas for causal bf16/fp16 inputs that the Mosaic GPU
 |             | kernels take, forward and backward (head_dim 64, 128), where they were
 |             | measured faster than cuDNN (LEADS: head_dim 128 up to 32K tokens and one
-|             | 32K sequence of 16 heads' work; both up to 4K and one 4K sequence's); on
+|             | 32K sequence of 16 heads' work; 64 up to 16K and one 16K sequence of 32
+|             | heads'; both up to 4K and one 4K sequence's); on
 |             | a GPU otherwise cudnn where it supports
 |             | the inputs, else pallas for bf16/fp16 (segment ids); off the GPU blockwise
 |             | (reference when one chunk covers it) |
@@ -43,12 +44,15 @@ Array = jax.Array
 # 1.03x at 128K (all of a head's tiles a run), GQA 32/4 and 32/8 1.00x at 4K and 1.00-1.01x
 # at 16K (its backward a CTA a query head's keys, gqa="expand"); GPT-1B's whole step
 # 1.004-1.009x cuDNN's at 2K-16K, 1.007x at 32K, 0.999x at 64K (the first row; with 4
-# key/value heads 0.996x at 8K); 0.98-0.99x at head_dim 64 of 16K (1.05x at 4K), 0.99-1.00x
-# non-causal (docs/benchmarks.md, docs/notes/attention_kernels.md).
+# key/value heads 0.996x at 8K); 0.99-1.00x non-causal. At head_dim 64, since the backward's
+# warpgroups take dQ's steps in turn (attention_hopper.DQ_SPLIT): 1.01-1.03x at 16K with 16
+# heads, 1.02x at 8K, 1.06x at 4K, GQA 32/4 1.05x, 1.03x, 1.02x at 4K, 8K, 16K (the third row;
+# docs/benchmarks.md, docs/notes/attention_kernels.md).
 # Head_dim 256 has no Hopper backward (supported(..., backward=True)), so auto takes cuDNN there.
 LEADS = (
     (32768, 16 * 32768**2, (128,)),
     (4096, 16 * 4096**2, None),
+    (16384, 32 * 16384**2, (64,)),
 )
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 

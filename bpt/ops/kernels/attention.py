@@ -77,6 +77,7 @@ class FlashConfig:
     hopper_schedule: str = "pingpong"  # attention_hopper.forward's schedule
     hopper_tile_group: int | None = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
     hopper_gqa: str = "expand"  # attention_hopper.backward's gqa: how the dK/dV pass splits GQA
+    hopper_dq_split: str | None = None  # attention_hopper.backward's dq_split (None: by head_dim)
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -382,6 +383,7 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
             q_seg=q_seg,
             kv_seg=kv_seg,
             gqa=cfg.hopper_gqa,
+            dq_split=cfg.hopper_dq_split,
             interpret=cfg.interpret,
         )
     seg_args = [q_seg, kv_seg] if has_seg else []
@@ -477,6 +479,7 @@ def flash_attention_with_lse(
     hopper_schedule: str = "pingpong",
     hopper_tile_group: int | None = attention_hopper.TILE_GROUP,
     hopper_gqa: str = "expand",
+    hopper_dq_split: str | None = None,
     interpret: bool | None = None,
     fp8: bool = False,
 ) -> tuple[Array, Array]:
@@ -497,7 +500,9 @@ def flash_attention_with_lse(
     up to this many tiles of one (batch, head), None: all of them (attention_hopper.forward). hopper_gqa: with
     fewer key/value heads than query heads, the Hopper backward's split of the work,
     "expand" (a CTA a query head's keys) or "walk" (a CTA a key/value head's keys, walking
-    its group; attention_hopper.backward). interpret: run
+    its group; attention_hopper.backward). hopper_dq_split: how the fused Hopper backward
+    splits dQ between its warpgroups (attention_hopper.DQ_SPLITS; None: by head_dim, at 64
+    "keys" or "steps"). interpret: run
     the kernels in an interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
@@ -526,6 +531,7 @@ _SETTINGS = (
     "hopper_schedule",
     "hopper_tile_group",
     "hopper_gqa",
+    "hopper_dq_split",
     "interpret",
     "fp8",
 )
@@ -546,6 +552,8 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     attention_hopper.check_tile_group(hopper_tile_group, "hopper_tile_group")
     hopper_gqa = settings.get("hopper_gqa", "expand")
     attention_hopper.check_gqa(hopper_gqa, "hopper_gqa")
+    hopper_dq_split = settings.get("hopper_dq_split")
+    attention_hopper.check_dq_split(hopper_dq_split, q.shape[-1], "hopper_dq_split")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
@@ -617,6 +625,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         hopper_schedule=hopper_schedule,
         hopper_tile_group=hopper_tile_group,
         hopper_gqa=hopper_gqa,
+        hopper_dq_split=hopper_dq_split,
         fp8=fp8,
     )
     if pad_q or pad_k or dp:

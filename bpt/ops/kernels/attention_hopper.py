@@ -18,8 +18,9 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   At head_dim 128 the same pass adds dQ: the two warpgroups share their dS through shared
   memory, each computes dS^T K for half of dQ's columns over the tile's 128 keys and leaves
   it in shared memory, and the memory warpgroup sends both halves into a float32 buffer
-  with TMA's reduce-add (5 matmuls a block). At head_dim 64 each warpgroup computes all of
-  dQ's columns over its own 64 keys, and both parts are reduce-added alike. At 256 a second pass,
+  with TMA's reduce-add (5 matmuls a block). At head_dim 64 the two warpgroups take the
+  steps in turn, each computing all of dQ's columns over the tile's 128 keys at its steps
+  (DQ_SPLITS), one part a step reduce-added alike. At 256 a second pass,
   per query block over key blocks, recomputes P for dQ += dS K (7). D = rowsum(dO * O)
   (minus the logsumexp's cotangent) comes from XLA.
 - causal: a warpgroup visits only the blocks that its rows can see and masks only those the
@@ -77,6 +78,15 @@ TILE_GROUP = None
 # How the dK/dV pass splits GQA's work (backward's gqa): a CTA a query head's key tile (the
 # default) or a key/value head's, walking its group's query heads.
 GQA_SPLITS = ("expand", "walk")
+# How the fused backward splits its dQ between the two compute warpgroups (backward's dq_split):
+# "columns", half of dQ's columns each over the tile's 128 keys (head_dim 128, where a half is
+# one 128-byte swizzled tile); at head_dim 64, where a half would be half a tile, "keys", all
+# columns each over its own 64 keys (two reduce-adds of dQ a step), or "steps", all columns
+# over the tile's 128 keys by the warpgroup whose turn the step is (one reduce-add a step).
+# On an H200 at head_dim 64, causal, 16 heads, "steps" ran forward+backward at 305 and 428
+# TFLOP/s at 4K and 16K against "keys"' 299 and 409 (cuDNN 287, 416; docs/notes/attention_kernels.md).
+DQ_SPLITS = ("columns", "keys", "steps")
+DQ_SPLIT = {64: "steps", 128: "columns"}  # head_dim -> dq_split when None
 # Registers per thread: each compute warpgroup's, the memory warpgroup's (2 x 240 + 24 a
 # thread's worth fill the register file: 65,536 a CTA).
 REGISTERS = (240, 24)
@@ -86,6 +96,18 @@ _profile: dict = {}  # profiled()'s settings while it is active
 def default_stages(head_dim: int, *, backward: bool) -> int:
     """The ring depth the kernels take when stages is None."""
     return BACKWARD_STAGES.get(head_dim, 2) if backward else FORWARD_STAGES
+
+
+def check_dq_split(split: str | None, head_dim: int | None = None, setting: str = "dq_split") -> None:
+    """A clear error for a dq_split the backward does not take (at this head_dim, if given)."""
+    if split is None:
+        return
+    if split not in DQ_SPLITS:
+        raise ValueError(f"unknown {setting} {split!r}; allowed: None, {', '.join(DQ_SPLITS)}")
+    if head_dim is not None and head_dim in DQ_SPLIT:
+        allowed = ("columns",) if head_dim >= TILE else ("keys", "steps")
+        if split not in allowed:
+            raise ValueError(f"{setting} {split!r} at head_dim {head_dim}; allowed there: None, {', '.join(allowed)}")
 
 
 def supported(q: Array, k: Array, *, segment_ids=None, backward: bool = False) -> str | None:
@@ -944,6 +966,7 @@ def _dkdv(
     q_seg=None,
     kv_seg=None,
     expand=False,
+    dq_split=None,
 ):
     """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
     query head of its group that see them. expand (GQA): per 2 x 64 key rows of one query
@@ -953,14 +976,16 @@ def _dkdv(
     With dq_acc (a float32 mutable array shaped like q, zeros) the pass also adds dS^T K of
     each query block to its rows of dQ (unscaled), so that no second pass recomputes P: the
     two compute warpgroups put their dS in shared memory (two buffers, so one may run a step
-    ahead), and at head_dim 128 each computes half of dQ's columns (one swizzled tile) over
-    the tile's 128 keys; at head_dim 64, where half would be half a swizzled tile, each
-    computes all of dQ's columns over its own 64 keys (split_keys: no dS crosses between
-    them). Either leaves its part in shared memory, from where the memory warpgroup sends
-    both to dq_acc with TMA's reduce-add (issuing the copy cost a compute warpgroup hundreds
-    of cycles a step). dq_parts: the same in the interpreter, which has no reduce-add: each
-    key tile (at head_dim 64 each warpgroup's half of it) writes its own partial dQ, a third
-    output [parts, *q.shape] whose rows above the diagonal (causal) stay unwritten."""
+    ahead), and split dQ as dq_split says (DQ_SPLITS; None: DQ_SPLIT by head_dim): at head_dim
+    128 each computes half of dQ's columns (one swizzled tile) over the tile's 128 keys; at
+    64, where half would be half a swizzled tile, each computes all of dQ's columns over its
+    own 64 keys ("keys": no dS crosses between them), or the warpgroup whose turn the step
+    is (its parity) computes them over the tile's 128 keys ("steps": one part a step).
+    Either leaves its part in shared memory, from where the memory warpgroup sends it to
+    dq_acc with TMA's reduce-add (issuing the copy cost a compute warpgroup hundreds of
+    cycles a step). dq_parts: the same in the interpreter, which has no reduce-add: each key
+    tile (with "keys" each warpgroup's half of it) writes its own partial dQ, a third output
+    [parts, *q.shape] whose rows above the diagonal (causal) stay unwritten."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group = h // hk
@@ -973,8 +998,11 @@ def _dkdv(
     segments = q_seg is not None
     queries = _QueryStream(grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments)
     with_dq = dq_acc is not None or dq_parts
-    split_keys = d < TILE  # each warpgroup's dQ part: all columns over its keys, else half of them
-    half = d if split_keys else d // COMPUTE_WGS  # dQ's columns per warpgroup
+    dq_split = DQ_SPLIT.get(d, "columns") if dq_split is None else dq_split
+    check_dq_split(dq_split, d)
+    split_keys = dq_split == "keys"  # each warpgroup's dQ part: all columns over its own keys
+    by_steps = dq_split == "steps"  # one warpgroup a step: all columns over the tile's keys
+    half = d // COMPUTE_WGS if dq_split == "columns" else d  # dQ's columns in a part
     scratch = [
         _smem((TILE, d), dtype),  # the tile's keys, warpgroup w's rows at 64 w
         _smem((COMPUTE_WGS, bk, d), dtype),
@@ -986,8 +1014,9 @@ def _dkdv(
         scratch += [
             _smem((2, TILE, bq), dtype),  # dS^T of both warpgroups, by the step's parity
             _smem((COMPUTE_WGS, bq, half), jnp.float32),  # each warpgroup's dQ columns, for TMA
-            _barriers(1, COMPUTE_WGS),  # both warpgroups' dQ columns are in
-            _barriers(1),  # the memory warpgroup has read them
+            # both warpgroups' dQ columns are in ("steps": warpgroup w's part, one a warpgroup)
+            _barriers(COMPUTE_WGS, 1) if by_steps else _barriers(1, COMPUTE_WGS),
+            _barriers(COMPUTE_WGS if by_steps else 1),  # the memory warpgroup has read them
         ]
         if not split_keys:  # the warpgroups read each other's dS and keys
             scratch += [
@@ -1037,7 +1066,7 @@ def _dkdv(
                 *([(ks_ref.at[bi, keys], kseg_smem.at[wg])] if segments else []),
             )
             my_segments = regs.vector(kseg_smem.at[wg], 1) if segments else None  # one a row of S^T
-            cols = pl.ds(wg * half, half)
+            cols = pl.ds(0 if half == d else wg * half, half)
 
             def share_ds(j, ds_t):
                 parity = lax.rem(j, 2)
@@ -1048,8 +1077,12 @@ def _dkdv(
 
             def add_dq(j):
                 """dQ[rows of step j, my columns] += dS^T K over the tile's keys (split_keys:
-                over my keys, all columns), handed to the memory warpgroup (send_dq)."""
+                over my keys, all columns; by_steps: all columns, at my steps only), handed
+                to the memory warpgroup (send_dq)."""
                 parity = lax.rem(j, 2)
+                if by_steps:
+                    pl.when(parity == wg)(functools.partial(add_all_dq, j, parity))
+                    return
                 if split_keys:
                     with jax.named_scope("dQ"):
                         part = _scores_t(ds_smem.at[parity, pl.ds(wg * bk, bk)], my_k, interpret)
@@ -1063,6 +1096,18 @@ def _dkdv(
                     dq_smem.at[wg][...] = part
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(dq_full.at[0])
+
+            def add_all_dq(j, parity):
+                """(by_steps) dQ[rows of step j, all columns] += dS^T K over the tile's keys."""
+                with jax.named_scope("dQ_wait_dS"):
+                    plgpu.barrier_wait(ds_ready.at[parity])
+                with jax.named_scope("dQ"):
+                    part = _scores_t(ds_smem.at[parity], k_smem, interpret)  # [queries, d]
+                with jax.named_scope("dQ_store"):
+                    pl.when(j > 1)(lambda: plgpu.barrier_wait(dq_empty.at[wg]))  # my last one is sent
+                    dq_smem.at[wg][...] = part
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(dq_full.at[wg])
 
             def step(j, carry, masked: bool):
                 dk, dv = carry
@@ -1121,11 +1166,14 @@ def _dkdv(
                 return lax.fori_loop(base, base + num_q, functools.partial(step, masked=False), carry)
 
             dk, dv = lax.fori_loop(0, walked, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
-            if with_dq:  # the last step's dQ is sent; at head_dim 128 the partner's still reads my keys
+            if with_dq:  # the last step's dQ is sent; unless split by keys the partner still reads my keys
                 if not split_keys:
                     plgpu.barrier_arrive(keys_read.at[0])
                     plgpu.barrier_wait(keys_read.at[0])
-                plgpu.barrier_wait(dq_empty.at[0])
+                if by_steps:  # my last part (every tile has two steps or more: one each at least)
+                    plgpu.barrier_wait(dq_empty.at[wg])
+                else:
+                    plgpu.barrier_wait(dq_empty.at[0])
             my_k[...] = (dk * scale).astype(dtype)
             my_v[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -1136,9 +1184,18 @@ def _dkdv(
         _per_warpgroup(wg, _compute)
 
         def send_dq(j):
-            """(memory warpgroup) Both compute warpgroups' dQ columns of step j into dQ."""
-            plgpu.barrier_wait(dq_full.at[0])
+            """(memory warpgroup) Both compute warpgroups' dQ columns of step j into dQ
+            (by_steps: the part of the warpgroup whose step it was)."""
             q_head, rows = queries.head_rows(head, first, per_head, j)
+            if by_steps:
+                w = lax.rem(j, 2)
+                plgpu.barrier_wait(dq_full.at[w])
+                dst = dq_ref.at[tile, bi, rows, q_head] if dq_parts else dq_ref.at[bi, rows, q_head]
+                plgpu.copy_smem_to_gmem(dq_smem.at[w], dst, reduction_op=None if dq_parts else "add")
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(dq_empty.at[w])
+                return
+            plgpu.barrier_wait(dq_full.at[0])
             for w in range(COMPUTE_WGS):
                 cols = pl.ds(0 if split_keys else w * half, half)
                 if dq_parts:
@@ -1201,15 +1258,17 @@ def backward(
     q_seg: Array | None = None,
     kv_seg: Array | None = None,
     gqa: str = "expand",
+    dq_split: str | None = None,
     interpret: bool = False,
 ):
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s].
 
     fused_dq: True (or None, the default): one pass that adds dQ into a float32 buffer as it
     computes dK and dV (5 matmuls a block; at head_dim 128 each compute warpgroup takes 64 of
-    dQ's columns, one swizzled tile wide, at 64 all of them over its own keys); False: a
-    second pass for dQ that recomputes P (7). stages: the query ring's depth (None:
-    default_stages). tile_group, q_seg, kv_seg: see forward.
+    dQ's columns, one swizzled tile wide, at 64 all of them over its own keys, or over the
+    tile's keys at every other step: dq_split, DQ_SPLITS); False: a second pass for dQ that
+    recomputes P (7). stages: the query ring's depth (None: default_stages). tile_group,
+    q_seg, kv_seg: see forward.
 
     gqa, with fewer key/value heads than query heads (GQA_SPLITS): "expand" (the default) runs
     the dK/dV pass as if every query head had its own keys and values (a CTA a query head's
@@ -1223,6 +1282,7 @@ def backward(
     fused_dq = True if fused_dq is None else fused_dq
     check_tile_group(tile_group)
     check_gqa(gqa)
+    check_dq_split(dq_split, q.shape[-1])
     _check_segments(q, k, q_seg, kv_seg)
     group = q.shape[2] // k.shape[2]
     expand = gqa == "expand" and group > 1
@@ -1247,7 +1307,7 @@ def backward(
         dk, dv = summed(*_dkdv(q, k, v, d_out, lse2, delta, expand=expand, **kw))
         return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
     if interpret:
-        dk, dv, parts = _dkdv(q, k, v, d_out, lse2, delta, dq_parts=True, expand=expand, **kw)
+        dk, dv, parts = _dkdv(q, k, v, d_out, lse2, delta, dq_parts=True, expand=expand, dq_split=dq_split, **kw)
         if causal:  # part p holds keys of tile t = p // per_tile: it wrote the query rows from 128 t on
             per_tile = parts.shape[0] // (k.shape[1] // TILE)
             rows = TILE * (jnp.arange(parts.shape[0]) // per_tile)
@@ -1256,6 +1316,6 @@ def backward(
         dq = parts.sum(0)
     else:
         acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-        dk, dv = _dkdv(q, k, v, d_out, lse2, delta, dq_acc=acc, expand=expand, **kw)
+        dk, dv = _dkdv(q, k, v, d_out, lse2, delta, dq_acc=acc, expand=expand, dq_split=dq_split, **kw)
         dq = acc[...]
     return (dq * scale).astype(q.dtype), *summed(dk, dv)
