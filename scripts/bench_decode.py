@@ -57,9 +57,11 @@ def inputs(batch, length, heads, kv_heads, head_dim=128, seed=0):
     return q, k, v
 
 
-def implementations(kernel_options: dict, lean_waves=(0,)) -> dict:
+def implementations(kernel_options: dict, lean_waves=(0,), splits=(0,)) -> dict:
     """name -> fn(q, k, v, positions, lengths); lean_waves: one "bpt pallas lean" per value
-    (programs a SM; 0 the kernel's default), named by it when there are several."""
+    (programs a SM; 0 the kernel's default), named by it when there are several; splits: one
+    "bpt pallas" per programs-per-K/V-head value (0: the kernel's default), "bpt pallas sN"
+    for N > 0 when there are several."""
     from bpt.ops import decode_attention
 
     def bpt(impl, **options):
@@ -70,7 +72,12 @@ def implementations(kernel_options: dict, lean_waves=(0,)) -> dict:
         )
 
     fns = {
-        "bpt pallas": bpt("pallas", **kernel_options),
+        **{
+            "bpt pallas" + (f" s{n}" if n and len(splits) > 1 else ""): bpt(
+                "pallas", **kernel_options, **({"num_splits": n} if n else {})
+            )
+            for n in splits
+        },
         # Lean Attention's ranges across heads and sequences (its own program count)
         **{
             "bpt pallas lean" + (f" x{w}" if len(lean_waves) > 1 else ""): bpt(
@@ -104,7 +111,7 @@ def kernels_part(args) -> list[dict]:
                 lengths = jnp.full((batch,), length, jnp.int32)
                 nbytes = cache_bytes(batch, length, kv_heads, 128)
                 row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes, "times": {}}
-                fns = implementations(args.kernel_options, args.lean_waves)
+                fns = implementations(args.kernel_options, args.lean_waves, args.num_splits)
                 for round_ in range(args.rounds):  # interleaved, so drift on the machine hits all alike
                     for impl, fn in list(fns.items()):
                         try:
@@ -372,7 +379,9 @@ def main() -> None:
     parser.add_argument("--heads", default="16/16,32/8", help=f"heads/KV heads: {', '.join(HEADS)}")
     parser.add_argument("--ragged_batch", type=int, default=8, help="ragged part: sequences (up to 8)")
     parser.add_argument(
-        "--num_splits", type=int, default=0, help="bpt pallas: programs per KV head (0: auto)"
+        "--num_splits",
+        default="0",
+        help="bpt pallas: programs per KV head (0: auto), comma-separated for a sweep (one column each)",
     )
     parser.add_argument(
         "--block_k", type=int, default=0, help="bpt pallas: key block (0: the kernel's default)"
@@ -407,7 +416,8 @@ def main() -> None:
     args.batches = [int(x) for x in args.batches.split(",")]
     args.sample_contexts = [int(x) for x in args.sample_contexts.split(",")]
     args.lean_waves = [int(x) for x in args.lean_waves.split(",")]
-    options = ("num_splits", "block_k", "num_warps", "num_stages")
+    args.num_splits = [int(x) for x in args.num_splits.split(",")]
+    options = ("block_k", "num_warps", "num_stages")
     args.kernel_options = {k: getattr(args, k) for k in options if getattr(args, k)}
     if not 1 <= args.ragged_batch <= len(RAGGED_LENGTHS):
         parser.error(f"--ragged_batch must be 1 to {len(RAGGED_LENGTHS)}; got {args.ragged_batch}")

@@ -135,6 +135,24 @@ def test_kernel_schedules_on_a_ragged_batch(key, schedule, splits, waves):
     np.testing.assert_allclose(part.lse, reference.lse, rtol=1e-5, atol=1e-5)  # lse near 0: absolute
 
 
+def test_default_tiles_leave_each_program_enough_blocks(key):
+    """Programs per K/V head by default: WAVES a SM over the K/V heads, but none with fewer
+    than MIN_TILE_BLOCKS of the cache's blocks (batch 1 at 128K with 8 K/V heads on 132 SMs:
+    64 of 32 blocks, not 132 of 16); the kernel at its default count is exact."""
+    from bpt.ops.kernels.decode import MIN_TILE_BLOCKS, WAVES, default_tiles
+
+    assert (WAVES, MIN_TILE_BLOCKS) == (8, 32)
+    assert default_tiles(1, 2048, 8, 132) == 64  # 128K slots in blocks of 64
+    assert default_tiles(8, 2048, 8, 132) == 132  # batch 8: WAVES' count
+    assert default_tiles(1, 8192, 16, 132) == 66  # 512K, 16 K/V heads
+    assert default_tiles(1, 16, 8, 132) == 1  # a short cache: one program a head
+    q, k, v = caches(key, 2, 4, 2, 1)
+    lengths = jnp.array([17, 100])
+    last = last_visible_slot(jnp.array([120]), 2, lengths)
+    expected = decode(q, k, v, jnp.array([120]), lengths=lengths, impl="reference")
+    assert rel_err(kernel(q, k, v, last, block_k=16).out, expected) < 1e-5  # 2 x 8 blocks: one tile
+
+
 def test_stream_k_tiles_are_equal_and_cover_each_sequence_once():
     visible = jnp.array([0, 3, 40, 5])
     table = np.asarray(_tile_table(visible, tiles=8, schedule="stream_k", max_blocks=64))

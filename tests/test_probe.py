@@ -214,7 +214,8 @@ def test_memory_script_end_to_end(tmp_path):
 
 
 def test_decode_script_end_to_end(tmp_path):
-    """Every implementation the CPU has, one shape and a one-sequence ragged batch; the table, JSON, PNG."""
+    """Every implementation the CPU has (bpt's kernel at its default and at 2 programs a K/V
+    head, one column each), one shape and a one-sequence ragged batch; the table, JSON, PNG."""
     proc = run_script(
         "bench_decode.py",
         "--contexts=256",
@@ -222,6 +223,7 @@ def test_decode_script_end_to_end(tmp_path):
         "--heads=32/8",
         "--ragged_batch=1",
         "--repeats=1",
+        "--num_splits=0,2",
         "--parts=kernels,ragged,sample",
         f"--sample_config={TINY}",
         "--sample_contexts=256",
@@ -235,7 +237,9 @@ def test_decode_script_end_to_end(tmp_path):
     assert "error" not in sample and sample["prompt"] == 252 and sample["tokens_per_s"] > 0
     assert "| 256 | 252 |" in proc.stdout
     (row,) = results["kernels"]
-    assert set(row["times"]) == {"bpt pallas", "bpt pallas lean", "bpt split_kv", "XLA"} and not row.get("errors")
+    impls = {"bpt pallas", "bpt pallas s2", "bpt pallas lean", "bpt split_kv", "XLA"}
+    assert set(row["times"]) == impls and not row.get("errors")
+    assert "| bpt pallas | bpt pallas s2 |" in proc.stdout
     assert {"pallas stream_k", "pallas split", "pallas lean"} <= set(results["ragged"][0]["times"])
     assert row["bytes"] == 2 * 256 * 8 * 128 * 2
     assert "| 256 | 1 | 32/8 |" in proc.stdout and "stream-K / split" in proc.stdout

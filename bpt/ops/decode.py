@@ -311,7 +311,7 @@ def decode_attention(
       k_scale, v_scale: an int8 cache (quantize_kv): the caches hold int8 values and these
         [(layers,) batch, max_len, kv_heads] float32 their per-token, per-head scales.
       kernel_options: the pallas kernel's settings (decode_partial): num_splits (programs
-        per K/V head; default from the device's SM count), block_k, schedule, lean_waves
+        per K/V head; default from the device's SM count and the cache's length: default_tiles), block_k, schedule, lean_waves
         (programs a SM of the "lean" schedule), num_warps, num_stages.
     Returns:
       [batch, q_len, heads, head_dim] in q's dtype; zeros for a query that sees no slot.

@@ -21,8 +21,8 @@ reading the cache and the kernel's job is to keep every SM reading it:
   program writes one partial for each (sequence, head) piece of its range, so a batch of
   one with few K/V heads still gets one long, equal range a SM (LEAN_WAVES programs a SM)
   instead of many short tiles.
-- Programs per K/V head come from the GPU's SM count (WAVES programs a SM) unless num_splits
-  is given.
+- Programs per K/V head come from the GPU's SM count (WAVES programs a SM), but no more than
+  leave each MIN_TILE_BLOCKS of the cache's blocks, unless num_splits is given.
 - A model's whole cache can come as a stack [layers, batch, max_len, kv_heads, head_dim] with
   a layer index (a scalar operand): the layer's slots are read in place, never sliced out.
 - An int8 cache comes with its scales (one per slot and K/V head): the kernel reads int8 and
@@ -52,6 +52,12 @@ MIN_BLOCK_K = 16  # the smallest block of cache slots (the default halves toward
 # Programs a SM (over all K/V heads) when num_splits is not given; with block_k 64 and
 # num_stages=4 the best of 4, 6 and 8 on one H100 at 128K-1M slots (docs/notes/decoding.md).
 WAVES = 8
+# The fewest cache blocks a stream_k/split program gets by default (programs per K/V head at
+# most batch x the cache's blocks a sequence / this). At batch 1 on an H200, in one run
+# against WAVES' count: 32K slots 9% (16/16 heads) and 14% (32/8) faster, 128K with 32/8
+# 13% (64 tiles a head of 32 blocks, not 132 of 16); from 128K with 16/16 and 512K with 32/8
+# on, and at batch 8 from 32K, the cap does not bind (docs/notes/decoding.md).
+MIN_TILE_BLOCKS = 32
 # Programs a SM for the "lean" schedule (its ranges are equal and long: one wave; not yet
 # tuned on a GPU).
 LEAN_WAVES = 1
@@ -61,6 +67,12 @@ def num_sms(device=None) -> int:
     """The device's streaming multiprocessors (8 where it does not say, as on a CPU)."""
     device = device or jax.devices()[0]
     return int(getattr(device, "core_count", 0) or 8)
+
+
+def default_tiles(batch: int, blocks: int, kv_heads: int, sms: int) -> int:
+    """Programs per K/V head when num_splits is not given: WAVES a SM over the K/V heads, at
+    most one a MIN_TILE_BLOCKS of the batch's cache blocks (blocks: a sequence's)."""
+    return max(1, min(-(-WAVES * sms // kv_heads), batch * blocks // MIN_TILE_BLOCKS))
 
 
 def _tile_table(visible_blocks: Array, tiles: int, schedule: str, max_blocks: int, full_blocks=None) -> Array:
@@ -289,7 +301,7 @@ def decode_partial(
         pieces, spans = _lean_table(visible_blocks, full_blocks, hk, programs)
         out, lse, ids, tables = _lean_call(call, kernel_args, operands, pieces, spans, hk)
     else:
-        tiles = num_splits or max(1, -(-WAVES * num_sms() // hk))
+        tiles = num_splits or default_tiles(b, max_len // block_k, hk, num_sms())
         table = _tile_table(visible_blocks, tiles, schedule, max_len // block_k, full_blocks)
         out, lse, ids, tables = _tile_call(call, kernel_args, operands, table, hk)
     # The operands this program computes (the tile or piece tables, the queries' and the slots'
