@@ -998,8 +998,7 @@ def _dkdv(
     segments = q_seg is not None
     queries = _QueryStream(grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments)
     with_dq = dq_acc is not None or dq_parts
-    dq_split = DQ_SPLIT.get(d, "columns") if dq_split is None else dq_split
-    check_dq_split(dq_split, d)
+    dq_split = DQ_SPLIT.get(d, "columns") if dq_split is None else dq_split  # backward checked it
     split_keys = dq_split == "keys"  # each warpgroup's dQ part: all columns over its own keys
     by_steps = dq_split == "steps"  # one warpgroup a step: all columns over the tile's keys
     half = d // COMPUTE_WGS if dq_split == "columns" else d  # dQ's columns in a part
