@@ -152,8 +152,12 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
         chunks_run.setdefault((r["mode"], r["seq_len"]), set()).add(r.get("chunk"))
     grid_modes = {mode for (mode, _), chunks in chunks_run.items() if len(chunks) > 1}
     grid = bool(grid_modes)
-    # model.remat_layer=auto may choose per length: then each cell names its policy.
-    remats = {r.get("remat_layer") for r in results if r["ok"]}
+    # model.remat_layer=auto may choose per length: then each cell names its policy (and,
+    # where model.auto_unroll unrolled some lengths' stacks, which).
+    def remat(r: dict) -> str:
+        return f"{r.get('remat_layer')}{', unrolled' if r.get('unrolled') else ''}"
+
+    remats = {remat(r) for r in results if r["ok"]}
 
     def cell(mode, n, fmt):
         r = by.get((mode, n))
@@ -162,7 +166,7 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
         if not r["ok"]:
             return "OOM" if r.get("out_of_memory") else "failed"
         text = fmt(r) + (f", chunks {r['chunk']}" if grid and mode in grid_modes else "")
-        return text + (f", {r.get('remat_layer')}" if len(remats) > 1 else "")
+        return text + (f", {remat(r)}" if len(remats) > 1 else "")
 
     # BPT's ratio to each other mode run, as bench_max_context prints them
     others = [m for m in modes if m != "blockwise_parallel"] if "blockwise_parallel" in modes else []

@@ -27,6 +27,7 @@ import jax
 from ml_collections import ConfigDict
 
 from bpt.config import load_config_file, override
+from bpt.models.lm import stack_unrolled
 from bpt.train.metrics import peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.probe import TrainingStep, is_out_of_memory
 
@@ -257,6 +258,7 @@ def measure(config: ConfigDict, *, steps: int = 1, warmup: int = 0, devices=None
     try:
         step = TrainingStep(config, devices=devices)
         result["remat_layer"] = step.config.model.remat_layer  # auto's choice, where asked
+        result["unrolled"] = stack_unrolled(step.config.model)  # and model.auto_unroll's
         result["compiled_gib"] = step.memory().peak / 2**30
         measured = run_steps(step, steps=steps, warmup=warmup)
     except Exception as e:  # reported, not raised: a sweep goes on past an out-of-memory

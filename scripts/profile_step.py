@@ -359,6 +359,7 @@ def main() -> None:
     result = dict(
         run_meta(config=args.config, seq_len=args.seq_len, batch=args.batch, overrides=args.set),
         remat_layer=step.config.model.remat_layer,
+        scan_unroll=step.config.model.scan_unroll,
         step_seconds_profiled=seconds,
         trace_dir=trace_dir,
         **summary,
@@ -371,7 +372,7 @@ def main() -> None:
             f.write(hlo)
     total = summary["kernel_ms_per_step"]
     print(
-        f"\n{args.config} at {args.seq_len} x {args.batch} {' '.join(args.set)} (remat_layer {result['remat_layer']})"
+        f"\n{args.config} at {args.seq_len} x {args.batch} {' '.join(args.set)} (remat_layer {result['remat_layer']}, scan_unroll {result['scan_unroll']})"
     )
     print(f"step {seconds * 1e3:.1f} ms (profiled), kernels {total:.1f} ms a step")
     for i, t in enumerate(summary["timeline_by_device"]):

@@ -453,6 +453,55 @@ def test_remat_auto_tries_no_remat_first_for_an_unrolled_stack():
     assert paper_config("1b").model.scan_unroll == 1
 
 
+def test_remat_auto_unrolls_the_stack_where_its_first_policy_fits_unrolled(capsys, monkeypatch):
+    """model.auto_unroll: where auto's first policy fits, its step with the stack unrolled is
+    compiled too and taken if it fits; where it does not (or a later policy was needed, or
+    the stack's settings run loops of their own) the loop stays. GPT-1B's preset asks."""
+    c = base_config("tiny")
+    c.model.remat_layer, c.model.auto_unroll = "auto", True
+    layers = c.model.num_layers
+    needs = {
+        ("attention_and_dots_saveable", 1): 30,
+        ("attention_and_dots_saveable", layers): 35,
+        ("attention_saveable", 1): 20,
+        ("attention_saveable", layers): 25,
+        ("nothing_saveable", 1): 10,
+    }
+    asked = []
+
+    def need(config):
+        asked.append((config.model.remat_layer, config.model.scan_unroll))
+        return needs[asked[-1]]
+
+    for budget, expected in ((35, ("attention_and_dots_saveable", layers)), (34, ("attention_and_dots_saveable", 1)),
+                             (29, ("attention_saveable", 1)), (5, ("nothing_saveable", 1))):  # fmt: skip
+        asked.clear()
+        chosen = resolve_remat(c, budget=budget, need=need)
+        assert (chosen.model.remat_layer, chosen.model.scan_unroll) == expected, budget
+        # the unrolled step is compiled only after the loop's first policy fitted
+        assert (("attention_and_dots_saveable", layers) in asked) == (budget >= 30), budget
+    out = capsys.readouterr().out
+    assert "model.remat_layer=auto: attention_and_dots_saveable (the layer stack unrolled; step memory: " in out
+    assert "attention_and_dots_saveable 0.0 GiB, unrolled 0.0 GiB" in out
+    assert c.model.scan_unroll == 1  # the caller's config is left as it was
+    for name, value in (("auto_unroll", False), ("remat_group", 2), ("offload_layer_inputs", True)):
+        other = copy.deepcopy(c)
+        other.model[name] = value
+        assert not probe.may_unroll(other.model), name
+        asked.clear()
+        assert resolve_remat(other, budget=35, need=need, say=lambda _: None).model.scan_unroll == 1
+        assert asked == [("attention_and_dots_saveable", 1)]
+    assert probe.may_unroll(c.model) and paper_config("1b").model.auto_unroll
+    assert not paper_config("7b").model.auto_unroll and not paper_config("125m").model.auto_unroll
+    # A real step: the unrolled executable auto compiled is the one the step keeps.
+    small = tiny("blockwise_parallel", 256)
+    small.model.remat_layer, small.model.auto_unroll = "auto", True
+    monkeypatch.setattr(probe, "memory_budget", lambda: 1 << 40)
+    step = TrainingStep(small, vocab_size=256)
+    assert (step.config.model.remat_layer, step.config.model.scan_unroll) == (AUTO_REMAT[0], small.model.num_layers)
+    assert step.model.config.scan_unroll == small.model.num_layers and step._compiled is not None
+
+
 def test_profile_splits_collective_time_into_transfers_and_waits():
     """profile_step.collective_waits: the n-th call of each collective is matched across
     devices; its shortest duration is the transfer, the rest each device's wait."""

@@ -240,6 +240,12 @@ def test_check_gpus_reads_how_long_a_run_compiled():
     assert check.compile_facts("step 1: loss=3.0") == {}
     cpu = "model.remat_layer=auto: nothing_saveable (the device reports no memory limit)"
     assert check.compile_facts(cpu) == {"remat_layer": "nothing_saveable"}
+    unrolled = (
+        "model.remat_layer=auto: attention_and_dots_saveable (the layer stack unrolled; step memory: "
+        "attention_and_dots_saveable 45.2 GiB, unrolled 47.5 GiB; the device has 132.8 GiB; chosen in 120 s)"
+    )
+    assert check.compile_facts(unrolled)["remat_layer"] == "attention_and_dots_saveable unrolled"
+    assert check.compile_facts(unrolled)["choice_s"] == 120
     assert "| 215 (212 + 3) (step cached) |" in check.table([dict(cached, name="r", status="pass")])
     row = {"name": "r", "status": "pass", "compile_s": 215, "step_from_cache": True}  # an older results.json
     assert "| 215 (step cached) |" in check.table([row])

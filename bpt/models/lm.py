@@ -80,6 +80,12 @@ class LMConfig:
     # loop of one iteration lets the residuals the backward keeps go without the loop's
     # per-layer copies into stacks (docs/notes/flash.md).
     scan_unroll: int = 1
+    # With remat_layer="auto" and a looped stack (scan_unroll 1): also compile the step with
+    # the whole stack in one iteration under auto's first choice, and take it where it fits.
+    # Unrolled, that step ran 2-5% faster at GPT-1B and 8K-64K on an H200 and needed 5-12%
+    # more memory; at 128K and beyond it needs 1.6-2.1x (docs/notes/step_speed.md), so the
+    # loop stays where auto keeps less. The model itself does not read it.
+    auto_unroll: bool = False
     remat_layer: str = "nothing_saveable"
     # Nested rematerialization of the layer stack: with G > 1 layers a group, the backward
     # keeps only every G-th layer's input (L / G of them) and recomputes a group's G inputs

@@ -97,10 +97,14 @@ def resolve_remat(
     device's). need(config)
     is a step's bytes (default: its compiled peak, from shapes: nothing is allocated). Where
     the device reports no limit (a CPU) auto is nothing_saveable; where none fits, the last
-    (and bpt-train's preflight says what would make it fit). Each policy tried is compiled
-    once: a TrainingStep keeps the chosen one's executable, bpt-train compiles its own step
-    after choosing (up to three extra compilations, once per run). Each candidate is
-    announced before it compiles (minutes at long contexts), then one line says the choice."""
+    (and bpt-train's preflight says what would make it fit). Where the first policy fits and
+    may_unroll(config.model), its step with the layer stack unrolled (scan_unroll =
+    num_layers) is compiled too and taken if it fits as well; at longer contexts, where the
+    loop's first policy does not fit, the unrolled one would not either and is not tried.
+    Each candidate is compiled once: a TrainingStep keeps the chosen one's executable,
+    bpt-train compiles its own step after choosing (up to three extra compilations, once per
+    run). Each candidate is announced before it compiles (minutes at long contexts), then
+    one line says the choice."""
     if config.model.remat_layer != "auto":
         return config
     if config.model.get("family", "gpt") == "agentic":
@@ -116,17 +120,39 @@ def resolve_remat(
         return chosen
     if need is None:
         need = lambda c: TrainingStep(c, vocab_size=vocab_size, devices=devices).memory().peak  # noqa: E731
-    needs, started = [], time.perf_counter()
+    needs, started, fits = [], time.perf_counter(), False
     for policy in auto_policies(config.model):
         chosen.model.remat_layer = policy
         say(f"remat auto: compiling the step with {policy} to measure its memory ...")
         bytes_ = need(chosen)
         needs.append(f"{policy} {bytes_ / 2**30:.1f} GiB")
-        if bytes_ <= budget:
+        if fits := bytes_ <= budget:
             break
-    say(f"model.remat_layer=auto: {chosen.model.remat_layer} (step memory: {', '.join(needs)}; "
+    unrolled = ""
+    if fits and chosen.model.remat_layer == AUTO_REMAT[0] and may_unroll(config.model):
+        trial = copy.deepcopy(chosen)
+        trial.model.scan_unroll = trial.model.num_layers
+        say(f"remat auto: compiling the step with {AUTO_REMAT[0]} and the layer stack unrolled (model.auto_unroll) ...")
+        bytes_ = need(trial)
+        needs.append(f"unrolled {bytes_ / 2**30:.1f} GiB")
+        if bytes_ <= budget:
+            chosen, unrolled = trial, "the layer stack unrolled; "
+    say(f"model.remat_layer=auto: {chosen.model.remat_layer} ({unrolled}step memory: {', '.join(needs)}; "
         f"the device has {budget / 2**30:.1f} GiB; chosen in {time.perf_counter() - started:.0f} s)")  # fmt: skip
     return chosen
+
+
+def may_unroll(model: ConfigDict) -> bool:
+    """Whether remat auto also tries this model's step with the layer stack unrolled: asked
+    for (model.auto_unroll), and a loop over layers that one iteration could hold (scanned,
+    not unrolled already, no nested remat, no offloaded layer inputs)."""
+    return (
+        model.get("auto_unroll", False)
+        and model.get("scan_layers", True)
+        and not stack_unrolled(model)
+        and model.get("remat_group", 1) == 1
+        and not model.get("offload_layer_inputs", False)
+    )
 
 
 def step_model_config(config: ConfigDict, *, vocab_size: int = GPT2_VOCAB):
@@ -151,14 +177,15 @@ class TrainingStep:
             # Each policy tried is a TrainingStep of its own; the chosen one's compiled step
             # is kept, so auto costs only the compilations of the policies that did not fit.
             tried = {}
+            key = lambda c: (c.model.remat_layer, c.model.scan_unroll)  # noqa: E731
 
             def need(c: ConfigDict) -> int:
-                tried[c.model.remat_layer] = step = TrainingStep(c, vocab_size=vocab_size, devices=devices)
+                tried[key(c)] = step = TrainingStep(c, vocab_size=vocab_size, devices=devices)
                 return step.memory().peak
 
             config = resolve_remat(config, vocab_size=vocab_size, devices=devices, need=need)
-            if config.model.remat_layer in tried:
-                self.__dict__.update(tried[config.model.remat_layer].__dict__)
+            if key(config) in tried:
+                self.__dict__.update(tried[key(config)].__dict__)
                 return
         self.config = config
         self.parallel = make_parallelism(config, devices)
