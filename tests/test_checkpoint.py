@@ -453,6 +453,24 @@ def test_a_run_stopped_between_two_rows_logs_the_uninterrupted_rows_after_resumi
         assert d["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
+def test_asyncio_reports_of_a_failed_reads_tasks_are_dropped_and_others_kept():
+    """On a loaded machine asyncio, not Python's unraisable hook, may report a failed read's
+    task ("Task exception was never retrieved", through the logging module): dropped as well;
+    asyncio's other reports still reach the log."""
+    import logging
+
+    from bpt.train.checkpoint import _QuietLeftoverTasks
+
+    def record(message, exc=None):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, (type(exc), exc, None) if exc else None)
+
+    left = "Task exception was never retrieved\nfuture: <Task finished coro=<_read_array_index_and_device_put() done>>"
+    quiet = _QuietLeftoverTasks()
+    assert not quiet.filter(record(left))
+    assert not quiet.filter(record("Task exception was never retrieved", ValueError("TensorStore({...})")))
+    assert quiet.filter(record("Task exception was never retrieved", ValueError("something else")))
+
+
 def test_a_damaged_checkpoint_is_one_line_in_the_commands_output(run8):
     """Orbax's background reads of a damaged checkpoint leave an exception in each of their
     coroutines (hundreds of "Exception ignored in" lines); bpt-eval says one line about it."""

@@ -493,6 +493,7 @@ def test_remat_auto_unrolls_the_stack_where_its_first_policy_fits_unrolled(capsy
         assert asked == [("attention_and_dots_saveable", 1)]
     assert probe.may_unroll(c.model) and paper_config("1b").model.auto_unroll
     assert not paper_config("7b").model.auto_unroll and not paper_config("125m").model.auto_unroll
+    assert not flash_config("1b").model.auto_unroll
     # A real step: the unrolled executable auto compiled is the one the step keeps.
     small = tiny("blockwise_parallel", 256)
     small.model.remat_layer, small.model.auto_unroll = "auto", True

@@ -151,6 +151,7 @@ def flash_config(size: str, d_model: int = 0, recipe: str = "paper") -> ConfigDi
         c.model.scan_unroll = c.model.num_layers
     else:
         c.model.remat_layer = "nothing_saveable"
+    c.model.auto_unroll = False  # measured for the GPT only
     return c
 
 

@@ -20,6 +20,7 @@ Restoring tells three failures apart:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -180,14 +181,26 @@ def _quiet_leftovers(unraisable) -> None:
     _quiet_leftovers.previous(unraisable)
 
 
+class _QuietLeftoverTasks(logging.Filter):
+    """The same leftovers when asyncio reports them instead ("Task exception was never
+    retrieved", logged with the task and its traceback: seen on a loaded machine, where a
+    read's task is collected before its loop closes)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = f"{record.getMessage()} {record.exc_info[1] if record.exc_info else ''!r}"
+        return not any(marker in text for marker in _LEFTOVER_MARKERS)
+
+
 def quiet_failed_reads() -> None:
     """Drops, for this process, the exceptions a failed checkpoint read leaves in Orbax's
-    coroutines (Python prints each as "Exception ignored in ..."); every other one is
-    printed as before, and BPT_DEBUG=1 (--debug) keeps them all."""
+    coroutines (Python prints each as "Exception ignored in ...", or asyncio's logger as a
+    task's exception never retrieved); every other one is printed as before, and
+    BPT_DEBUG=1 (--debug) keeps them all."""
     if os.environ.get("BPT_DEBUG", "") not in ("", "0") or sys.unraisablehook is _quiet_leftovers:
         return
     _quiet_leftovers.previous = sys.unraisablehook
     sys.unraisablehook = _quiet_leftovers
+    logging.getLogger("asyncio").addFilter(_QuietLeftoverTasks())
 
 
 class ModelMismatch(ValueError):

@@ -305,6 +305,18 @@ MESHES = [
 ]
 
 
+def test_an_unrolled_stack_on_a_mesh_logs_the_one_device_losses(one_device_losses):
+    """The layer stack in one iteration of its loop (what remat auto takes for GPT-1B where it
+    fits, model.auto_unroll) keeping attention and the matmuls, over fsdp x the ring: the
+    looped stack's losses on one device, and the parameters stay stacked and sharded."""
+    c = tiny_config(fsdp=2, sequence=4)
+    c.model.scan_unroll, c.model.remat_layer = c.model.num_layers, "attention_and_dots_saveable"
+    found, state, model = losses(c)
+    assert model.config.scan_unroll == c.model.num_layers
+    np.testing.assert_allclose(found, one_device_losses["blockwise_parallel"], rtol=1e-4)
+    assert tuple(state.params["layers"]["w1"].sharding.spec) == (None, ("fsdp", "sequence"), None)
+
+
 def test_tensor_parallelism_splits_an_odd_vocabulary_padded():
     """The byte tokenizer's 257 tokens, padded to model.vocab_multiple (128: 384 rows), split
     over mesh.tensor=2 with the losses of one device; without the padding, a clear error."""
