@@ -79,8 +79,13 @@ def auto_policies(model: ConfigDict) -> tuple[str, ...]:
     (FLASH-125M at 8K on an H100: 251,796 tokens/s in 68.1 GiB against 306,794 in 6.7);
     unrolled it was the fastest (380,789 in 37.2 GiB; the GPT 271,791 in 15.0 GiB against
     257K keeping attention and the matmuls: docs/notes/flash.md)."""
-    stack_allows = model.get("remat_group", 1) == 1 and not model.get("offload_layer_inputs", False)
-    return (("none",) if stack_unrolled(model) and stack_allows else ()) + AUTO_REMAT
+    return (("none",) if stack_unrolled(model) and _one_loop(model) else ()) + AUTO_REMAT
+
+
+def _one_loop(model: ConfigDict) -> bool:
+    """Whether the layer stack runs as one loop that unrolling covers: no nested remat (its
+    own loops) and no offloaded layer inputs."""
+    return model.get("remat_group", 1) == 1 and not model.get("offload_layer_inputs", False)
 
 
 def resolve_remat(
@@ -146,13 +151,7 @@ def may_unroll(model: ConfigDict) -> bool:
     """Whether remat auto also tries this model's step with the layer stack unrolled: asked
     for (model.auto_unroll), and a loop over layers that one iteration could hold (scanned,
     not unrolled already, no nested remat, no offloaded layer inputs)."""
-    return (
-        model.get("auto_unroll", False)
-        and model.get("scan_layers", True)
-        and not stack_unrolled(model)
-        and model.get("remat_group", 1) == 1
-        and not model.get("offload_layer_inputs", False)
-    )
+    return model.get("auto_unroll", False) and model.get("scan_layers", True) and not stack_unrolled(model) and _one_loop(model)
 
 
 def step_model_config(config: ConfigDict, *, vocab_size: int = GPT2_VOCAB):
