@@ -644,7 +644,7 @@ def test_only_training_chooses_the_remat(monkeypatch):
     from bpt.train import loop
 
     chosen = []
-    monkeypatch.setattr(loop, "resolve_remat", lambda c, **kw: chosen.append(c.model.remat_layer) or c)
+    monkeypatch.setattr(loop, "choose_remat", lambda c, **kw: (chosen.append(c.model.remat_layer) or c, None))
     c = tiny("blockwise_parallel", 128)
     c.model.remat_layer = "auto"
     c.data.name = "copy"

@@ -102,6 +102,42 @@ def test_the_compile_cache_serves_the_probed_step_and_a_restarted_run(tmp_path, 
         assert "train step loaded from the compile cache" in capsys.readouterr().out, run
 
 
+def test_the_loop_runs_the_step_remat_auto_compiled_also_after_resuming(tmp_path, capsys, monkeypatch):
+    """bpt-train runs the step remat auto compiled for its choice, neither compiled again nor
+    loaded from the compile cache (which misses when bpt's Mosaic GPU kernels are lowered
+    again), also after resuming from a checkpoint (a restored state has the fresh one's types
+    and layout); and it trains as the named policy's own step does, to the last bit."""
+    import bpt.train.probe as probe
+
+    monkeypatch.setattr(probe, "memory_budget", lambda memory_gib=0.0: 1 << 40)  # the first policy fits
+    c = copy_config(steps=2)
+    c.train.log_every, c.train.eval_batches, c.train.checkpoint_every = 1, 0, 2
+    c.train.compile_cache = ""  # off: only the reuse can spare the compilation
+    c.model.remat_layer = "auto"
+    reused = "train step: the one remat auto compiled (not compiled again)"
+    capsys.readouterr()
+    train(c, tmp_path / "auto")
+    out = capsys.readouterr().out
+    assert "model.remat_layer=auto: attention_and_dots_saveable" in out
+    assert reused in out
+    c.train.steps = 3
+    train(c, tmp_path / "auto")
+    out = capsys.readouterr().out
+    assert "resuming from the checkpoint at step 2" in out
+    assert reused in out
+    c.model.remat_layer = "attention_and_dots_saveable"
+    for steps in (2, 3):  # stopped and resumed alike (train.steps sets the schedule's length)
+        c.train.steps = steps
+        train(c, tmp_path / "named")
+    assert reused not in capsys.readouterr().out
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses("auto")) == 3
+    assert losses("auto") == losses("named")
+
+
 def test_compile_cache_setting(tmp_path, monkeypatch):
     from bpt.train.compile_cache import cache_dir
 

@@ -1,10 +1,10 @@
 """XLA's compiled programs kept on disk between runs (train.compile_cache).
 
 A long context's training step takes minutes to compile; with the cache a restarted or
-resumed run loads it instead, and model.remat_layer=auto's chosen policy, compiled once to
-measure its memory, is not compiled again for the loop (the two are the same program).
-This is jax's persistent compilation cache; only compilations of a second or more are
-kept (jax's jax_persistent_cache_min_compile_time_secs). Nothing is evicted (jax's size
+resumed run loads it instead, model.remat_layer=auto's candidates included. (Within a run,
+auto's chosen step is the loop's own: bpt-train runs it without compiling it again, cache
+or not; bpt.train.loop.) This is jax's persistent compilation cache; only compilations of a
+second or more are kept (jax's jax_persistent_cache_min_compile_time_secs). Nothing is evicted (jax's size
 bound needs every writer of the folder to keep access times, which a folder shared with
 other jax programs does not): the folder can be deleted at any time.
 """
@@ -20,7 +20,7 @@ from bpt.data.text import cache_root
 
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _UNSET = object()
-_state = {"dir": _UNSET, "hits": 0}
+_state = {"dir": _UNSET, "hits": 0, "compiles": 0}
 
 
 def cache_dir(setting: str) -> Path | None:
@@ -39,12 +39,22 @@ def cache_dir(setting: str) -> Path | None:
     return Path(setting).expanduser()
 
 
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+
 def _count(event: str, **_) -> None:
     if event == HIT_EVENT:
         _state["hits"] += 1
 
 
-jax.monitoring.register_event_listener(_count)  # once, when this module is first imported
+def _count_compile(event: str, seconds: float, **_) -> None:
+    if event == COMPILE_EVENT:
+        _state["compiles"] += 1
+
+
+# once, when this module is first imported
+jax.monitoring.register_event_listener(_count)
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 def use(setting: str) -> Path | None:
@@ -71,3 +81,9 @@ def use(setting: str) -> Path | None:
 def hits() -> int:
     """Compiled programs loaded from the cache in this process so far."""
     return _state["hits"]
+
+
+def compiles() -> int:
+    """XLA compilations run in this process so far (programs the cache did not have, or any
+    with the cache off)."""
+    return _state["compiles"]

@@ -26,7 +26,7 @@ from bpt.train import compile_cache, phases
 from bpt.train.checkpoint import Checkpoints, load_params
 from bpt.train.metrics import MetricsWriter, peak_flops_per_device, peak_memory_bytes, train_flops_per_token
 from bpt.train.optimizer import learning_rate_schedule
-from bpt.train.probe import StepMemory, is_out_of_memory, memory_budget, resolve_remat
+from bpt.train.probe import StepMemory, choose_remat, is_out_of_memory, memory_budget
 from bpt.train.run_files import (
     METRICS,
     RunFiles,
@@ -199,24 +199,38 @@ class StopRequest:
 def setup(config: ConfigDict, *, training: bool = False) -> tuple[object, CausalLM, TrainState]:
     """The run's dataset, model (on the mesh config.mesh describes) and initial train state,
     after checking the config. training: model.remat_layer=auto is chosen on this device
-    (resolve_remat; the saved config keeps "auto"); evaluation and sampling do not
+    (choose_remat; the saved config keeps "auto"); evaluation and sampling do not
     rematerialize, so they skip the choice and its compilations. The compilations from here
     on use the run's compile cache (train.compile_cache), for training, evaluation and
     sampling alike."""
+    return _setup(config, training=training)[:3]
+
+
+def _setup(config: ConfigDict, *, training: bool) -> tuple[object, CausalLM, TrainState, tuple | None]:
+    """setup's (dataset, model, state), and where remat auto compiled the chosen step, that
+    step's (train_step, eval_step, batch_sharding): the model and the state are then that
+    TrainingStep's own, so the loop runs the program auto compiled without tracing it again
+    (a new trace lowers bpt's Mosaic GPU kernels again, and their modules differ between
+    lowerings in jax 0.11, so the compile cache would miss it)."""
     check_config(config)
     compile_cache.use(config.train.get("compile_cache", "auto"))
-    parallel = make_parallelism(config)
+    parallel = make_parallelism(config)  # a mesh that does not fit the devices fails before the data
     dataset = make_dataset(config.data, config.seed)
     fields = getattr(dataset, "model_fields", {})  # what the data says of the model (AT's shapes)
+    rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 0)
+    model_settings, chosen = config.model, None
     if training and config.model.remat_layer == "auto":
         phases.enter("choosing model.remat_layer=auto (compiling its candidates' steps)", compile_hint(config))
-    model_settings = resolve_remat(config, vocab_size=dataset.vocab_size).model if training else config.model
+        resolved, chosen = choose_remat(config, vocab_size=dataset.vocab_size)
+        model_settings = resolved.model
+    if chosen is not None:
+        steps = (chosen.step, chosen.eval_step, chosen.batch_sharding)
+        return dataset, chosen.model, chosen.init(rng), steps
     model = make_model(
         model_config(model_settings, vocab_size=dataset.vocab_size, seq_len=config.data.seq_len, **fields),
         parallel,
     )
-    state = create_state(config, model, jax.random.fold_in(jax.random.PRNGKey(config.seed), 0))
-    return dataset, model, state
+    return dataset, model, create_state(config, model, rng), None
 
 
 def shardings_of(state: TrainState):
@@ -422,7 +436,7 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         # before the data is tokenized: a mistyped path should not cost minutes
         raise FileNotFoundError(f"config.init.params_from={source!r} does not exist")
     say("preparing the run: config, data, model ...", flush=True)
-    dataset, model, state = setup(config, training=True)
+    dataset, model, state, chosen_steps = _setup(config, training=True)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     say(
         f"model: {num_params / 1e6:.2f}M parameters, {model.config.summary}; "
@@ -448,8 +462,10 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
                 "train.steps to train it further (bpt-eval and bpt-sample read it as it is)"
             )
             return latest_metrics(workdir / METRICS, start, write=False)[0]
-        train_step, eval_fn, batch_sharding = jit_steps(config, model, shardings_of(state))
-        compile_first_step(config, model, dataset, train_step, state, batch_sharding, start)
+        train_step, eval_fn, batch_sharding = chosen_steps or jit_steps(config, model, shardings_of(state))
+        compile_first_step(
+            config, model, dataset, train_step, state, batch_sharding, start, chosen=chosen_steps is not None
+        )
         last, state = _loop(
             config, workdir, dataset, model, state, checkpoints, files, (train_step, eval_fn, batch_sharding), window
         )
@@ -490,14 +506,17 @@ def _restore(config: ConfigDict, workdir: Path, model, state: TrainState, checkp
     return state, [], False
 
 
-def compile_first_step(config, model, dataset, train_step, state, batch_sharding, start: int) -> None:
+def compile_first_step(
+    config, model, dataset, train_step, state, batch_sharding, start: int, *, chosen: bool = False
+) -> None:
     """Compiles the train step (the loop's first call reuses it) and checks that it fits the
-    device; a failure names the setting to change."""
+    device; a failure names the setting to change. chosen: train_step is the one remat auto
+    compiled (bpt.train.probe.choose_remat), which then needs no compilation."""
     say("compiling the train step ...", flush=True)
     phases.enter("compiling the train step", compile_hint(config))
     first = put_batch(dataset.train_batch(start, config.train.batch_size), batch_sharding)
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), 1), start)
-    started, hits = time.perf_counter(), compile_cache.hits()
+    started, hits, compiles = time.perf_counter(), compile_cache.hits(), compile_cache.compiles()
     try:
         preflight(config, train_step, state, first, rng)
     except Exception as error:
@@ -513,7 +532,9 @@ def compile_first_step(config, model, dataset, train_step, state, batch_sharding
             ) from error
         raise
     took, loaded = time.perf_counter() - started, compile_cache.hits() > hits
-    if took >= 10 or loaded:
+    if chosen and compile_cache.compiles() == compiles and not loaded:
+        say("train step: the one remat auto compiled (not compiled again)", flush=True)
+    elif took >= 10 or loaded:
         say(f"train step {'loaded from the compile cache' if loaded else 'compiled'} in {took:.0f} s", flush=True)
 
 

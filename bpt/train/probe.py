@@ -106,9 +106,9 @@ def resolve_remat(
     may_unroll(config.model), its step with the layer stack unrolled (scan_unroll =
     num_layers) is compiled too and taken if it fits as well; at longer contexts, where the
     loop's first policy does not fit, the unrolled one would not either and is not tried.
-    Each candidate is compiled once: a TrainingStep keeps the chosen one's executable,
-    bpt-train compiles its own step after choosing (up to three extra compilations, once per
-    run). Each candidate is announced before it compiles (minutes at long contexts), then
+    Each candidate is compiled once, and the chosen one is the step that runs (choose_remat:
+    TrainingStep and bpt-train keep it; the others are up to three extra compilations, once
+    per run). Each candidate is announced before it compiles (minutes at long contexts), then
     one line says the choice."""
     if config.model.remat_layer != "auto":
         return config
@@ -147,6 +147,23 @@ def resolve_remat(
     return chosen
 
 
+def choose_remat(
+    config: ConfigDict, *, vocab_size: int = GPT2_VOCAB, devices=None
+) -> tuple[ConfigDict, TrainingStep | None]:
+    """resolve_remat's choice, and the TrainingStep it compiled for the chosen policy (None
+    where nothing was compiled: a named policy, or a device without a memory limit). The
+    other candidates' executables are dropped."""
+    tried = {}
+    key = lambda c: (c.model.remat_layer, c.model.scan_unroll)  # noqa: E731
+
+    def need(c: ConfigDict) -> int:
+        tried[key(c)] = step = TrainingStep(c, vocab_size=vocab_size, devices=devices)
+        return step.memory().peak
+
+    chosen = resolve_remat(config, vocab_size=vocab_size, devices=devices, need=need)
+    return chosen, tried.get(key(chosen))
+
+
 def may_unroll(model: ConfigDict) -> bool:
     """Whether remat auto also tries this model's step with the layer stack unrolled: asked
     for (model.auto_unroll), and a loop over layers that one iteration could hold (scanned,
@@ -167,32 +184,27 @@ class TrainingStep:
 
     vocab_size fills config.model.vocab_size when that is unset (default: GPT-2's). The step
     runs on the mesh config.mesh describes over `devices` (default: all). model.remat_layer
-    may be "auto" (resolve_remat).
+    may be "auto" (choose_remat). Its jit-ed functions (init, step, eval_step) and the
+    batch's layout (batch_sharding) are what bpt-train runs when remat auto chose this step:
+    a state from init and batches laid out by batch_sharding give the step the trace it was
+    compiled for, so it is not traced, lowered or compiled again.
     """
 
     def __init__(self, config: ConfigDict, *, vocab_size: int = GPT2_VOCAB, devices=None):
         check_config(config)
         if config.model.remat_layer == "auto":
-            # Each policy tried is a TrainingStep of its own; the chosen one's compiled step
-            # is kept, so auto costs only the compilations of the policies that did not fit.
-            tried = {}
-            key = lambda c: (c.model.remat_layer, c.model.scan_unroll)  # noqa: E731
-
-            def need(c: ConfigDict) -> int:
-                tried[key(c)] = step = TrainingStep(c, vocab_size=vocab_size, devices=devices)
-                return step.memory().peak
-
-            config = resolve_remat(config, vocab_size=vocab_size, devices=devices, need=need)
-            if key(config) in tried:
-                self.__dict__.update(tried[key(config)].__dict__)
+            # The chosen policy's step was compiled to measure it: that TrainingStep is this one.
+            config, chosen = choose_remat(config, vocab_size=vocab_size, devices=devices)
+            if chosen is not None:
+                self.__dict__.update(chosen.__dict__)
                 return
         self.config = config
         self.parallel = make_parallelism(config, devices)
         self.model = make_model(step_model_config(config, vocab_size=vocab_size), self.parallel)
         self.shape = (config.train.batch_size, config.data.seq_len)
         self.init, shardings = jit_initializer(config, self.model)  # one state tree for all uses
-        self.step, _, batch = jit_steps(config, self.model, shardings)
-        self._batch = jax.jit(self._random_batch, out_shardings=batch)
+        self.step, self.eval_step, self.batch_sharding = jit_steps(config, self.model, shardings)
+        self._batch = jax.jit(self._random_batch, out_shardings=self.batch_sharding)
         self.state_shapes = jax.eval_shape(self.init, jax.random.PRNGKey(0))
         self._compiled = None
 
@@ -223,6 +235,8 @@ class TrainingStep:
         """The executable, compiled from shapes alone: nothing is allocated on the device."""
         if self._compiled is None:
             batch = jax.eval_shape(self._random_batch, jax.random.PRNGKey(0))
+            if self.batch_sharding is not None:  # as the loop's batches are laid out: the same trace
+                batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.batch_sharding), batch)
             key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
             self._compiled = self.step.lower(self.state_shapes, batch, key).compile()
         return self._compiled

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax.training.train_state import TrainState
 from ml_collections import ConfigDict
 
@@ -49,7 +50,10 @@ def state_initializer(config: ConfigDict, model: CausalLM):
 
     def init(rng) -> TrainState:
         params = nn.meta.unbox(_boxed_params(model, rng))
-        return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        # A strong int32 step (create's is weakly typed), as a restored checkpoint's is: a
+        # resumed state then has the fresh one's types, and the step compiled for one runs the other.
+        return state.replace(step=jnp.zeros((), jnp.int32))
 
     return init
 
@@ -70,11 +74,12 @@ def state_shardings(config: ConfigDict, model: CausalLM, parallel: Parallelism, 
 
 def jit_initializer(config: ConfigDict, model: CausalLM):
     """(init, shardings): init is rng -> the initial TrainState, jit-ed to create it already
-    laid out on model's mesh; shardings is that layout (a TrainState of NamedShardings), or
-    None on one device."""
+    laid out on model's mesh (on one device, committed to it); shardings is that layout (a
+    TrainState of NamedShardings), or None on one device."""
     init = state_initializer(config, model)
     if model.parallel is None:
-        return jax.jit(init), None
+        # Committed to the device, as a restored checkpoint's arrays are (same trace of the step).
+        return jax.jit(init, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0])), None
     shardings = state_shardings(config, model, model.parallel, init)
     return jax.jit(init, out_shardings=shardings), shardings
 
