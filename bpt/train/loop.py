@@ -210,8 +210,8 @@ def _setup(config: ConfigDict, *, training: bool) -> tuple[object, CausalLM, Tra
     """setup's (dataset, model, state), and where remat auto compiled the chosen step, that
     step's (train_step, eval_step, batch_sharding): the model and the state are then that
     TrainingStep's own, so the loop runs the program auto compiled without tracing it again
-    (a new trace lowers bpt's Mosaic GPU kernels again, and their modules differ between
-    lowerings in jax 0.11, so the compile cache would miss it)."""
+    (a new trace lowers bpt's Mosaic GPU kernels again, and on jax 0.11 each lowering stamps
+    a process-wide counter into a kernel's module, so the compile cache would miss it)."""
     check_config(config)
     compile_cache.use(config.train.get("compile_cache", "auto"))
     parallel = make_parallelism(config)  # a mesh that does not fit the devices fails before the data
