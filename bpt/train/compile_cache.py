@@ -4,9 +4,9 @@ A long context's training step takes minutes to compile; with the cache a restar
 resumed run loads it instead, model.remat_layer=auto's candidates included. (Within a run,
 auto's chosen step is the loop's own: bpt-train runs it without compiling it again, cache
 or not; bpt.train.loop.) This is jax's persistent compilation cache; only compilations of a
-second or more are kept (jax's jax_persistent_cache_min_compile_time_secs). Nothing is evicted (jax's size
-bound needs every writer of the folder to keep access times, which a folder shared with
-other jax programs does not): the folder can be deleted at any time.
+second or more are kept (jax's jax_persistent_cache_min_compile_time_secs). Nothing is
+evicted (jax's size bound needs every writer of the folder to keep access times, which a
+folder shared with other jax programs does not): the folder can be deleted at any time.
 """
 
 from __future__ import annotations
