@@ -234,9 +234,7 @@ class TrainingStep:
     def compiled(self):
         """The executable, compiled from shapes alone: nothing is allocated on the device."""
         if self._compiled is None:
-            batch = jax.eval_shape(self._random_batch, jax.random.PRNGKey(0))
-            if self.batch_sharding is not None:  # as the loop's batches are laid out: the same trace
-                batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.batch_sharding), batch)
+            batch = jax.eval_shape(self._batch, jax.random.PRNGKey(0))  # laid out as the loop's batches
             key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
             self._compiled = self.step.lower(self.state_shapes, batch, key).compile()
         return self._compiled
