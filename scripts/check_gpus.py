@@ -155,8 +155,8 @@ def environment(n: int, on_gpu: bool, group: str) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_names(n))
-        # remat_layer=auto compiles the chosen step once to choose it and once to run it: the
-        # second is then read from this cache
+        # bpt-train runs the step remat_layer=auto compiled; a rerun of a row (or a row with
+        # auto off) reads its step from this cache
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "bpt-xla-cache"))
     else:
         env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n))
@@ -276,9 +276,11 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
 
 
 # bpt-train's own lines: remat auto's choice (and, where it compiled candidates, how long it
-# took), then the loop's train step where it took 10 s or came from the compile cache.
+# took), then the loop's train step where it took 10 s or came from the compile cache, or
+# the line that says the loop runs the step auto compiled.
 REMAT_LINE = re.compile(r"model\.remat_layer=auto: (\S+) \((the layer stack unrolled; )?[^\n]*?(?:; chosen in (\d+) s)?\)")
 STEP_LINE = re.compile(r"train step (compiled|loaded from the compile cache) in (\d+) s")
+REUSED_LINE = "train step: the one remat auto compiled (not compiled again)"
 
 
 def compile_facts(text: str) -> dict:
@@ -293,6 +295,8 @@ def compile_facts(text: str) -> dict:
         facts["choice_s"], facts["step_s"] = chosen or 0, int(step[-1][1]) if step else 0
         facts["compile_s"] = facts["choice_s"] + facts["step_s"]
         facts["step_from_cache"] = bool(step) and step[-1][0] != "compiled"
+        if REUSED_LINE in text:
+            facts["step_reused"] = True
     return facts
 
 
@@ -302,6 +306,8 @@ def compile_cell(r: dict) -> str:
     if "compile_s" not in r:
         return "–"
     cell = f"{r['compile_s']}"
+    if r.get("step_reused"):  # the choice's compilations are all there is
+        return cell + " (step reused)"
     if r.get("choice_s") and "step_s" in r:
         cell += f" ({r['choice_s']} + {r['step_s']})"
     return cell + (" (step cached)" if r.get("step_from_cache") else "")
