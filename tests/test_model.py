@@ -13,6 +13,7 @@ from conftest import rel_err, tree_rel_err
 
 from bpt.config import base_config, model_config
 from bpt.models.gpt import GPT, GPTConfig
+from bpt.models.lm import gelu
 from bpt.train.probe import TrainingStep
 
 TOL = 1e-5
@@ -129,6 +130,19 @@ def test_a_padded_vocabulary_is_the_unpadded_model(key, mode, tie):
 def test_vocab_multiple_is_checked():
     with pytest.raises(ValueError, match="model.vocab_multiple must be a positive integer; got 0"):
         dataclasses.replace(BASE, vocab_multiple=0)
+
+
+def test_gelu_is_gpt2s_tanh_gelu_with_its_gradient(key):
+    """bpt's GELU (the sigmoid form of the tanh approximation) against jax.nn.gelu's tanh form:
+    values and gradients in float32, over the range where the tanh bends and its tails."""
+    x = jax.random.normal(key, (4096,), jnp.float32) * 4
+    x = jnp.concatenate([x, jnp.array([0.0, -30.0, 30.0, -1e4, 1e4])])
+    want = jax.nn.gelu(x, approximate=True)
+    np.testing.assert_allclose(gelu(x), want, rtol=2e-6, atol=2e-6)
+    grad = jax.vmap(jax.grad(gelu))(x)
+    np.testing.assert_allclose(grad, jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=True)))(x), rtol=1e-5, atol=1e-5)
+    assert gelu(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    np.testing.assert_allclose(gelu(x.astype(jnp.bfloat16)).astype(jnp.float32), gelu(x.astype(jnp.bfloat16).astype(jnp.float32)), rtol=1e-2, atol=1e-2)
 
 
 def test_scanned_and_unscanned_layers_agree(batch):

@@ -34,6 +34,7 @@ from bpt.models.lm import (
     dropout,
     final_layer_norm,
     fold_rng,
+    gelu,
     layer_norm,
     logical_param,
     rms_norm,
@@ -235,7 +236,7 @@ def mlp(p: dict, h: Array, activation: str = "gelu") -> Array:
     elif activation == "relu":
         hidden = jax.nn.relu(up)
     else:
-        hidden = jax.nn.gelu(up, approximate=True)
+        hidden = gelu(up)
     return _biased(jnp.einsum("bsf,fd->bsd", hidden, p["w2"]), p, "b2")
 
 

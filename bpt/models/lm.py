@@ -253,6 +253,22 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
+GELU_SCALE = 2 * 0.7978845608028654  # 2·sqrt(2/pi)
+
+
+def gelu(x: Array) -> Array:
+    """GPT-2's tanh GELU, 0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x³))), in float32.
+
+    Written as x·sigmoid(2·sqrt(2/pi)·x·(1 + 0.044715·x²)), the same function
+    (0.5·(1 + tanh(z)) = sigmoid(2z)): on a GPU XLA computes tanh as a long rational
+    polynomial, which kept the GELU's passes over the FFN's hidden layer compute-bound
+    (about 2.3 TB/s on an H200), and the sigmoid form made the whole GPT-1B step 1.4% faster
+    (docs/notes/step_speed.md, 2026-11-30). Equal to jax.nn.gelu(approximate=True) to float32
+    rounding, gradients too (tests/test_model.py)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.nn.sigmoid(GELU_SCALE * x32 * (1 + 0.044715 * x32 * x32))).astype(x.dtype)
+
+
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     """x / sqrt(mean(x^2) + eps) * scale, in float32 (Llama's RMSNorm)."""
     x32 = x.astype(jnp.float32)
