@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -253,7 +254,7 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-GELU_SCALE = 2 * 0.7978845608028654  # 2·sqrt(2/pi)
+GELU_SCALE = 2 * math.sqrt(2 / math.pi)
 
 
 def gelu(x: Array) -> Array:
