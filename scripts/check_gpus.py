@@ -60,6 +60,8 @@ from pathlib import Path
 from bench_scaleout import gpu_count, gpu_names
 from benchlib import compile_records, human_tokens, script_parser
 
+from bpt.train.loop import STEP_REUSED
+
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-4
 PROCESS_RTOL = 1e-3  # a process a GPU against one process: the same bf16 step, summed in another order
@@ -280,7 +282,6 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
 # the line that says the loop runs the step auto compiled.
 REMAT_LINE = re.compile(r"model\.remat_layer=auto: (\S+) \((the layer stack unrolled; )?[^\n]*?(?:; chosen in (\d+) s)?\)")
 STEP_LINE = re.compile(r"train step (compiled|loaded from the compile cache) in (\d+) s")
-REUSED_LINE = "train step: the one remat auto compiled (not compiled again)"
 
 
 def compile_facts(text: str) -> dict:
@@ -295,7 +296,7 @@ def compile_facts(text: str) -> dict:
         facts["choice_s"], facts["step_s"] = chosen or 0, int(step[-1][1]) if step else 0
         facts["compile_s"] = facts["choice_s"] + facts["step_s"]
         facts["step_from_cache"] = bool(step) and step[-1][0] != "compiled"
-        if REUSED_LINE in text:
+        if STEP_REUSED in text:
             facts["step_reused"] = True
     return facts
 

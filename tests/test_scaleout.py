@@ -247,7 +247,7 @@ def test_check_gpus_reads_how_long_a_run_compiled():
     assert check.compile_facts(unrolled)["remat_layer"] == "attention_and_dots_saveable unrolled"
     assert check.compile_facts(unrolled)["choice_s"] == 120
     assert "| 215 (212 + 3) (step cached) |" in check.table([dict(cached, name="r", status="pass")])
-    reused = check.compile_facts(f"{unrolled}\ncompiling the train step ...\n{check.REUSED_LINE}\nstep 1: loss=3.0")
+    reused = check.compile_facts(f"{unrolled}\ncompiling the train step ...\n{check.STEP_REUSED}\nstep 1: loss=3.0")
     assert reused == {
         "remat_layer": "attention_and_dots_saveable unrolled",
         "choice_s": 120,

@@ -506,6 +506,10 @@ def _restore(config: ConfigDict, workdir: Path, model, state: TrainState, checkp
     return state, [], False
 
 
+# What bpt-train says when its loop runs the step remat auto compiled (scripts/check_gpus.py reads it).
+STEP_REUSED = "train step: the one remat auto compiled (not compiled again)"
+
+
 def compile_first_step(
     config, model, dataset, train_step, state, batch_sharding, start: int, *, chosen: bool = False
 ) -> None:
@@ -533,7 +537,7 @@ def compile_first_step(
         raise
     took, loaded = time.perf_counter() - started, compile_cache.hits() > hits
     if chosen and compile_cache.compiles() == compiles and not loaded:
-        say("train step: the one remat auto compiled (not compiled again)", flush=True)
+        say(STEP_REUSED, flush=True)
     elif took >= 10 or loaded:
         say(f"train step {'loaded from the compile cache' if loaded else 'compiled'} in {took:.0f} s", flush=True)
 
