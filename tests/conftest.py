@@ -54,7 +54,7 @@ def _xla_takes(flags: list[str]) -> bool:
 _missing = [f for f in CPU_XLA_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
 if _missing and not _has_gpu_plugin():
     if not _xla_takes(_missing):  # a jaxlib without the older emitters: -O0 alone
-        _missing = [f for f in _missing if f.startswith("--xla_backend_optimization_level")]
+        _missing = [f for f in _missing if f == CPU_XLA_FLAGS[0]]
     os.environ["XLA_FLAGS"] = with_xla_flags(os.environ, *_missing)["XLA_FLAGS"]
 
 
