@@ -189,13 +189,17 @@ def test_ffn_chunk_size_computes_the_same_function(batch):
         assert tree_rel_err(got_grads, grads) < TOL, chunk
 
 
-def test_ffn_chunk_size_auto_takes_the_largest_multiple_of_q_chunk_size_within_its_bound(batch, monkeypatch):
+@pytest.mark.parametrize("unroll, chunk", [(1, 32), (2, 64)])
+def test_ffn_chunk_size_auto_takes_the_largest_multiple_of_q_chunk_size_within_its_bound(
+    batch, monkeypatch, unroll, chunk
+):
     """ffn_chunk_size=0 with a bound of 48 positions over a sequence of 64 and q_chunk_size 16:
-    chunks of 32 (48 does not divide 64), and the function of any other chunking."""
+    chunks of 32 (48 does not divide 64) where the stack is a loop; the whole sequence where it
+    is unrolled (scan_unroll 2 of 2 layers); either the function of any other chunking."""
     import bpt.models.gpt as gpt
 
     tokens, targets, params = batch
-    cfg = dataclasses.replace(BASE, attention_impl="reference")
+    cfg = dataclasses.replace(BASE, attention_impl="reference", scan_unroll=unroll)
     want = forward(dataclasses.replace(cfg, ffn_chunk_size=16), params, tokens, targets)
     seen = []
 
@@ -207,7 +211,7 @@ def test_ffn_chunk_size_auto_takes_the_largest_multiple_of_q_chunk_size_within_i
     monkeypatch.setattr(gpt, "scan_chunks", spy)
     monkeypatch.setattr(gpt, "FFN_CHUNK", 48)
     got = forward(cfg, params, tokens, targets)
-    assert set(seen) == {32}, seen
+    assert set(seen) == {chunk}, seen
     assert rel_err(got[0], want[0]) < TOL and rel_err(got[1], want[1]) < TOL
     assert tree_rel_err(got[2], want[2]) < TOL
 
