@@ -189,13 +189,14 @@ def test_ffn_chunk_size_computes_the_same_function(batch):
         assert tree_rel_err(got_grads, grads) < TOL, chunk
 
 
-@pytest.mark.parametrize("unroll, chunk", [(1, 32), (2, 64)])
+@pytest.mark.parametrize("unroll, unrolled_bound, chunk", [(1, 64, 32), (2, 64, 64), (2, 48, 32)])
 def test_ffn_chunk_size_auto_takes_the_largest_multiple_of_q_chunk_size_within_its_bound(
-    batch, monkeypatch, unroll, chunk
+    batch, monkeypatch, unroll, unrolled_bound, chunk
 ):
-    """ffn_chunk_size=0 with a bound of 48 positions over a sequence of 64 and q_chunk_size 16:
-    chunks of 32 (48 does not divide 64) where the stack is a loop; the whole sequence where it
-    is unrolled (scan_unroll 2 of 2 layers); either the function of any other chunking."""
+    """ffn_chunk_size=0 over a sequence of 64 with q_chunk_size 16: where the stack is a loop,
+    a bound (FFN_CHUNK) of 48 gives chunks of 32 (48 does not divide 64); where it is unrolled
+    (scan_unroll 2 of 2 layers) its own bound (FFN_CHUNK_UNROLLED) holds instead: 64 takes the
+    whole sequence, 48 chunks of 32. Each computes the function of any other chunking."""
     import bpt.models.gpt as gpt
 
     tokens, targets, params = batch
@@ -210,6 +211,7 @@ def test_ffn_chunk_size_auto_takes_the_largest_multiple_of_q_chunk_size_within_i
     scan_chunks = gpt.scan_chunks
     monkeypatch.setattr(gpt, "scan_chunks", spy)
     monkeypatch.setattr(gpt, "FFN_CHUNK", 48)
+    monkeypatch.setattr(gpt, "FFN_CHUNK_UNROLLED", unrolled_bound)
     got = forward(cfg, params, tokens, targets)
     assert set(seen) == {chunk}, seen
     assert rel_err(got[0], want[0]) < TOL and rel_err(got[1], want[1]) < TOL

@@ -57,12 +57,15 @@ POSITION_EMBEDDINGS = ("rotary", "learned")
 MLP_ACTIVATIONS = ("gelu", "swiglu", "relu")
 # ffn_chunk_size=0's bound, in positions, where the layer stack runs as a loop: at 8K and 32K
 # GPT-1B's step ran 15% and 8% faster on an H200 than with chunks of q_chunk_size=1024, for 0.2
-# and 1.1 GiB more. The unrolled stack (scan_unroll >= num_layers) takes the whole sequence in
-# one chunk: with a batch of one and two or more chunks, XLA laid out the residual stream's
-# gradient between the unrolled layers transposed, and the step paid a transpose on either side
-# of every layer (GPT-1B on an H200: 3.8% faster at 32K and 2.0% at 64K in one chunk;
-# docs/notes/step_speed.md, 2026-11-30).
+# and 1.1 GiB more.
 FFN_CHUNK = 16384
+# Its bound where the stack is unrolled (scan_unroll >= num_layers): the whole sequence up to
+# 64K. With a batch of one and two or more chunks, XLA laid out the residual stream's gradient
+# between the unrolled layers transposed, and the step paid transposes on either side of every
+# layer; in one chunk GPT-1B's step ran 3.8% faster at 32K and 2.0% at 64K on an H200, in 7.5
+# and 15 GiB less (docs/notes/step_speed.md, 2026-11-30). Beyond 64K the bound keeps the FFN's
+# hidden activations from growing with the context.
+FFN_CHUNK_UNROLLED = 65536
 __all__ = [
     "GPT",
     "GPTConfig",
@@ -118,8 +121,8 @@ class GPTConfig(LMConfig):
     # adds its FFN weight gradients into float32 sums once, so larger chunks make fewer passes
     # over them (and larger GEMMs): 0 (auto) takes the largest multiple of q_chunk_size that
     # divides the sequence a device holds, up to FFN_CHUNK (the whole sequence when that is
-    # shorter), or the whole sequence where the stack is unrolled (scan_unroll >= num_layers).
-    # (The blockwise scan computes the FFN on its own query chunks.)
+    # shorter), or up to FFN_CHUNK_UNROLLED where the stack is unrolled (scan_unroll >=
+    # num_layers). (The blockwise scan computes the FFN on its own query chunks.)
     ffn_chunk_size: int = 0
     remat_attention: str = "none"
     remat_ffn: str = "nothing_saveable"
@@ -357,9 +360,8 @@ class Block(Layer):
             return ffn_residual(h, fold_rng(rng, 1, i), p)
 
         def chunk_loop(x, a, weights, shards):
-            local = x.shape[1] // shards
-            most = local if stack_unrolled(cfg) else FFN_CHUNK
-            chunk = cfg.ffn_chunk_size or largest_chunk(local, cfg.q_chunk_size, most)
+            most = FFN_CHUNK_UNROLLED if stack_unrolled(cfg) else FFN_CHUNK
+            chunk = cfg.ffn_chunk_size or largest_chunk(x.shape[1] // shards, cfg.q_chunk_size, most)
             out = scan_chunks(
                 post_attention,
                 (x, a),
