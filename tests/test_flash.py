@@ -461,6 +461,31 @@ def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim):
         attention_hopper.forward(x, x, x, causal=True, scale=0.1, q_seg=short, kv_seg=short[:, :0])
 
 
+def test_hopper_fused_backward_makes_its_dq_buffer_after_its_d_out():
+    """The fused backward's float32 dQ buffer (zeros the kernel adds into) comes out of an
+    optimization barrier with the call's d_out, and the kernel's mutable buffer is made from
+    it: a bare zeros was one constant that XLA wrote for every unrolled layer at once (4.4 GiB
+    more in GPT-1B's 32K step on an H200; the GPU program itself is not compiled here)."""
+    q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
+
+    def grads(q, k, v, d_out, lse, delta):
+        return attention_hopper.backward(q, k, v, d_out, lse, delta, causal=True, scale=0.1)
+
+    jaxpr = jax.make_jaxpr(grads)(q, kv, kv, q, stats, stats).jaxpr
+    d_out = jaxpr.invars[3]
+    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) == 1 and d_out in barriers[0].invars
+    zeros = barriers[0].outvars[0]
+    assert zeros.aval.shape == q.shape and zeros.aval.dtype == jnp.float32
+    refs = [e for e in jaxpr.eqns if e.primitive.name == "new_ref"]
+    assert [e.invars for e in refs] == [[zeros]]
+    # and it is zeros
+    out = attention_hopper._dq_accumulator(jnp.ones((1, 8, 2, 4), jnp.bfloat16), jnp.ones((1, 8, 2, 4)))
+    assert out.dtype == jnp.float32 and out.shape == (1, 8, 2, 4) and not out.any()
+
+
 @pytest.mark.parametrize(
     "causal, head_dim, dq_split", [(True, 128, None), (False, 128, None), (True, 64, "keys"), (False, 64, "steps")]
 )

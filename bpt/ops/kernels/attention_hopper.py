@@ -1236,6 +1236,18 @@ def _dkdv(
     )
 
 
+def _dq_accumulator(q: Array, d_out: Array) -> Array:
+    """The fused backward's float32 dQ buffer, zeros shaped like q, made once this call's d_out
+    exists. A bare jnp.zeros is the same constant in every layer: XLA merged the unrolled
+    layers' zeros into one fusion that wrote all 24 at once (GPT-1B at 32K: 6 GiB of
+    [32768, 16, 128] float32, each held until its layer's kernel ran). Behind an optimization
+    barrier with d_out, each layer's buffer is made after its d_out: GPT-1B's step at 32K on
+    an H200 compiled to 51.6 GiB instead of 56.0, at the same speed (docs/notes/step_speed.md,
+    2026-11-30)."""
+    zeros, _ = lax.optimization_barrier((jnp.zeros(q.shape, jnp.float32), d_out))
+    return zeros
+
+
 def check_gqa(gqa: str, setting: str = "gqa") -> None:
     if gqa not in GQA_SPLITS:
         raise ValueError(f"unknown {setting} {gqa!r}; allowed: {', '.join(GQA_SPLITS)}")
@@ -1314,7 +1326,7 @@ def backward(
             parts = jnp.where(seen[:, None, :, None, None], parts, 0.0)
         dq = parts.sum(0)
     else:
-        acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+        acc = jax.new_ref(_dq_accumulator(q, d_out))
         dk, dv = _dkdv(q, k, v, d_out, lse2, delta, dq_acc=acc, expand=expand, dq_split=dq_split, **kw)
         dq = acc[...]
     return (dq * scale).astype(q.dtype), *summed(dk, dv)
