@@ -30,6 +30,7 @@ Prints markdown tables last; --out writes results.json, table.md and decode.png.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -38,7 +39,15 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from benchlib import human_tokens, parse_choices, run_meta, script_parser, seconds_per_call, write_results  # noqa: E402
+from benchlib import (  # noqa: E402
+    TIMINGS,
+    human_tokens,
+    parse_choices,
+    run_meta,
+    script_parser,
+    seconds_per_call,
+    write_results,
+)
 
 PARTS = ("kernels", "ragged", "tree", "sample")
 HEADS = {"16/16": (16, 16), "32/8": (32, 8)}
@@ -57,11 +66,12 @@ def inputs(batch, length, heads, kv_heads, head_dim=128, seed=0):
     return q, k, v
 
 
-def implementations(kernel_options: dict, lean_waves=(0,), splits=(0,)) -> dict:
+def implementations(kernel_options: dict, lean_waves=(0,), splits=(0,), variants=()) -> dict:
     """name -> fn(q, k, v, positions, lengths); lean_waves: one "bpt pallas lean" per value
     (programs a SM; 0 the kernel's default), named by it when there are several; splits: one
     "bpt pallas" per programs-per-K/V-head value (0: the kernel's default), "bpt pallas sN"
-    for N > 0 when there are several."""
+    for N > 0 when there are several; variants: (label, options) pairs, one "bpt pallas
+    <label>" each, the kernel with kernel_options updated by options."""
     from bpt.ops import decode_attention
 
     def bpt(impl, **options):
@@ -78,6 +88,7 @@ def implementations(kernel_options: dict, lean_waves=(0,), splits=(0,)) -> dict:
             )
             for n in splits
         },
+        **{f"bpt pallas {label}": bpt("pallas", **kernel_options, **options) for label, options in variants},
         # Lean Attention's ranges across heads and sequences (its own program count)
         **{
             "bpt pallas lean" + (f" x{w}" if len(lean_waves) > 1 else ""): bpt(
@@ -101,6 +112,7 @@ def implementations(kernel_options: dict, lean_waves=(0,), splits=(0,)) -> dict:
 
 
 def kernels_part(args) -> list[dict]:
+    timed = functools.partial(seconds_per_call, repeats=args.repeats, timing=args.timing)
     rows = []
     for length in args.contexts:
         for batch in args.batches:
@@ -110,14 +122,14 @@ def kernels_part(args) -> list[dict]:
                 pos = jnp.array([length - 1])
                 lengths = jnp.full((batch,), length, jnp.int32)
                 nbytes = cache_bytes(batch, length, kv_heads, 128)
-                row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes, "times": {}}
-                fns = implementations(args.kernel_options, args.lean_waves, args.num_splits)
+                row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes, "timing": args.timing,
+                       "times": {}}  # fmt: skip
+                fns = implementations(args.kernel_options, args.lean_waves, args.num_splits, args.variants)
                 for round_ in range(args.rounds):  # interleaved, so drift on the machine hits all alike
                     for impl, fn in list(fns.items()):
                         try:
-                            t = seconds_per_call(
-                                fn, q, k, v, pos, lengths, repeats=args.repeats, warmup=2 - min(round_, 1)
-                            )
+                            warmup = 2 - min(round_, 1)
+                            t = timed(fn, q, k, v, pos, lengths, warmup=warmup)
                             row["times"][impl] = min(t, row["times"].get(impl, t))
                         except Exception as e:  # a peer that does not take this shape: noted, not fatal
                             row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -130,6 +142,7 @@ def kernels_part(args) -> list[dict]:
 
 
 def ragged_part(args) -> list[dict]:
+    timed = functools.partial(seconds_per_call, repeats=args.repeats, timing=args.timing)
     from bpt.ops.decode import last_visible_slot
     from bpt.ops.kernels.decode import decode_partial
 
@@ -150,12 +163,13 @@ def ragged_part(args) -> list[dict]:
             )
             for schedule in ("stream_k", "split", "lean")
         }
-        row = {"lengths": [int(n) for n in lengths], "heads": name, "bytes": nbytes, "times": {}}
+        row = {"lengths": [int(n) for n in lengths], "heads": name, "bytes": nbytes, "timing": args.timing,
+               "times": {}}  # fmt: skip
         for impl, fn in fns.items():
-            row["times"][impl] = seconds_per_call(fn, q, k, v, last, repeats=args.repeats)
+            row["times"][impl] = timed(fn, q, k, v, last)
         for impl, fn in implementations(args.kernel_options).items():
             if impl.startswith("bpt split") or impl == "XLA":
-                row["times"][impl] = seconds_per_call(fn, q, k, v, pos, lengths, repeats=args.repeats)
+                row["times"][impl] = timed(fn, q, k, v, pos, lengths)
         row["tb_per_s"] = {impl: nbytes / t / 1e12 for impl, t in row["times"].items()}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -163,6 +177,7 @@ def ragged_part(args) -> list[dict]:
 
 
 def tree_part(args) -> list[dict]:
+    timed = functools.partial(seconds_per_call, repeats=args.repeats, timing=args.timing)
     from jax.sharding import NamedSharding, PartitionSpec
 
     from bpt.ops.decode import attend_cache, last_visible_slot
@@ -179,18 +194,18 @@ def tree_part(args) -> list[dict]:
             sharded = NamedSharding(mesh, PartitionSpec(None, "sequence"))
             k, v = jax.device_put(k, sharded), jax.device_put(v, sharded)
             pos = jnp.array([length - 1])
-            row = {"devices": n, "context": length, "heads": name, "times": {}}
+            row = {"devices": n, "context": length, "heads": name, "timing": args.timing, "times": {}}
             for label, fn in (("tree", tree_decode_attention), ("ring", ring_decode_attention)):
                 step = jax.jit(
                     lambda q, k, v, pos, fn=fn: fn(q, k, v, pos, mesh=mesh, impl=impl, chunk_size=4096)
                 )
-                row["times"][label] = seconds_per_call(step, q, k, v, pos, repeats=args.repeats)
+                row["times"][label] = timed(step, q, k, v, pos)
             local = length // n
             device = jax.devices()[0]
             lq, lk, lv = (jax.device_put(x, device) for x in inputs(1, local, heads, kv_heads))
             last = last_visible_slot(jnp.array([local - 1]), 1)
             one = jax.jit(lambda q, k, v, last: attend_cache(q, k, v, last, impl=impl, chunk_size=4096).out)
-            row["times"]["local shard"] = seconds_per_call(one, lq, lk, lv, last, repeats=args.repeats)
+            row["times"]["local shard"] = timed(one, lq, lk, lv, last)
             row["tree_over_local"] = row["times"]["tree"] / row["times"]["local shard"]
             row["ring_over_tree"] = row["times"]["ring"] / row["times"]["tree"]
             print(json.dumps(row), flush=True)
@@ -275,6 +290,13 @@ def sample_part(args) -> list[dict]:
     return rows
 
 
+TIMING_WORDS = {"pipelined": "calls back to back", "synced": "each call waited for"}
+
+
+def _timing(rows) -> str:
+    return TIMING_WORDS[rows[0].get("timing", "synced")]
+
+
 def _time_cells(row, names, unit=1e6):
     return [
         f"{row['times'][n] * unit:,.0f} ({row['tb_per_s'][n]:.2f})" if n in row["times"] else "–"
@@ -287,7 +309,8 @@ def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
     if kernel_rows:
         names = list(dict.fromkeys(n for r in kernel_rows for n in r["times"]))
         out += [
-            "Decode attention, one new token, head_dim 128, bf16: µs (effective TB/s of K+V)",
+            f"Decode attention, one new token, head_dim 128, bf16: µs a call, {_timing(kernel_rows)} "
+            "(effective TB/s of K+V)",
             "",
             "| context | batch | heads / KV heads | " + " | ".join(names) + " |",
             "|---|---|---|" + "---|" * len(names),
@@ -302,7 +325,8 @@ def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
         names = list(dict.fromkeys(n for r in ragged_rows for n in r["times"]))
         lengths = ", ".join(human_tokens(n) for n in ragged_rows[0]["lengths"])
         out += [
-            f"Ragged batch (lengths {lengths}): µs (effective TB/s of the K+V each sequence holds)",
+            f"Ragged batch (lengths {lengths}): µs a call, {_timing(ragged_rows)} (effective TB/s of the K+V "
+            "each sequence holds)",
             "",
             "| heads / KV heads | " + " | ".join(names) + " | stream-K / split |",
             "|---|" + "---|" * (len(names) + 1),
@@ -313,7 +337,8 @@ def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
         out.append("")
     if tree_rows:
         out += [
-            f"Decoding over {tree_rows[0]['devices']} devices, batch 1, cache sharded along its slots: µs",
+            f"Decoding over {tree_rows[0]['devices']} devices, batch 1, cache sharded along its slots: µs a "
+            f"call, {_timing(tree_rows)}",
             "",
             "| context | heads / KV heads | local shard | tree | ring | tree / local | ring / tree |",
             "|---|---|---|---|---|---|---|",
@@ -371,6 +396,29 @@ def plot(kernel_rows, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+VARIANT_KEYS = ("block_k", "num_warps", "num_stages", "num_splits")
+
+
+def parse_variants(parser, text: str) -> list[tuple[str, dict]]:
+    """--variants 'num_warps=8;num_stages=3,block_k=32' -> [(label, {option: int})], the label
+    its text; a clear error for a key the kernel does not take here or a value not an int."""
+    variants = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        options = {}
+        for item in part.split(","):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key not in VARIANT_KEYS:
+                allowed = ", ".join(VARIANT_KEYS)
+                parser.error(f"--variants: unknown option {key!r} in {part!r}; allowed: {allowed}")
+            try:
+                options[key] = int(value)
+            except ValueError:
+                parser.error(f"--variants: {key} needs an integer; got {value!r} in {part!r}")
+        variants.append((part.replace(" ", ""), options))
+    return variants
+
+
 def main() -> None:
     parser = script_parser(__doc__, out_help="a folder: results.json, table.md and decode.png")
     parser.add_argument("--parts", default="kernels,ragged", help=f"comma-separated: {', '.join(PARTS)}")
@@ -402,7 +450,21 @@ def main() -> None:
         default=1,
         help="sample: shard the cache over this many devices (Tree attention)",
     )
-    parser.add_argument("--repeats", type=int, default=20, help="calls timed; their median counts")
+    parser.add_argument("--repeats", type=int, default=20, help="calls timed a run (see --timing)")
+    parser.add_argument(
+        "--timing",
+        default="pipelined",
+        choices=TIMINGS,
+        help="pipelined: --repeats calls back to back, waited for once (a call's device time; the "
+        "median of 5 runs); synced: the median of --repeats calls, each waited for",
+    )
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="bpt pallas with other kernel options, one column each, timed in the same rounds: "
+        "semicolon-separated sets of comma-separated key=value (keys: block_k, num_warps, "
+        "num_stages, num_splits), e.g. 'num_warps=8;num_stages=3,block_k=32'",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -419,6 +481,7 @@ def main() -> None:
     args.num_splits = [int(x) for x in args.num_splits.split(",")]
     options = ("block_k", "num_warps", "num_stages")
     args.kernel_options = {k: getattr(args, k) for k in options if getattr(args, k)}
+    args.variants = parse_variants(parser, args.variants)
     if not 1 <= args.ragged_batch <= len(RAGGED_LENGTHS):
         parser.error(f"--ragged_batch must be 1 to {len(RAGGED_LENGTHS)}; got {args.ragged_batch}")
     meta = run_meta(parts=parts)

@@ -9,7 +9,7 @@ from conftest import rel_err
 
 from bpt.ops import decode_attention, reference_attention
 from bpt.ops.decode import last_visible_slot, merge_partials, partial_attention, split_kv_partial
-from bpt.ops.kernels.decode import _lean_table, _tile_table, decode_partial
+from bpt.ops.kernels.decode import _lean_table, _merge, _tile_table, decode_partial
 
 MAX_LEN = 128
 # Jit-ed: the interpreted kernel's loops run far faster compiled than op by op.
@@ -136,13 +136,16 @@ def test_kernel_schedules_on_a_ragged_batch(key, schedule, splits, waves):
 
 
 def test_default_tiles_leave_each_program_enough_blocks(key):
-    """Programs per K/V head by default: WAVES a SM over the K/V heads, but none with fewer
-    than MIN_TILE_BLOCKS of the cache's blocks (batch 1 at 128K with 8 K/V heads on 132 SMs:
-    64 of 32 blocks, not 132 of 16); the kernel at its default count is exact."""
+    """Programs per K/V head by default: at most WAVES a SM over the K/V heads, none with
+    fewer than MIN_TILE_BLOCKS of the cache's blocks, and of those counts the one that fills
+    its last wave of SMs best (batch 1 at 128K on 132 SMs: 33 a head, 2 or 4 full waves,
+    not the 64 the block bound allows, 3.9 or 7.8); the kernel at its default count is exact."""
     from bpt.ops.kernels.decode import MIN_TILE_BLOCKS, WAVES, default_tiles
 
     assert (WAVES, MIN_TILE_BLOCKS) == (8, 32)
-    assert default_tiles(1, 2048, 8, 132) == 64  # 128K slots in blocks of 64
+    assert default_tiles(1, 2048, 8, 132) == 33  # 128K slots in blocks of 64: 264 programs
+    assert default_tiles(1, 2048, 16, 132) == 33  # 528 programs
+    assert default_tiles(1, 512, 16, 132) == 16  # 32K: the block bound, under 2 waves
     assert default_tiles(8, 2048, 8, 132) == 132  # batch 8: WAVES' count
     assert default_tiles(1, 8192, 16, 132) == 66  # 512K, 16 K/V heads
     assert default_tiles(1, 16, 8, 132) == 1  # a short cache: one program a head
@@ -224,6 +227,46 @@ def test_merging_partials_over_any_split_of_the_keys_is_exact(key):
     whole, merged = whole_and_merged(q, k, v, last)
     assert rel_err(merged.out, whole.out) < 1e-5
     np.testing.assert_allclose(merged.lse, whole.lse, rtol=1e-5)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_the_kernels_merge_equals_logsumexp_by_segments(key, count):
+    """The kernel's dense merge (reductions for one group, a one-hot product for more)
+    against logsumexp written out per group with segment sums; empty partials (lse -inf)
+    weigh nothing, and a group with none but empty ones gives zeros and -inf."""
+    n = 7
+    ko, kl, ki = jax.random.split(key, 3)
+    out = jax.random.normal(ko, (n, 2, 5, 16))
+    lse = 3.0 * jax.random.normal(kl, (n, 2, 5))
+    lse = lse.at[2].set(-jnp.inf).at[5, 1].set(-jnp.inf)
+    ids = jnp.sort(jax.random.randint(ki, (n,), 0, count)) if count > 1 else jnp.zeros((n,), jnp.int32)
+    if count > 1:
+        ids = ids.at[-1].set(0)  # unsorted is allowed
+        lse = jnp.where((ids == count - 1)[:, None, None], -jnp.inf, lse)  # a group of empty partials
+    merged, merged_lse = jax.jit(_merge, static_argnums=3)(ids, out, lse, count)
+    top = jax.ops.segment_max(lse, ids, num_segments=count)
+    weight = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)[ids])
+    total = jax.ops.segment_sum(weight, ids, num_segments=count)
+    expected = jax.ops.segment_sum(out * weight[..., None], ids, num_segments=count) / jnp.where(
+        total > 0, total, 1.0
+    )[..., None]
+    expected_lse = jnp.where(total > 0, jnp.where(jnp.isfinite(top), top, 0.0) + jnp.log(total), -jnp.inf)
+    np.testing.assert_allclose(merged, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(jnp.isinf(merged_lse), jnp.isinf(expected_lse))
+    np.testing.assert_allclose(merged_lse, expected_lse, rtol=1e-5)
+    if count > 1:
+        assert not jnp.any(merged[count - 1]) and jnp.all(merged_lse[count - 1] == -jnp.inf)
+
+
+@pytest.mark.parametrize("heads,kv_heads,splits", [(4, 4, 1), (4, 2, 3)], ids=["mha-1", "gqa-3"])
+def test_the_kernel_at_batch_1_equals_the_reference(key, heads, kv_heads, splits):
+    """One sequence (the merge's one-group path), its tiles of one or several programs."""
+    q, k, v = caches(key, 1, heads, kv_heads, 1)
+    lengths = jnp.array([100])
+    k, v = with_garbage(k, lengths), with_garbage(v, lengths)
+    last = last_visible_slot(jnp.array([99]), 1, lengths)
+    expected = decode(q, k, v, jnp.array([99]), lengths=lengths, impl="reference")
+    assert rel_err(kernel(q, k, v, last, num_splits=splits).out, expected) < 1e-5
 
 
 def test_a_query_that_sees_nothing_gives_zeros(key):

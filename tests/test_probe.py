@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 from conftest import load_script
 
@@ -213,9 +214,28 @@ def test_memory_script_end_to_end(tmp_path):
     assert (tmp_path / "memory.png").is_file()
 
 
+def test_seconds_per_call_times_each_call_or_a_run_of_them():
+    """synced waits for every call, pipelined for a run of them; both call fn with its
+    arguments and give seconds a call; any other timing is a clear error."""
+    benchlib = load_script("benchlib")
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return jnp.ones(3) * x
+
+    assert benchlib.seconds_per_call(fn, 2.0, repeats=3, warmup=1, timing="synced") > 0
+    assert len(calls) == 1 + 3
+    assert benchlib.seconds_per_call(fn, 2.0, repeats=3, warmup=1, timing="pipelined") > 0
+    assert len(calls) == 4 + 1 + 5 * 3 and set(calls) == {2.0}
+    with pytest.raises(ValueError, match="timing must be one of pipelined, synced"):
+        benchlib.seconds_per_call(fn, 2.0, timing="async")
+
+
 def test_decode_script_end_to_end(tmp_path):
-    """Every implementation the CPU has (bpt's kernel at its default and at 2 programs a K/V
-    head, one column each), one shape and a one-sequence ragged batch; the table, JSON, PNG."""
+    """Every implementation the CPU has (bpt's kernel at its default, at 2 programs a K/V
+    head and with 2 stages, one column each), one shape and a one-sequence ragged batch,
+    timed back to back (the default); the table, JSON, PNG."""
     proc = run_script(
         "bench_decode.py",
         "--contexts=256",
@@ -224,6 +244,7 @@ def test_decode_script_end_to_end(tmp_path):
         "--ragged_batch=1",
         "--repeats=1",
         "--num_splits=0,2",
+        "--variants=num_stages=2",
         "--parts=kernels,ragged,sample",
         f"--sample_config={TINY}",
         "--sample_contexts=256",
@@ -237,9 +258,10 @@ def test_decode_script_end_to_end(tmp_path):
     assert "error" not in sample and sample["prompt"] == 252 and sample["tokens_per_s"] > 0
     assert "| 256 | 252 |" in proc.stdout
     (row,) = results["kernels"]
-    impls = {"bpt pallas", "bpt pallas s2", "bpt pallas lean", "bpt split_kv", "XLA"}
-    assert set(row["times"]) == impls and not row.get("errors")
-    assert "| bpt pallas | bpt pallas s2 |" in proc.stdout
+    impls = {"bpt pallas", "bpt pallas s2", "bpt pallas num_stages=2", "bpt pallas lean", "bpt split_kv", "XLA"}
+    assert set(row["times"]) == impls and not row.get("errors") and row["timing"] == "pipelined"
+    assert "| bpt pallas | bpt pallas s2 | bpt pallas num_stages=2 |" in proc.stdout
+    assert "µs a call, calls back to back" in proc.stdout
     assert {"pallas stream_k", "pallas split", "pallas lean"} <= set(results["ragged"][0]["times"])
     assert row["bytes"] == 2 * 256 * 8 * 128 * 2
     assert "| 256 | 1 | 32/8 |" in proc.stdout and "stream-K / split" in proc.stdout

@@ -21,8 +21,9 @@ reading the cache and the kernel's job is to keep every SM reading it:
   program writes one partial for each (sequence, head) piece of its range, so a batch of
   one with few K/V heads still gets one long, equal range a SM (LEAN_WAVES programs a SM)
   instead of many short tiles.
-- Programs per K/V head come from the GPU's SM count (WAVES programs a SM), but no more than
-  leave each MIN_TILE_BLOCKS of the cache's blocks, unless num_splits is given.
+- Programs per K/V head come from the GPU's SM count (up to WAVES programs a SM), no more
+  than leave each MIN_TILE_BLOCKS of the cache's blocks, and a count whose programs fill
+  their last wave (default_tiles), unless num_splits is given.
 - A model's whole cache can come as a stack [layers, batch, max_len, kv_heads, head_dim] with
   a layer index (a scalar operand): the layer's slots are read in place, never sliced out.
 - An int8 cache comes with its scales (one per slot and K/V head): the kernel reads int8 and
@@ -49,7 +50,7 @@ LN2 = math.log(2.0)
 SCHEDULES = ("stream_k", "split", "lean")
 MIN_ROWS = 16  # the smallest M a Triton dot takes
 MIN_BLOCK_K = 16  # the smallest block of cache slots (the default halves toward it to divide the cache)
-# Programs a SM (over all K/V heads) when num_splits is not given; with block_k 64 and
+# Programs a SM (over all K/V heads) at most when num_splits is not given; with block_k 64 and
 # num_stages=4 the best of 4, 6 and 8 on one H100 at 128K-1M slots (docs/notes/decoding.md).
 WAVES = 8
 # The fewest cache blocks a stream_k/split program gets by default (programs per K/V head at
@@ -70,9 +71,19 @@ def num_sms(device=None) -> int:
 
 
 def default_tiles(batch: int, blocks: int, kv_heads: int, sms: int) -> int:
-    """Programs per K/V head when num_splits is not given: WAVES a SM over the K/V heads, at
-    most one a MIN_TILE_BLOCKS of the batch's cache blocks (blocks: a sequence's)."""
-    return max(1, min(-(-WAVES * sms // kv_heads), batch * blocks // MIN_TILE_BLOCKS))
+    """Programs per K/V head when num_splits is not given: at most WAVES a SM over the K/V
+    heads and one a MIN_TILE_BLOCKS of the batch's cache blocks (blocks: a sequence's); of
+    those counts, the one whose programs fill their last wave of `sms` best, the largest of
+    equals. (Batch 1 at 128K with 16 K/V heads: 33 a head, four full waves of 132, not 64, 7.8
+    waves; the programs of a stream-K tile table all read alike, so a partial last wave is
+    time the rest of the GPU waits.)"""
+    cap = max(1, min(-(-WAVES * sms // kv_heads), batch * blocks // MIN_TILE_BLOCKS))
+
+    def filled(tiles: int) -> float:  # the share of the waves' slots that hold a program
+        programs = tiles * kv_heads
+        return programs / (-(-programs // sms) * sms)
+
+    return max(range(1, cap + 1), key=lambda t: (round(filled(t), 3), t))
 
 
 def _tile_table(visible_blocks: Array, tiles: int, schedule: str, max_blocks: int, full_blocks=None) -> Array:
@@ -219,14 +230,29 @@ def _lean_table(visible_blocks: Array, full_blocks: Array, kv_heads: int, progra
 
 def _merge(ids: Array, out: Array, lse: Array, count: int) -> tuple[Array, Array]:
     """The partials (out [n, ..., head_dim], lse [n, ...]) merged by logsumexp into `count`
-    groups, partial i into group ids[i]; empty partials have lse -inf: weight 0. (In XLA: a
-    merge kernel looping over a sequence's tiles was slower at batch 1, where it has few
-    programs.)"""
-    top = jax.ops.segment_max(lse, ids, num_segments=count)
+    groups, partial i into group ids[i]; empty partials have lse -inf: weight 0.
+
+    Dense XLA, no scatter: with one group, reductions over the partials; with more, the
+    group's sums as a product with the [count, n] one-hot matrix (float32 throughout). At
+    batch 1 on an H200 the segment sums this replaced were several small kernels a call
+    (docs/notes/decoding.md); a merge kernel looping over a sequence's tiles was slower at
+    batch 1, where it has few programs."""
+    if count == 1:
+        top = jnp.max(lse, axis=0, keepdims=True)
+        member = None
+    else:
+        member = ids[None, :] == jnp.arange(count, dtype=ids.dtype)[:, None]  # [count, n]
+        spread = member.reshape(*member.shape, *(1,) * (lse.ndim - 1))
+        top = jnp.max(jnp.where(spread, lse[None], -jnp.inf), axis=1)
     shift = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight = jnp.exp(lse - shift[ids])
-    total = jax.ops.segment_sum(weight, ids, num_segments=count)
-    merged = jax.ops.segment_sum(out * weight[..., None], ids, num_segments=count)
+    weight = jnp.exp(lse - (shift if member is None else shift[ids]))
+    weighted = out * weight[..., None]
+    if member is None:
+        total, merged = jnp.sum(weight, axis=0, keepdims=True), jnp.sum(weighted, axis=0, keepdims=True)
+    else:
+        onehot = member.astype(jnp.float32)
+        total = jnp.tensordot(onehot, weight, axes=1, precision=lax.Precision.HIGHEST)
+        merged = jnp.tensordot(onehot, weighted, axes=1, precision=lax.Precision.HIGHEST)
     safe = jnp.where(total > 0, total, 1.0)
     return merged / safe[..., None], jnp.where(total > 0, shift + jnp.log(safe), -jnp.inf)
 
@@ -300,20 +326,24 @@ def decode_partial(
         programs = num_splits * hk if num_splits else max(1, (lean_waves or LEAN_WAVES) * num_sms())
         pieces, spans = _lean_table(visible_blocks, full_blocks, hk, programs)
         out, lse, ids, tables = _lean_call(call, kernel_args, operands, pieces, spans, hk)
+        groups = b * hk
     else:
         tiles = num_splits or default_tiles(b, max_len // block_k, hk, num_sms())
         table = _tile_table(visible_blocks, tiles, schedule, max_len // block_k, full_blocks)
         out, lse, ids, tables = _tile_call(call, kernel_args, operands, table, hk)
+        groups = b
     # The operands this program computes (the tile or piece tables, the queries' and the slots'
     # rows) stay alive past the kernel. Without this, on an H100 (jax 0.11.2) a jitted call with
     # some tile counts (batch 2 with num_splits 1, 2 or 4) read a damaged table: NaN or wrong
     # outputs, or an illegal address, while the same kernel called alone was exact. The
     # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases.
     out, lse, ids, _ = lax.optimization_barrier((out, lse, ids, (*tables, q_rows, last_rows)))
-    merged, merged_lse = _merge(ids, out, lse, b * hk)  # per (sequence, K/V head)
+    # The rows past q_len x group pad the kernel's dots: the merge reads only the queries' rows.
+    out, lse = out[..., : q_len * group, :], lse[..., : q_len * group]
+    merged, merged_lse = _merge(ids, out, lse, groups)  # per sequence (lean: per (sequence, K/V head))
     # Back to [b, q_len, h, d] and [b, h, q_len].
-    merged = merged.reshape(b, hk, rows, d)[:, :, : q_len * group].reshape(b, hk, q_len, group, d)
-    merged_lse = merged_lse.reshape(b, hk, rows)[:, :, : q_len * group].reshape(b, hk, q_len, group)
+    merged = merged.reshape(b, hk, q_len, group, d)
+    merged_lse = merged_lse.reshape(b, hk, q_len, group)
     return Partial(
         merged.transpose(0, 2, 1, 3, 4).reshape(b, q_len, h, d),
         merged_lse.transpose(0, 1, 3, 2).reshape(b, h, q_len),
@@ -321,9 +351,8 @@ def decode_partial(
 
 
 def _tile_call(call, kernel_args, operands, table, hk):
-    """The stream_k and split schedules over the tile table: (out [tiles * hk, rows, d], lse
-    [tiles * hk, rows], each partial's (sequence, K/V head) as sequence * hk + head, the
-    tables the kernel read)."""
+    """The stream_k and split schedules over the tile table: (out [tiles, hk, rows, d], lse
+    [tiles, hk, rows], each tile's sequence, the tables the kernel read)."""
     n, (_, _, rows, d) = table.shape[0], operands[1].shape
     # Grid (K/V head, tile), the head varying fastest: the programs of one tile's K/V heads
     # launch together and read the same cache rows side by side (1-7% faster on an H100 than
@@ -343,14 +372,13 @@ def _tile_call(call, kernel_args, operands, table, hk):
         ],
         name="bpt_decode",
     )(table, *operands)
-    ids = (table[:, :1] * hk + jnp.arange(hk, dtype=jnp.int32)[None, :]).reshape(-1)
-    return out.reshape(n * hk, rows, d), lse.reshape(n * hk, rows), ids, (table,)
+    return out, lse, table[:, 0], (table,)
 
 
 def _lean_call(call, kernel_args, operands, pieces, spans, hk):
-    """The lean schedule over its piece and span tables (_lean_table): (out [pieces, rows, d],
-    lse [pieces, rows], each piece's (sequence, K/V head) as sequence * hk + head, the tables
-    the kernel read)."""
+    """The lean schedule over its piece and span tables (_lean_table): (out [pieces, 1, rows,
+    d], lse [pieces, 1, rows], each piece's (sequence, K/V head) as sequence * hk + head, the
+    tables the kernel read)."""
     (_, _, rows, d), (programs, _), n = operands[1].shape, spans.shape, pieces.shape[0]
     whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731
     out, lse = call(
@@ -361,4 +389,4 @@ def _lean_call(call, kernel_args, operands, pieces, spans, hk):
         out_shape=[jax.ShapeDtypeStruct((n, rows, d), jnp.float32), jax.ShapeDtypeStruct((n, rows), jnp.float32)],
         name="bpt_decode_lean",
     )(spans, pieces, *operands)
-    return out, lse, pieces[:, 0] * hk + pieces[:, 1], (pieces, spans)
+    return out[:, None], lse[:, None], pieces[:, 0] * hk + pieces[:, 1], (pieces, spans)
