@@ -514,6 +514,7 @@ def test_remat_auto_unrolls_the_stack_where_its_first_policy_fits_unrolled(capsy
         assert resolve_remat(other, budget=35, need=need, say=lambda _: None).model.scan_unroll == 1
         assert asked == [("attention_and_dots_saveable", 1)]
     assert probe.may_unroll(c.model) and paper_config("1b").model.auto_unroll
+    assert paper_config("1b").train.grad_accum_unroll and not paper_config("7b").train.grad_accum_unroll
     assert not paper_config("7b").model.auto_unroll and not paper_config("125m").model.auto_unroll
     assert not flash_config("1b").model.auto_unroll
     # A real step: the unrolled executable auto compiled is the one the step keeps.

@@ -158,15 +158,20 @@ def test_gradient_accumulation_matches_one_big_batch():
     rng = jax.random.PRNGKey(0)
     batch = {k: jnp.asarray(v) for k, v in CopyTask(64, 8, 0).train_batch(0, 8).items()}
     batch["loss_mask"] = batch["loss_mask"].at[:4, 40:].set(0.0)  # unequal token counts per micro-batch
-    states = {}
-    for accum in (1, 2, 4):
+    states, loops = {}, {}
+    for accum, unroll in ((1, False), (2, False), (4, False), (2, True)):
         state = create_state(c, model, rng)
-        states[accum], metrics = jax.jit(make_train_step(accum))(state, batch, rng)
+        step = jax.jit(make_train_step(accum, unroll=unroll))
+        states[accum, unroll], metrics = step(state, batch, rng)
         if accum == 1:
             loss1 = metrics["loss"]
         assert abs(float(metrics["loss"]) - float(loss1)) < 1e-5
-    for accum in (2, 4):
-        assert tree_rel_err(states[accum].params, states[1].params) < 1e-5
+        loops[accum, unroll] = step.lower(state, batch, rng).as_text().count("stablehlo.while")
+    # train.grad_accum_unroll: the micro-batches straight-line in the program, one loop (the
+    # one over them) fewer than the model's own loops and that one
+    assert loops[2, True] == loops[2, False] - 1 and loops[2, False] == loops[4, False], loops
+    for key in ((2, False), (4, False), (2, True)):
+        assert tree_rel_err(states[key].params, states[1, False].params) < 1e-5
 
 
 def test_weight_decay_only_on_matrices():

@@ -187,6 +187,9 @@ def train_section() -> ConfigDict:
     s.steps = 1000
     s.batch_size = 8
     s.grad_accum_steps = 1
+    # Unroll the micro-batch loop (grad_accum_steps > 1): no loop carry or zero-filled
+    # accumulator, for a program (and a compile) grad_accum_steps times the model's.
+    s.grad_accum_unroll = False
     s.learning_rate = 2e-4
     s.warmup_steps = 100
     s.min_lr_ratio = 0.1  # the cosine decays to learning_rate * min_lr_ratio

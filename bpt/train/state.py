@@ -94,7 +94,7 @@ def jit_steps(config: ConfigDict, model: CausalLM, shardings):
     jit_initializer) and the batch's on the model's mesh (batch_sharding None on one device)."""
     tc, parallel = config.train, model.parallel
     batch = None if parallel is None else parallel.activations()
-    train_step = make_train_step(tc.grad_accum_steps, batch_sharding=batch)
+    train_step = make_train_step(tc.grad_accum_steps, batch_sharding=batch, unroll=tc.grad_accum_unroll)
     if parallel is None:
         return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step), None
     replicated = parallel.replicated()

@@ -27,7 +27,7 @@ def _loss(apply_fn: Callable, params, batch: dict, rng, deterministic: bool) -> 
 
 
 def make_train_step(
-    grad_accum_steps: int, *, batch_sharding=None
+    grad_accum_steps: int, *, batch_sharding=None, unroll: bool = False
 ) -> Callable[[TrainState, dict, Any], tuple[TrainState, dict]]:
     """A step that splits the batch into grad_accum_steps micro-batches and applies one update.
 
@@ -43,6 +43,12 @@ def make_train_step(
     batch_sharding: the NamedSharding of the [batch, seq] inputs on a mesh. Micro-batch m takes
     rows m, m + grad_accum_steps, ...: the split keeps the (sharded) batch axis whole on every
     device instead of moving the accumulation index onto it.
+
+    unroll: the micro-batch loop unrolled (train.grad_accum_unroll), each micro-batch its own
+    copy of the model in the program. XLA then sees the whole sum: the first micro-batch's
+    gradient starts it (no zero-filled accumulator copied into a loop), the micro-batches'
+    rows are static slices, and the last add can fuse with the optimizer's update. The
+    program, and its compile time, grow with grad_accum_steps.
     """
 
     def train_step(state: TrainState, batch: dict, rng) -> tuple[TrainState, dict]:
@@ -68,7 +74,10 @@ def make_train_step(
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         (grads, totals), _ = jax.lax.scan(
-            accumulate, (zeros, jnp.zeros(3)), (jnp.arange(grad_accum_steps), micro)
+            accumulate,
+            (zeros, jnp.zeros(3)),
+            (jnp.arange(grad_accum_steps), micro),
+            unroll=grad_accum_steps if unroll else 1,
         )
         tokens = jnp.maximum(totals[1], 1.0)
         loss = totals[0] / tokens
