@@ -122,8 +122,8 @@ def kernels_part(args) -> list[dict]:
                 pos = jnp.array([length - 1])
                 lengths = jnp.full((batch,), length, jnp.int32)
                 nbytes = cache_bytes(batch, length, kv_heads, 128)
-                row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes, "timing": args.timing,
-                       "times": {}}  # fmt: skip
+                row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes}
+                row.update(timing=args.timing, times={})
                 fns = implementations(args.kernel_options, args.lean_waves, args.num_splits, args.variants)
                 for round_ in range(args.rounds):  # interleaved, so drift on the machine hits all alike
                     for impl, fn in list(fns.items()):
@@ -325,8 +325,8 @@ def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
         names = list(dict.fromkeys(n for r in ragged_rows for n in r["times"]))
         lengths = ", ".join(human_tokens(n) for n in ragged_rows[0]["lengths"])
         out += [
-            f"Ragged batch (lengths {lengths}): µs a call, {_timing(ragged_rows)} (effective TB/s of the K+V "
-            "each sequence holds)",
+            f"Ragged batch (lengths {lengths}): µs a call, {_timing(ragged_rows)} "
+            "(effective TB/s of the K+V each sequence holds)",
             "",
             "| heads / KV heads | " + " | ".join(names) + " | stream-K / split |",
             "|---|" + "---|" * (len(names) + 1),
