@@ -122,7 +122,7 @@ def kernels_part(args) -> list[dict]:
                 pos = jnp.array([length - 1])
                 lengths = jnp.full((batch,), length, jnp.int32)
                 nbytes = cache_bytes(batch, length, kv_heads, 128)
-                row = {"context": length, "batch": batch, "heads": name, "bytes": nbytes}
+                row = dict(context=length, batch=batch, heads=name, bytes=nbytes)
                 row.update(timing=args.timing, times={})
                 fns = implementations(args.kernel_options, args.lean_waves, args.num_splits, args.variants)
                 for round_ in range(args.rounds):  # interleaved, so drift on the machine hits all alike
@@ -142,10 +142,10 @@ def kernels_part(args) -> list[dict]:
 
 
 def ragged_part(args) -> list[dict]:
-    timed = functools.partial(seconds_per_call, repeats=args.repeats, timing=args.timing)
     from bpt.ops.decode import last_visible_slot
     from bpt.ops.kernels.decode import decode_partial
 
+    timed = functools.partial(seconds_per_call, repeats=args.repeats, timing=args.timing)
     lengths = jnp.array(RAGGED_LENGTHS[: args.ragged_batch], jnp.int32)
     batch, length = int(lengths.shape[0]), int(max(RAGGED_LENGTHS[: args.ragged_batch]))
     rows = []
@@ -163,8 +163,7 @@ def ragged_part(args) -> list[dict]:
             )
             for schedule in ("stream_k", "split", "lean")
         }
-        row = {"lengths": [int(n) for n in lengths], "heads": name, "bytes": nbytes, "timing": args.timing,
-               "times": {}}  # fmt: skip
+        row = dict(lengths=[int(n) for n in lengths], heads=name, bytes=nbytes, timing=args.timing, times={})
         for impl, fn in fns.items():
             row["times"][impl] = timed(fn, q, k, v, last)
         for impl, fn in implementations(args.kernel_options).items():
@@ -177,12 +176,12 @@ def ragged_part(args) -> list[dict]:
 
 
 def tree_part(args) -> list[dict]:
-    timed = functools.partial(seconds_per_call, repeats=args.repeats, timing=args.timing)
     from jax.sharding import NamedSharding, PartitionSpec
 
     from bpt.ops.decode import attend_cache, last_visible_slot
     from bpt.parallel import make_mesh, ring_decode_attention, tree_decode_attention
 
+    timed = functools.partial(seconds_per_call, repeats=args.repeats, timing=args.timing)
     n = jax.device_count()
     mesh = make_mesh(sequence=n)
     impl = "pallas" if jax.default_backend() == "gpu" else "split_kv"

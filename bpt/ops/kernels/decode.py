@@ -237,22 +237,24 @@ def _merge(ids: Array, out: Array, lse: Array, count: int) -> tuple[Array, Array
     batch 1 on an H200 the segment sums this replaced were several small kernels a call
     (docs/notes/decoding.md); a merge kernel looping over a sequence's tiles was slower at
     batch 1, where it has few programs."""
-    if count == 1:
-        top = jnp.max(lse, axis=0, keepdims=True)
-        member = None
+    if count == 1:  # a group's value broadcasts over the partials
+        group_max = functools.partial(jnp.max, axis=0, keepdims=True)
+        group_sum = functools.partial(jnp.sum, axis=0, keepdims=True)
+        per_partial = slice(None)
     else:
         member = ids[None, :] == jnp.arange(count, dtype=ids.dtype)[:, None]  # [count, n]
         spread = member.reshape(*member.shape, *(1,) * (lse.ndim - 1))
-        top = jnp.max(jnp.where(spread, lse[None], -jnp.inf), axis=1)
-    shift = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight = jnp.exp(lse - (shift if member is None else shift[ids]))
-    weighted = out * weight[..., None]
-    if member is None:
-        total, merged = jnp.sum(weight, axis=0, keepdims=True), jnp.sum(weighted, axis=0, keepdims=True)
-    else:
+
+        def group_max(x):
+            return jnp.max(jnp.where(spread, x[None], -jnp.inf), axis=1)
+
         onehot = member.astype(jnp.float32)
-        total = jnp.tensordot(onehot, weight, axes=1, precision=lax.Precision.HIGHEST)
-        merged = jnp.tensordot(onehot, weighted, axes=1, precision=lax.Precision.HIGHEST)
+        group_sum = functools.partial(jnp.tensordot, onehot, axes=1, precision=lax.Precision.HIGHEST)
+        per_partial = ids
+    top = group_max(lse)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.exp(lse - shift[per_partial])
+    total, merged = group_sum(weight), group_sum(out * weight[..., None])
     safe = jnp.where(total > 0, total, 1.0)
     return merged / safe[..., None], jnp.where(total > 0, shift + jnp.log(safe), -jnp.inf)
 
