@@ -335,6 +335,26 @@ def test_offloaded_layer_inputs_live_in_host_memory_and_change_nothing(batch, mo
     assert f"f32<host>{stack}" in kept and f"f32{stack}" not in kept
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="host offload moves data off a GPU")
+def test_offloaded_layer_inputs_change_nothing_on_gpu():
+    """On a GPU the saved layer inputs really leave the device (on a CPU host memory is the
+    device's): the loss and gradients are those of the step that keeps them, with attention
+    kept as remat auto's offloaded candidate keeps it, in bf16 on the GPU's kernels."""
+    cfg = dataclasses.replace(
+        BASE, num_layers=4, d_model=256, num_heads=4, num_kv_heads=4, max_seq_len=1024, dtype="bfloat16",
+        q_chunk_size=256, kv_chunk_size=256, loss_chunk_size=256, attention_impl="auto",
+        attention_mode="blockwise_parallel", remat_layer="attention_saveable",
+    )  # fmt: skip
+    key, kt = jax.random.split(jax.random.PRNGKey(11))
+    tokens = jax.random.randint(kt, (2, 1024), 0, cfg.vocab_size)
+    params = init_params(cfg, key, 1024)
+    targets = jnp.roll(tokens, -1, axis=1)
+    _, loss, grads = forward(cfg, params, tokens, targets)
+    _, off_loss, off_grads = forward(dataclasses.replace(cfg, offload_layer_inputs=True), params, tokens, targets)
+    assert rel_err(off_loss, loss) < 1e-6 and tree_rel_err(off_grads, grads) < 1e-6
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_chunked_and_full_loss_agree(batch, mode, capsys):
     tokens, targets, params = batch

@@ -4,6 +4,7 @@ longest length that fits, the max-context, memory and throughput scripts)."""
 
 import argparse
 import copy
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -525,6 +526,70 @@ def test_remat_auto_unrolls_the_stack_where_its_first_policy_fits_unrolled(capsy
     step = TrainingStep(small, vocab_size=256)
     assert (step.config.model.remat_layer, step.config.model.scan_unroll) == (AUTO_REMAT[0], small.model.num_layers)
     assert step.model.config.scan_unroll == small.model.num_layers and step._compiled is not None
+
+
+def test_remat_auto_offloads_the_saved_layer_inputs_where_that_lets_attention_fit(capsys, monkeypatch):
+    """model.auto_offload: where attention_saveable does not fit, auto compiles it again with
+    the saved layer inputs offloaded to the host, before nothing_saveable; not where the
+    stack's settings cannot offload or offload already. GPT-7B's preset asks."""
+    c = base_config("tiny")
+    c.model.remat_layer, c.model.auto_offload = "auto", True
+    assert probe.auto_candidates(c.model) == (
+        ("attention_and_dots_saveable", False),
+        ("attention_saveable", False),
+        ("attention_saveable", True),
+        ("nothing_saveable", False),
+    )
+    needs = {
+        ("attention_and_dots_saveable", False): 40,
+        ("attention_saveable", False): 30,
+        ("attention_saveable", True): 20,
+        ("nothing_saveable", False): 25,
+    }
+    asked = []
+
+    def need(config):
+        asked.append((config.model.remat_layer, config.model.offload_layer_inputs))
+        return needs[asked[-1]]
+
+    for budget, expected in ((30, ("attention_saveable", False)), (29, ("attention_saveable", True)),
+                             (19, ("nothing_saveable", False))):  # fmt: skip
+        asked.clear()
+        chosen = resolve_remat(c, budget=budget, need=need)
+        assert (chosen.model.remat_layer, chosen.model.offload_layer_inputs) == expected, budget
+        assert asked[-1] == expected and len(asked) == list(needs).index(expected) + 1
+    out = capsys.readouterr().out
+    assert "compiling the step with attention_saveable and the saved layer inputs offloaded to the host" in out
+    assert "model.remat_layer=auto: attention_saveable (the saved layer inputs offloaded to the host; " in out
+    assert "attention_saveable offloaded 0.0 GiB" in out
+    assert not c.model.offload_layer_inputs  # the caller's config is left as it was
+    for name, value in (("auto_offload", False), ("remat_group", 2), ("offload_layer_inputs", True)):
+        other = copy.deepcopy(c)
+        other.model[name] = value
+        assert not probe.may_offload(other.model), name
+        assert len(probe.auto_candidates(other.model)) == len(AUTO_REMAT), name
+    # the user's own offload: every candidate offloads, none twice
+    own = copy.deepcopy(c)
+    own.model.offload_layer_inputs = True
+    assert {offload for _, offload in probe.auto_candidates(own.model)} == {True}
+    assert paper_config("7b").model.auto_offload and not paper_config("1b").model.auto_offload
+    assert not flash_config("7b").model.auto_offload
+    # A real step: the offloaded executable auto compiled is the one the step keeps. (On a
+    # CPU host memory is device memory: the memory the steps report is made to differ.)
+    small = tiny("blockwise_parallel", 256)
+    small.model.remat_layer, small.model.auto_offload = "auto", True
+    real = TrainingStep.memory
+
+    def memory(step):
+        m = real(step)
+        kept = step.config.model.remat_layer != "nothing_saveable" and not step.config.model.offload_layer_inputs
+        return dataclasses.replace(m, temp=m.temp + (1 << 30 if kept else 0))
+
+    monkeypatch.setattr(TrainingStep, "memory", memory)
+    monkeypatch.setattr(probe, "memory_budget", lambda: 1 << 29)
+    step = TrainingStep(small, vocab_size=256)
+    assert (step.config.model.remat_layer, step.config.model.offload_layer_inputs) == ("attention_saveable", True)
+    assert step.model.config.offload_layer_inputs and step._compiled is not None
 
 
 def test_profile_splits_collective_time_into_transfers_and_waits():

@@ -42,6 +42,11 @@ AUTO_UNROLL_SIZES = ("1b",)
 # H200 (47,368 -> 48,338 tokens/s, 49.2% -> 50.3% MFU) in 6.7 GiB more memory (44.6 -> 51.3
 # compiled) and about 20 s more compile (docs/notes/step_speed.md).
 ACCUM_UNROLL_SIZES = ("1b",)
+# Sizes whose remat auto also tries attention_saveable with the saved layer inputs offloaded to
+# the host (model.auto_offload; bpt.train.probe.may_offload) where attention_saveable alone does
+# not fit: GPT-7B at 32K on an H200, 6,829-6,857 tokens/s (45.3-45.5% MFU) in 132.4 GiB
+# against nothing_saveable's 6,446-6,447 (42.8%) in 132.5 (docs/notes/step_speed.md).
+AUTO_OFFLOAD_SIZES = ("7b",)
 
 
 def paper_config(size: str) -> ConfigDict:
@@ -49,7 +54,8 @@ def paper_config(size: str) -> ConfigDict:
     layer remat chosen on the device (model.remat_layer=auto: the fastest policy whose step
     fits its memory; bpt.train.probe.resolve_remat); the layer stack unrolled at the sizes
     in UNROLLED_SIZES, and where it fits at those in AUTO_UNROLL_SIZES; the micro-batch loop
-    unrolled at those in ACCUM_UNROLL_SIZES."""
+    unrolled at those in ACCUM_UNROLL_SIZES; the saved layer inputs offloaded where that lets
+    attention_saveable fit at those in AUTO_OFFLOAD_SIZES."""
     c = base_config(size)
     c.model.dtype = "bfloat16"
     c.model.remat_layer = "auto"
@@ -57,6 +63,7 @@ def paper_config(size: str) -> ConfigDict:
         c.model.scan_unroll = c.model.num_layers
     c.model.auto_unroll = size in AUTO_UNROLL_SIZES
     c.train.grad_accum_unroll = size in ACCUM_UNROLL_SIZES
+    c.model.auto_offload = size in AUTO_OFFLOAD_SIZES
     c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1024
     c.data.seq_len = 8192
     c.train.steps = 10000
@@ -158,7 +165,7 @@ def flash_config(size: str, d_model: int = 0, recipe: str = "paper") -> ConfigDi
         c.model.scan_unroll = c.model.num_layers
     else:
         c.model.remat_layer = "nothing_saveable"
-    c.model.auto_unroll = False  # measured for the GPT only
+    c.model.auto_unroll = c.model.auto_offload = False  # measured for the GPT only
     return c
 
 

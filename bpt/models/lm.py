@@ -87,6 +87,11 @@ class LMConfig:
     # more memory; at 128K and beyond it needs 1.6-2.1x (docs/notes/step_speed.md), so the
     # loop stays where auto keeps less. The model itself does not read it.
     auto_unroll: bool = False
+    # With remat_layer="auto": where attention_saveable does not fit, also compile it with the
+    # saved layer inputs offloaded to the host (offload_layer_inputs) before falling back to
+    # nothing_saveable. GPT-7B at 32K on an H200: 45.3-45.5% MFU against nothing_saveable's
+    # 42.8% (docs/notes/step_speed.md). The model itself does not read it.
+    auto_offload: bool = False
     remat_layer: str = "nothing_saveable"
     # Nested rematerialization of the layer stack: with G > 1 layers a group, the backward
     # keeps only every G-th layer's input (L / G of them) and recomputes a group's G inputs

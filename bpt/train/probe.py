@@ -82,6 +82,35 @@ def auto_policies(model: ConfigDict) -> tuple[str, ...]:
     return (("none",) if stack_unrolled(model) and _one_loop(model) else ()) + AUTO_REMAT
 
 
+# Where model.auto_offload asks, auto tries this policy a second time, with the saved layer
+# inputs offloaded to the host (model.offload_layer_inputs), before the policy after it.
+AUTO_OFFLOAD = "attention_saveable"
+
+
+def auto_candidates(model: ConfigDict) -> tuple[tuple[str, bool], ...]:
+    """(policy, offload_layer_inputs) for each step auto compiles, in order: auto_policies'
+    with the model's own offload_layer_inputs, and where may_offload(model) AUTO_OFFLOAD once
+    more with the inputs offloaded, right after it."""
+    own = model.get("offload_layer_inputs", False)
+    candidates = []
+    for policy in auto_policies(model):
+        candidates.append((policy, own))
+        if policy == AUTO_OFFLOAD and may_offload(model):
+            candidates.append((policy, True))
+    return tuple(candidates)
+
+
+def may_offload(model: ConfigDict) -> bool:
+    """Whether remat auto also tries AUTO_OFFLOAD with the saved layer inputs offloaded: asked
+    for (model.auto_offload), not offloaded already, and no nested remat (which offloading
+    does not take)."""
+    return (
+        model.get("auto_offload", False)
+        and not model.get("offload_layer_inputs", False)
+        and model.get("remat_group", 1) == 1
+    )
+
+
 def _one_loop(model: ConfigDict) -> bool:
     """Whether the layer stack runs as one loop that unrolling covers: no nested remat (its
     own loops) and no offloaded layer inputs."""
@@ -97,9 +126,10 @@ def resolve_remat(
     need: Callable[[ConfigDict], int] | None = None,
     say=_SAY,
 ) -> ConfigDict:
-    """config itself, or where model.remat_layer is "auto" a copy with the first policy of
-    auto_policies(config.model) whose training step fits the memory budget (default: the
-    device's). need(config)
+    """config itself, or where model.remat_layer is "auto" a copy with the first candidate of
+    auto_candidates(config.model) (a policy of auto_policies', and where model.auto_offload
+    asks, AUTO_OFFLOAD with the saved layer inputs offloaded to the host) whose training step
+    fits the memory budget (default: the device's). need(config)
     is a step's bytes (default: its compiled peak, from shapes: nothing is allocated). Where
     the device reports no limit (a CPU) auto is nothing_saveable; where none fits, the last
     (and bpt-train's preflight says what would make it fit). Where the first policy fits and
@@ -107,7 +137,7 @@ def resolve_remat(
     num_layers) is compiled too and taken if it fits as well; at longer contexts, where the
     loop's first policy does not fit, the unrolled one would not either and is not tried.
     Each candidate is compiled once, and the chosen one is the step that runs (choose_remat:
-    TrainingStep and bpt-train keep it; the others are up to three extra compilations, once
+    TrainingStep and bpt-train keep it; the others are up to four extra compilations, once
     per run). Each candidate is announced before it compiles (minutes at long contexts), then
     one line says the choice."""
     if config.model.remat_layer != "auto":
@@ -126,14 +156,22 @@ def resolve_remat(
     if need is None:
         need = lambda c: TrainingStep(c, vocab_size=vocab_size, devices=devices).memory().peak  # noqa: E731
     needs, started, fits = [], time.perf_counter(), False
-    for policy in auto_policies(config.model):
+    own_offload = config.model.get("offload_layer_inputs", False)
+    for policy, offload in auto_candidates(config.model):
         chosen.model.remat_layer = policy
-        say(f"remat auto: compiling the step with {policy} to measure its memory ...")
+        if offload != own_offload:  # auto_offload's candidate
+            chosen.model.offload_layer_inputs = offload
+            say(f"remat auto: compiling the step with {policy} and the saved layer inputs offloaded "
+                "to the host (model.auto_offload) ...")  # fmt: skip
+        else:
+            if "offload_layer_inputs" in chosen.model:
+                chosen.model.offload_layer_inputs = own_offload
+            say(f"remat auto: compiling the step with {policy} to measure its memory ...")
         bytes_ = need(chosen)
-        needs.append(f"{policy} {bytes_ / 2**30:.1f} GiB")
+        needs.append(f"{policy}{' offloaded' if offload != own_offload else ''} {bytes_ / 2**30:.1f} GiB")
         if fits := bytes_ <= budget:
             break
-    unrolled = ""
+    how = "the saved layer inputs offloaded to the host; " if fits and offload != own_offload else ""
     if fits and chosen.model.remat_layer == AUTO_REMAT[0] and may_unroll(config.model):
         trial = copy.deepcopy(chosen)
         trial.model.scan_unroll = trial.model.num_layers
@@ -141,8 +179,8 @@ def resolve_remat(
         bytes_ = need(trial)
         needs.append(f"unrolled {bytes_ / 2**30:.1f} GiB")
         if bytes_ <= budget:
-            chosen, unrolled = trial, "the layer stack unrolled; "
-    say(f"model.remat_layer=auto: {chosen.model.remat_layer} ({unrolled}step memory: {', '.join(needs)}; "
+            chosen, how = trial, "the layer stack unrolled; "
+    say(f"model.remat_layer=auto: {chosen.model.remat_layer} ({how}step memory: {', '.join(needs)}; "
         f"the device has {budget / 2**30:.1f} GiB; chosen in {time.perf_counter() - started:.0f} s)")  # fmt: skip
     return chosen
 
@@ -154,7 +192,7 @@ def choose_remat(
     where nothing was compiled: a named policy, or a device without a memory limit). The
     other candidates' executables are dropped."""
     tried = {}
-    key = lambda c: (c.model.remat_layer, c.model.scan_unroll)  # noqa: E731
+    key = lambda c: (c.model.remat_layer, c.model.scan_unroll, c.model.get("offload_layer_inputs", False))  # noqa: E731
 
     def need(c: ConfigDict) -> int:
         tried[key(c)] = step = TrainingStep(c, vocab_size=vocab_size, devices=devices)
