@@ -280,17 +280,21 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
 # bpt-train's own lines: remat auto's choice (and, where it compiled candidates, how long it
 # took), then the loop's train step where it took 10 s or came from the compile cache, or
 # the line that says the loop runs the step auto compiled.
-REMAT_LINE = re.compile(r"model\.remat_layer=auto: (\S+) \((the layer stack unrolled; )?[^\n]*?(?:; chosen in (\d+) s)?\)")
+REMAT_LINE = re.compile(
+    r"model\.remat_layer=auto: (\S+) \((the layer stack unrolled; |the saved layer inputs offloaded to the host; )?"
+    r"[^\n]*?(?:; chosen in (\d+) s)?\)"
+)
+HOW = {"the layer stack unrolled; ": " unrolled", "the saved layer inputs offloaded to the host; ": " offloaded"}
 STEP_LINE = re.compile(r"train step (compiled|loaded from the compile cache) in (\d+) s")
 
 
 def compile_facts(text: str) -> dict:
     """From a row's output: remat_layer (auto's choice, "unrolled" after it where auto took
-    the layer stack unrolled), compile_s (the choice's compilations plus the train step's; a
+    the layer stack unrolled, "offloaded" where it offloaded the saved layer inputs), compile_s (the choice's compilations plus the train step's; a
     step under 10 s counts 0), each part (choice_s, step_s) and step_from_cache."""
     facts, remat, step = {}, REMAT_LINE.findall(text), STEP_LINE.findall(text)
     if remat:
-        facts["remat_layer"] = remat[-1][0] + (" unrolled" if remat[-1][1] else "")
+        facts["remat_layer"] = remat[-1][0] + HOW.get(remat[-1][1], "")
     chosen = int(remat[-1][2]) if remat and remat[-1][2] else None
     if chosen is not None or step:
         facts["choice_s"], facts["step_s"] = chosen or 0, int(step[-1][1]) if step else 0

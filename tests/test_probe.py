@@ -179,6 +179,7 @@ def test_throughput_script_end_to_end(tmp_path):
     ]
     assert me["ok"] and me["batch"] == 2 and me["micro_batches"] == 2
     assert all(r["ok"] and r["tokens_per_second"] > 0 for r in bpt)
+    assert all(r["offloaded"] is False and r["unrolled"] is False for r in results["throughput"])
     fastest = max(bpt, key=lambda r: r["tokens_per_second"])["chunk"]
     assert f", chunks {fastest} |" in proc.stdout
     losses = {r["mode"]: r for r in results["loss"]}

@@ -246,6 +246,13 @@ def test_check_gpus_reads_how_long_a_run_compiled():
     )
     assert check.compile_facts(unrolled)["remat_layer"] == "attention_and_dots_saveable unrolled"
     assert check.compile_facts(unrolled)["choice_s"] == 120
+    offloaded = (  # GPT-7B's line on an H200, as bpt-train printed it
+        "model.remat_layer=auto: attention_saveable (the saved layer inputs offloaded to the host; step memory: "
+        "attention_and_dots_saveable 201.8 GiB, attention_saveable 136.8 GiB, attention_saveable offloaded 129.5 GiB; "
+        "the device has 132.8 GiB; chosen in 25 s)"
+    )
+    assert check.compile_facts(offloaded)["remat_layer"] == "attention_saveable offloaded"
+    assert check.compile_facts(offloaded)["choice_s"] == 25
     assert "| 215 (212 + 3) (step cached) |" in check.table([dict(cached, name="r", status="pass")])
     reused = check.compile_facts(f"{unrolled}\ncompiling the train step ...\n{check.STEP_REUSED}\nstep 1: loss=3.0")
     assert reused == {
