@@ -61,6 +61,7 @@ from bench_scaleout import gpu_count, gpu_names
 from benchlib import compile_records, human_tokens, script_parser
 
 from bpt.train.loop import STEP_REUSED
+from bpt.train.probe import CHOICE_NOTES
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-4
@@ -281,20 +282,21 @@ def run_row(row: Row, n: int, on_gpu: bool, out: Path, timeout: int, small: bool
 # took), then the loop's train step where it took 10 s or came from the compile cache, or
 # the line that says the loop runs the step auto compiled.
 REMAT_LINE = re.compile(
-    r"model\.remat_layer=auto: (\S+) \((the layer stack unrolled; |the saved layer inputs offloaded to the host; )?"
+    rf"model\.remat_layer=auto: (\S+) \(({'|'.join(map(re.escape, CHOICE_NOTES.values()))})?"
     r"[^\n]*?(?:; chosen in (\d+) s)?\)"
 )
-HOW = {"the layer stack unrolled; ": " unrolled", "the saved layer inputs offloaded to the host; ": " offloaded"}
 STEP_LINE = re.compile(r"train step (compiled|loaded from the compile cache) in (\d+) s")
 
 
 def compile_facts(text: str) -> dict:
-    """From a row's output: remat_layer (auto's choice, "unrolled" after it where auto took
-    the layer stack unrolled, "offloaded" where it offloaded the saved layer inputs), compile_s (the choice's compilations plus the train step's; a
-    step under 10 s counts 0), each part (choice_s, step_s) and step_from_cache."""
+    """From a row's output: remat_layer (auto's choice, with the CHOICE_NOTES key after it
+    where auto took the layer stack unrolled or offloaded the saved layer inputs), compile_s
+    (the choice's compilations plus the train step's; a step under 10 s counts 0), each part
+    (choice_s, step_s) and step_from_cache."""
     facts, remat, step = {}, REMAT_LINE.findall(text), STEP_LINE.findall(text)
     if remat:
-        facts["remat_layer"] = remat[-1][0] + HOW.get(remat[-1][1], "")
+        note = next((key for key, text in CHOICE_NOTES.items() if text == remat[-1][1]), None)
+        facts["remat_layer"] = remat[-1][0] + (f" {note}" if note else "")
     chosen = int(remat[-1][2]) if remat and remat[-1][2] else None
     if chosen is not None or step:
         facts["choice_s"], facts["step_s"] = chosen or 0, int(step[-1][1]) if step else 0

@@ -82,6 +82,9 @@ def auto_policies(model: ConfigDict) -> tuple[str, ...]:
     return (("none",) if stack_unrolled(model) and _one_loop(model) else ()) + AUTO_REMAT
 
 
+# How auto's choice line ("model.remat_layer=auto: POLICY (NOTE; step memory: ...)") says that
+# the chosen step differs from the plain policy; scripts/check_gpus.py reads them back.
+CHOICE_NOTES = {"unrolled": "the layer stack unrolled", "offloaded": "the saved layer inputs offloaded to the host"}
 # Where model.auto_offload asks, auto tries this policy a second time, with the saved layer
 # inputs offloaded to the host (model.offload_layer_inputs), before the policy after it.
 AUTO_OFFLOAD = "attention_saveable"
@@ -158,20 +161,17 @@ def resolve_remat(
     needs, started, fits = [], time.perf_counter(), False
     own_offload = config.model.get("offload_layer_inputs", False)
     for policy, offload in auto_candidates(config.model):
+        added = offload != own_offload  # auto_offload's candidate
         chosen.model.remat_layer = policy
-        if offload != own_offload:  # auto_offload's candidate
+        if added or "offload_layer_inputs" in chosen.model:
             chosen.model.offload_layer_inputs = offload
-            say(f"remat auto: compiling the step with {policy} and the saved layer inputs offloaded "
-                "to the host (model.auto_offload) ...")  # fmt: skip
-        else:
-            if "offload_layer_inputs" in chosen.model:
-                chosen.model.offload_layer_inputs = own_offload
-            say(f"remat auto: compiling the step with {policy} to measure its memory ...")
+        what = f"{policy} and {CHOICE_NOTES['offloaded']} (model.auto_offload)" if added else f"{policy} to measure its memory"
+        say(f"remat auto: compiling the step with {what} ...")
         bytes_ = need(chosen)
-        needs.append(f"{policy}{' offloaded' if offload != own_offload else ''} {bytes_ / 2**30:.1f} GiB")
+        needs.append(f"{policy}{' offloaded' if added else ''} {bytes_ / 2**30:.1f} GiB")
         if fits := bytes_ <= budget:
             break
-    how = "the saved layer inputs offloaded to the host; " if fits and offload != own_offload else ""
+    how = f"{CHOICE_NOTES['offloaded']}; " if fits and added else ""
     if fits and chosen.model.remat_layer == AUTO_REMAT[0] and may_unroll(config.model):
         trial = copy.deepcopy(chosen)
         trial.model.scan_unroll = trial.model.num_layers
@@ -179,7 +179,7 @@ def resolve_remat(
         bytes_ = need(trial)
         needs.append(f"unrolled {bytes_ / 2**30:.1f} GiB")
         if bytes_ <= budget:
-            chosen, how = trial, "the layer stack unrolled; "
+            chosen, how = trial, f"{CHOICE_NOTES['unrolled']}; "
     say(f"model.remat_layer=auto: {chosen.model.remat_layer} ({how}step memory: {', '.join(needs)}; "
         f"the device has {budget / 2**30:.1f} GiB; chosen in {time.perf_counter() - started:.0f} s)")  # fmt: skip
     return chosen
