@@ -13,7 +13,7 @@ from conftest import rel_err, tree_rel_err
 
 from bpt.config import base_config, model_config
 from bpt.models.gpt import GPT, GPTConfig
-from bpt.models.lm import gelu
+from bpt.models.lm import apply_rotary, gelu, rotary_tables
 from bpt.train.probe import TrainingStep
 
 TOL = 1e-5
@@ -145,6 +145,36 @@ def test_gelu_is_gpt2s_tanh_gelu_with_its_gradient(key):
     half = x.astype(jnp.bfloat16)  # computed in float32, rounded once
     assert gelu(half).dtype == jnp.bfloat16
     np.testing.assert_allclose(gelu(half).astype(jnp.float32), gelu(half.astype(jnp.float32)), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_rotary_rotates_each_pair_of_halves(key, per_sequence):
+    """apply_rotary against the rotation written out pair by pair, (x_i, x_{i+d/2}) by the
+    angle of position p and frequency i: values and gradients in float32, with positions shared
+    by the batch ([seq]) and per sequence ([batch, seq]); a bfloat16 input stays bfloat16."""
+    batch, seq, heads, d = 2, 24, 3, 16
+    kx, kp, kg = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (batch, seq, heads, d), jnp.float32)
+    positions = jax.random.randint(kp, (batch, seq) if per_sequence else (seq,), 0, 5000)
+    cos, sin = rotary_tables(positions, d, 10000.0)
+
+    freq = 10000.0 ** -(np.arange(d // 2) * 2 / d)
+    angle = np.broadcast_to(np.asarray(positions, np.float64)[..., None] * freq, (batch, seq, d // 2))
+    # float32 angles of positions up to 5000: within 5000 * 2^-23 of float64's
+    np.testing.assert_allclose(np.broadcast_to(cos, angle.shape), np.cos(angle), atol=1e-3)
+    np.testing.assert_allclose(np.broadcast_to(sin, angle.shape), np.sin(angle), atol=1e-3)
+
+    def written_out(x):
+        c, s = (np.broadcast_to(t, angle.shape)[:, :, None] for t in (cos, sin))
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+    np.testing.assert_allclose(apply_rotary(x, cos, sin), written_out(x), rtol=1e-5, atol=1e-5)
+    cotangent = jax.random.normal(kg, x.shape, jnp.float32)
+    grad = jax.grad(lambda x: (apply_rotary(x, cos, sin) * cotangent).sum())(x)
+    want = jax.grad(lambda x: (written_out(x) * cotangent).sum())(x)
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
+    assert apply_rotary(x.astype(jnp.bfloat16), cos, sin).dtype == jnp.bfloat16
 
 
 def test_scanned_and_unscanned_layers_agree(batch):
