@@ -13,7 +13,7 @@ from conftest import rel_err, tree_rel_err
 
 from bpt.config import base_config, model_config
 from bpt.models.gpt import GPT, GPTConfig
-from bpt.models.lm import apply_rotary, gelu, rotary_tables
+from bpt.models.lm import apply_rotary, gelu, layer_norm, rotary_tables
 from bpt.train.probe import TrainingStep
 
 TOL = 1e-5
@@ -145,6 +145,36 @@ def test_gelu_is_gpt2s_tanh_gelu_with_its_gradient(key):
     half = x.astype(jnp.bfloat16)  # computed in float32, rounded once
     assert gelu(half).dtype == jnp.bfloat16
     np.testing.assert_allclose(gelu(half).astype(jnp.float32), gelu(half.astype(jnp.float32)), rtol=1e-2, atol=1e-2)
+
+
+def test_layer_norms_written_out_backward_is_autodiffs(key):
+    """layer_norm's own backward against autodiff of the same formula: the gradients of x,
+    scale and bias in float32 (x far from zero mean, so that the mean's part of the gradient
+    counts), and a bfloat16 x's gradient in bfloat16, equal to the float32 one's rounding."""
+
+    def by_autodiff(x, scale, bias):
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(jnp.square(x32 - mean).mean(axis=-1, keepdims=True) + 1e-5)
+        return (y * scale + bias).astype(x.dtype)
+
+    kx, ks, kb, kg = jax.random.split(key, 4)
+    x = 3.0 + 2.0 * jax.random.normal(kx, (2, 12, 64), jnp.float32)
+    scale = 1.0 + 0.5 * jax.random.normal(ks, (64,), jnp.float32)
+    bias = jax.random.normal(kb, (64,), jnp.float32)
+    cotangent = jax.random.normal(kg, x.shape, jnp.float32)
+
+    def grads(f, x):
+        return jax.grad(lambda *a: (f(*a).astype(jnp.float32) * cotangent).sum(), argnums=(0, 1, 2))(x, scale, bias)
+
+    np.testing.assert_allclose(layer_norm(x, scale, bias, 1e-5), by_autodiff(x, scale, bias), rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads(lambda *a: layer_norm(*a, 1e-5), x), grads(by_autodiff, x)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    half = x.astype(jnp.bfloat16)
+    dx = grads(lambda *a: layer_norm(*a, 1e-5), half)[0]
+    assert dx.dtype == jnp.bfloat16
+    want = grads(by_autodiff, half.astype(jnp.float32))[0]
+    np.testing.assert_allclose(dx.astype(jnp.float32), want, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("per_sequence", [False, True])
@@ -393,11 +423,14 @@ def test_chunked_and_full_loss_agree(batch, mode, capsys):
     }
     (_, loss_c, grads_c), (_, loss_f, grads_f) = (forward(c, params, tokens, targets) for c in cfgs.values())
     assert rel_err(loss_c, loss_f) < TOL and tree_rel_err(grads_c, grads_f) < TOL
-    # Chunked, the final LayerNorm runs per chunk: the backward keeps none of its
-    # [batch, seq, d_model] intermediates, which the full loss keeps.
-    full = f"f32[2,64,{BASE.d_model}] output of sub"
-    assert full in saved_residuals(cfgs["full"], params, tokens, targets, capsys)
-    assert full not in saved_residuals(cfgs["chunked"], params, tokens, targets, capsys)
+    # Chunked, the final LayerNorm runs per chunk: the backward keeps none of its outputs or
+    # row statistics, which the full loss keeps ([batch, seq, d_model] and [batch, seq, 1]).
+    def final_norms(impl: str) -> list[str]:
+        out = saved_residuals(cfgs[impl], params, tokens, targets, capsys)
+        return [line.split(" from ")[0] for line in out.splitlines() if "_layer_norm_fwd" in line]
+
+    assert {f"f32[2,64,{BASE.d_model}] output of add", "f32[2,64,1] output of rsqrt"} <= set(final_norms("full"))
+    assert final_norms("chunked") == []
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -251,12 +251,40 @@ def stack_unrolled(model) -> bool:
     return not scanned or getattr(model, "scan_unroll", 1) >= model.num_layers
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+    """(x - mean) / sqrt(var + eps) * scale + bias over the last axis, in float32.
+
+    Its backward is written out (_layer_norm_bwd) from the row statistics the forward kept
+    (mean and 1/std), so the scale's and bias' gradients are sums over the rows of x and the
+    incoming gradient as they are. By autodiff, XLA recomputed each row's mean in the backward
+    and wrote (x - mean) / std times the gradient in float32 in one pass, to sum it in a second
+    (GPT-1B's 8K step on an H200: 11 ms a step). Written out, that step ran 0.3-0.4% faster
+    at 8K and 32K (docs/notes/step_speed.md, 2026-11-30, 22:15 UTC)."""
+    return _layer_norm_fwd(x, scale, bias, eps)[0]
+
+
+def _layer_norm_fwd(x: Array, scale: Array, bias: Array, eps: float):
     x32 = x.astype(jnp.float32)
     mean = x32.mean(axis=-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
-    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+    rstd = jax.lax.rsqrt(jnp.square(x32 - mean).mean(axis=-1, keepdims=True) + eps)
+    y = (x32 - mean) * rstd * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(x.dtype), (x, mean, rstd, scale, bias)
+
+
+def _layer_norm_bwd(eps: float, residuals, dy: Array):
+    x, mean, rstd, scale, bias = residuals
+    xhat = (x.astype(jnp.float32) - mean) * rstd
+    dy32 = dy.astype(jnp.float32)
+    g = dy32 * scale.astype(jnp.float32)
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    rows = tuple(range(x.ndim - 1))
+    dscale = (dy32 * xhat).sum(axis=rows).reshape(scale.shape)
+    dbias = dy32.sum(axis=rows).reshape(bias.shape)
+    return dx.astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(bias.dtype)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 GELU_SCALE = 2 * math.sqrt(2 / math.pi)
