@@ -165,9 +165,11 @@ def test_layer_norms_written_out_backward_is_autodiffs(key):
     cotangent = jax.random.normal(kg, x.shape, jnp.float32)
 
     def grads(f, x):
-        return jax.grad(lambda *a: (f(*a).astype(jnp.float32) * cotangent).sum(), argnums=(0, 1, 2))(x, scale, bias)
+        loss = lambda *a: (f(*a).astype(jnp.float32) * cotangent).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(x, scale, bias)
 
-    np.testing.assert_allclose(layer_norm(x, scale, bias, 1e-5), by_autodiff(x, scale, bias), rtol=1e-5, atol=1e-5)
+    want = by_autodiff(x, scale, bias)
+    np.testing.assert_allclose(layer_norm(x, scale, bias, 1e-5), want, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads(lambda *a: layer_norm(*a, 1e-5), x), grads(by_autodiff, x)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     half = x.astype(jnp.bfloat16)
@@ -429,7 +431,8 @@ def test_chunked_and_full_loss_agree(batch, mode, capsys):
         out = saved_residuals(cfgs[impl], params, tokens, targets, capsys)
         return [line.split(" from ")[0] for line in out.splitlines() if "_layer_norm_fwd" in line]
 
-    assert {f"f32[2,64,{BASE.d_model}] output of add", "f32[2,64,1] output of rsqrt"} <= set(final_norms("full"))
+    kept = {f"f32[2,64,{BASE.d_model}] output of add", "f32[2,64,1] output of rsqrt"}
+    assert kept <= set(final_norms("full"))
     assert final_norms("chunked") == []
 
 
