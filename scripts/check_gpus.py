@@ -295,7 +295,7 @@ def compile_facts(text: str) -> dict:
     (choice_s, step_s) and step_from_cache."""
     facts, remat, step = {}, REMAT_LINE.findall(text), STEP_LINE.findall(text)
     if remat:
-        note = next((key for key, text in CHOICE_NOTES.items() if text == remat[-1][1]), None)
+        note = {line: key for key, line in CHOICE_NOTES.items()}.get(remat[-1][1])
         facts["remat_layer"] = remat[-1][0] + (f" {note}" if note else "")
     chosen = int(remat[-1][2]) if remat and remat[-1][2] else None
     if chosen is not None or step:

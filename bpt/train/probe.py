@@ -84,7 +84,10 @@ def auto_policies(model: ConfigDict) -> tuple[str, ...]:
 
 # How auto's choice line ("model.remat_layer=auto: POLICY (NOTE; step memory: ...)") says that
 # the chosen step differs from the plain policy; scripts/check_gpus.py reads them back.
-CHOICE_NOTES = {"unrolled": "the layer stack unrolled", "offloaded": "the saved layer inputs offloaded to the host"}
+CHOICE_NOTES = {
+    "unrolled": "the layer stack unrolled",
+    "offloaded": "the saved layer inputs offloaded to the host",
+}
 # Where model.auto_offload asks, auto tries this policy a second time, with the saved layer
 # inputs offloaded to the host (model.offload_layer_inputs), before the policy after it.
 AUTO_OFFLOAD = "attention_saveable"
@@ -165,8 +168,8 @@ def resolve_remat(
         chosen.model.remat_layer = policy
         if added or "offload_layer_inputs" in chosen.model:
             chosen.model.offload_layer_inputs = offload
-        what = f"{policy} and {CHOICE_NOTES['offloaded']} (model.auto_offload)" if added else f"{policy} to measure its memory"
-        say(f"remat auto: compiling the step with {what} ...")
+        what = f"and {CHOICE_NOTES['offloaded']} (model.auto_offload)" if added else "to measure its memory"
+        say(f"remat auto: compiling the step with {policy} {what} ...")
         bytes_ = need(chosen)
         needs.append(f"{policy}{' offloaded' if added else ''} {bytes_ / 2**30:.1f} GiB")
         if fits := bytes_ <= budget:
