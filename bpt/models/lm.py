@@ -257,10 +257,10 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
 
     Its backward is written out (_layer_norm_bwd) from the row statistics the forward kept
     (mean and 1/std), so the scale's and bias' gradients are sums over the rows of x and the
-    incoming gradient as they are. By autodiff, XLA recomputed each row's mean in the backward
-    and wrote (x - mean) / std times the gradient in float32 in one pass, to sum it in a second
-    (GPT-1B's 8K step on an H200: 11 ms a step). Written out, that step ran 0.3-0.4% faster
-    at 8K and 32K (docs/notes/step_speed.md, 2026-11-30, 22:15 UTC)."""
+    incoming gradient as they are. Against autodiff's backward, GPT-1B's step on an H200 ran
+    0.3-0.4% faster at 8K and 32K (docs/notes/step_speed.md, 2026-11-30, 22:15 UTC). XLA still
+    writes dy * xhat in float32 to sum it over the rows in a second pass (7 + 4 ms of the 8K
+    step, profiled 2026-12-01): a column sum cannot share the pass of the row sums."""
     return _layer_norm_fwd(x, scale, bias, eps)[0]
 
 
