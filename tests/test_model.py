@@ -1,8 +1,10 @@
 """The GPT: the three attention modes compute one function; causality; layer scan; memory."""
 
 import dataclasses
+import functools
 import math
 import re
+import types
 
 import flax.linen as nn
 import jax
@@ -12,7 +14,7 @@ import pytest
 from conftest import rel_err, tree_rel_err
 
 from bpt.config import base_config, model_config
-from bpt.models.gpt import GPT, GPTConfig
+from bpt.models.gpt import GPT, Block, GPTConfig
 from bpt.models.lm import apply_rotary, gelu, layer_norm, rotary_tables
 from bpt.train.probe import TrainingStep
 
@@ -147,10 +149,12 @@ def test_gelu_is_gpt2s_tanh_gelu_with_its_gradient(key):
     np.testing.assert_allclose(gelu(half).astype(jnp.float32), gelu(half.astype(jnp.float32)), rtol=1e-2, atol=1e-2)
 
 
-def test_layer_norms_written_out_backward_is_autodiffs(key):
-    """layer_norm's own backward against autodiff of the same formula: the gradients of x,
-    scale and bias in float32 (x far from zero mean, so that the mean's part of the gradient
-    counts), and a bfloat16 x's gradient in bfloat16, equal to the float32 one's rounding."""
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_layer_norms_written_out_backward_is_autodiffs(key, impl):
+    """layer_norm's own backward (XLA's formula, or bpt's Pallas kernels in interpret mode)
+    against autodiff of the same formula: the gradients of x, scale and bias in float32 (x far
+    from zero mean, so that the mean's part of the gradient counts), and a bfloat16 x's
+    gradient in bfloat16, equal to the float32 one's rounding."""
 
     def by_autodiff(x, scale, bias):
         x32 = x.astype(jnp.float32)
@@ -159,24 +163,71 @@ def test_layer_norms_written_out_backward_is_autodiffs(key):
         return (y * scale + bias).astype(x.dtype)
 
     kx, ks, kb, kg = jax.random.split(key, 4)
-    x = 3.0 + 2.0 * jax.random.normal(kx, (2, 12, 64), jnp.float32)
+    x = 3.0 + 2.0 * jax.random.normal(kx, (2, 48, 64), jnp.float32)  # rows: 6 of the kernel's blocks
     scale = 1.0 + 0.5 * jax.random.normal(ks, (64,), jnp.float32)
     bias = jax.random.normal(kb, (64,), jnp.float32)
     cotangent = jax.random.normal(kg, x.shape, jnp.float32)
+    ours = lambda *a: layer_norm(*a, 1e-5, impl)  # noqa: E731
 
     def grads(f, x):
         loss = lambda *a: (f(*a).astype(jnp.float32) * cotangent).sum()  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(x, scale, bias)
 
+    ran_kernels = "pallas_call" in str(jax.make_jaxpr(lambda x: grads(ours, x))(x))
+    assert ran_kernels == (impl == "pallas")
     want = by_autodiff(x, scale, bias)
-    np.testing.assert_allclose(layer_norm(x, scale, bias, 1e-5), want, rtol=1e-5, atol=1e-5)
-    for got, want in zip(grads(lambda *a: layer_norm(*a, 1e-5), x), grads(by_autodiff, x)):
+    np.testing.assert_allclose(ours(x, scale, bias), want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads(ours, x), grads(by_autodiff, x)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     half = x.astype(jnp.bfloat16)
-    dx = grads(lambda *a: layer_norm(*a, 1e-5), half)[0]
+    dx = grads(ours, half)[0]
     assert dx.dtype == jnp.bfloat16
     want = grads(by_autodiff, half.astype(jnp.float32))[0]
     np.testing.assert_allclose(dx.astype(jnp.float32), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton-lowered kernels need an NVIDIA GPU")
+@pytest.mark.parametrize("d", [2048, 4096])
+def test_layer_norm_kernels_on_gpu(key, d):
+    """The LayerNorm kernels lowered through Triton at GPT-1B's and GPT-7B's widths, bf16
+    rows of a 4 x 4096 batch, against XLA's formula computed in float32 from the same bf16
+    input: y, dx, dscale and dbias, with dx's and y's memory poisoned by NaN first (an
+    unwritten row would fail)."""
+    kx, ks, kb, kg = jax.random.split(key, 4)
+    x = (1.0 + 2.0 * jax.random.normal(kx, (4, 4096, d))).astype(jnp.bfloat16)
+    scale = (1.0 + 0.5 * jax.random.normal(ks, (d,))).astype(jnp.bfloat16)
+    bias = jax.random.normal(kb, (d,)).astype(jnp.bfloat16)
+    dy = jax.random.normal(kg, x.shape).astype(jnp.bfloat16)
+    jnp.full(x.shape, jnp.nan, x.dtype).block_until_ready()  # memory the kernels' outputs may reuse
+
+    def run(impl, x, scale, bias):
+        y, vjp = jax.vjp(lambda *a: layer_norm(*a, 1e-5, impl), x, scale, bias)
+        return (y, *vjp(dy.astype(y.dtype)))
+
+    got = jax.jit(functools.partial(run, "pallas"))(x, scale, bias)
+    want = jax.jit(functools.partial(run, "xla"))(*(a.astype(jnp.float32) for a in (x, scale, bias)))
+    for name, g, w, tol in zip(("y", "dx", "dscale", "dbias"), got, want, (2e-2, 5e-2, 2e-2, 2e-2)):
+        g32, w32 = g.astype(jnp.float32), w.astype(jnp.float32)
+        assert bool(jnp.isfinite(g32).all()), name
+        np.testing.assert_allclose(g32, w32, rtol=tol, atol=tol * float(jnp.abs(w32).max()), err_msg=name)
+
+
+def test_layer_norm_kernels_take_what_they_can_and_say_why_not():
+    """bpt.ops.kernels.layer_norm.supported: a power-of-two feature size, whole row blocks;
+    layer_norm(impl="pallas") runs XLA's formula where the kernels cannot (a decode step's
+    one row, GPT-2's 768 features), with the same values."""
+    from bpt.ops.kernels import layer_norm as kernel
+
+    assert kernel.supported(jnp.zeros((2, 8192, 2048), jnp.bfloat16)) is None
+    assert "power of two" in kernel.supported(jnp.zeros((4, 768)))
+    assert "multiple of 4" in kernel.supported(jnp.zeros((1, 2048)))
+    assert "float32, bfloat16" in kernel.supported(jnp.zeros((16, 64), jnp.int32))
+    assert kernel.backward_steps(32768, 2048) == 16 and kernel.backward_steps(6 * 16, 64) == 2
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 768))
+    scale, bias = jnp.ones(768), jnp.zeros(768)
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda x: layer_norm(x, scale, bias, 1e-5, "pallas"))(x))
+    np.testing.assert_allclose(layer_norm(x, scale, bias, 1e-5, "pallas"), layer_norm(x, scale, bias, 1e-5))
 
 
 @pytest.mark.parametrize("per_sequence", [False, True])
@@ -249,6 +300,25 @@ def test_ffn_chunk_size_computes_the_same_function(batch):
         got_logits, got_loss, got_grads = forward(dataclasses.replace(cfg, ffn_chunk_size=chunk), params, tokens, targets)
         assert rel_err(got_logits, logits) < TOL and rel_err(got_loss, loss) < TOL, chunk
         assert tree_rel_err(got_grads, grads) < TOL, chunk
+
+
+@pytest.mark.parametrize("mode", ["blockwise_parallel", "vanilla"])
+def test_norm_impl_pallas_computes_the_same_function(batch, mode):
+    """model.norm_impl="pallas": the layers' LayerNorms by bpt's kernels (interpret mode here),
+    with the logits, loss and gradients of XLA's formula; on a mesh of several devices it
+    says it runs on one."""
+    tokens, targets, params = batch
+    cfg = dataclasses.replace(BASE, attention_mode=mode, attention_impl="reference")
+    logits, loss, grads = forward(cfg, params, tokens, targets)
+    pallas = dataclasses.replace(cfg, norm_impl="pallas")
+    step = jax.make_jaxpr(lambda p: GPT(pallas).apply({"params": p}, tokens, targets=targets).loss)(params)
+    assert "pallas_call" in str(step)
+    got_logits, got_loss, got_grads = forward(pallas, params, tokens, targets)
+    assert rel_err(got_logits, logits) < TOL and rel_err(got_loss, loss) < TOL
+    assert tree_rel_err(got_grads, grads) < 1e-4
+    two = types.SimpleNamespace(mesh=types.SimpleNamespace(size=2))
+    with pytest.raises(ValueError, match="model.norm_impl='pallas' runs on one device for now; the mesh has 2"):
+        Block(pallas, parallel=two)._norm_impl()
 
 
 @pytest.mark.parametrize("unroll, unrolled_bound, chunk", [(1, 64, 32), (2, 64, 64), (2, 48, 32)])
@@ -496,6 +566,7 @@ def test_parameters_carry_logical_axis_names():
         ("head_dim", 0, "model.head_dim must be a positive integer or None; got 0"),
         ("loss_impl", "blockwise", "unknown model.loss_impl 'blockwise'; allowed: auto, chunked, full"),
         ("offload_layer_inputs", True, "offload_layer_inputs needs model.remat_layer other than 'none'"),
+        ("norm_impl", "triton", "unknown model.norm_impl 'triton'; allowed: xla, pallas"),
     ],
 )
 def test_bad_model_settings(field, value, message):

@@ -27,6 +27,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from bpt.models.lm import (
     LAYER_INPUT,
+    NORM_IMPLS,
     CausalLM,
     Layer,
     LMConfig,
@@ -108,6 +109,10 @@ class GPTConfig(LMConfig):
     # "swiglu" (Llama's: (silu(x W1) * x W3) W2, a third matrix W3 of the same shape as W1).
     mlp_activation: str = "gelu"
     rms_norm: bool = False  # RMSNorm (a scale, no bias) instead of LayerNorm, in every norm
+    # The layers' LayerNorms: "xla" (XLA's fusions of bpt.models.lm.layer_norm's formula) or
+    # "pallas" (bpt's kernels, bpt.ops.kernels.layer_norm: one pass forward, one backward,
+    # where they take the shape; XLA's elsewhere). "pallas" runs on one device for now.
+    norm_impl: str = "xla"
     attention_mode: str = "blockwise_parallel"
     decode_impl: str = "auto"  # attention over the key/value cache: see bpt.ops.decode.DECODE
     # The key/value cache while decoding: "auto" keeps keys and values in the compute dtype;
@@ -137,6 +142,7 @@ class GPTConfig(LMConfig):
         ):
             self.check_allowed(name, options)
         self.check_allowed("attention_impl", ATTENTION.names)
+        self.check_allowed("norm_impl", NORM_IMPLS)
         self.check_allowed("decode_impl", DECODE.names)
         for name in ("remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
@@ -250,10 +256,11 @@ def mlp(p: dict, h: Array, activation: str = "gelu") -> Array:
     return _biased(jnp.einsum("bsf,fd->bsd", hidden, p["w2"]), p, "b2")
 
 
-def norm(p: dict, name: str, h: Array, eps: float) -> Array:
-    """The layer's norm `name` (ln1, ln2): LayerNorm, or RMSNorm when it has no bias."""
+def norm(p: dict, name: str, h: Array, eps: float, impl: str = "xla") -> Array:
+    """The layer's norm `name` (ln1, ln2): LayerNorm (run as impl says: NORM_IMPLS), or
+    RMSNorm when it has no bias."""
     if f"{name}_bias" in p:
-        return layer_norm(h, p[f"{name}_scale"], p[f"{name}_bias"], eps)
+        return layer_norm(h, p[f"{name}_scale"], p[f"{name}_bias"], eps, impl)
     return rms_norm(h, p[f"{name}_scale"], eps)
 
 
@@ -328,13 +335,15 @@ class Block(Layer):
                 x = row_major(x)
         p = self._params()
         rng = None if self.deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
-        eps, rate = cfg.layer_norm_epsilon, cfg.dropout
+        eps, rate, norm_impl = cfg.layer_norm_epsilon, cfg.dropout, self._norm_impl()
 
         def ffn_residual(h: Array, rng, p=p) -> Array:
-            ffn = remat(lambda h: mlp(p, norm(p, "ln2", h, eps), cfg.mlp_activation), cfg.remat_ffn)
+            ffn = remat(
+                lambda h: mlp(p, norm(p, "ln2", h, eps, norm_impl), cfg.mlp_activation), cfg.remat_ffn
+            )
             return h + dropout(ffn(h), rate, rng)
 
-        q, k, v = project_qkv(p, norm(p, "ln1", x, eps))
+        q, k, v = project_qkv(p, norm(p, "ln1", x, eps, norm_impl))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
 
@@ -376,6 +385,17 @@ class Block(Layer):
         weights = post_attention_weights(p)
         out = self._per_device(functools.partial(chunk_loop, shards=1), x, a, weights=weights, rng=rng)
         return (chunk_loop(x, a, weights, shards) if out is None else out), None
+
+    def _norm_impl(self) -> str:
+        """model.norm_impl, where it can run: bpt's LayerNorm kernels are one device's (XLA
+        cannot split a kernel over a mesh)."""
+        impl, par = self.config.norm_impl, self.parallel
+        if impl == "pallas" and par is not None and par.mesh.size > 1:
+            raise ValueError(
+                f"model.norm_impl='pallas' runs on one device for now; the mesh has {par.mesh.size} "
+                "(use model.norm_impl='xla')"
+            )
+        return impl
 
     def _attention_impl(self, q: Array, k: Array, segment_ids) -> str:
         """The attention implementation this layer runs, resolved here once from the shapes

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy
+from bpt.ops.kernels import layer_norm as norm_kernel
 from bpt.ops.remat import POLICIES, check_policy
 from bpt.parallel.mesh import Parallelism
 from bpt.parallel.ring import from_layout, layout_permutation, to_layout
@@ -251,8 +252,11 @@ def stack_unrolled(model) -> bool:
     return not scanned or getattr(model, "scan_unroll", 1) >= model.num_layers
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+NORM_IMPLS = ("xla", "pallas")  # layer_norm's impl (GPT's model.norm_impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def layer_norm(x: Array, scale: Array, bias: Array, eps: float, impl: str = "xla") -> Array:
     """(x - mean) / sqrt(var + eps) * scale + bias over the last axis, in float32.
 
     Its backward is written out (_layer_norm_bwd) from the row statistics the forward kept
@@ -260,11 +264,17 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     incoming gradient as they are. Against autodiff's backward, GPT-1B's step on an H200 ran
     0.3-0.4% faster at 8K and 32K (docs/notes/step_speed.md, 2026-11-30, 22:15 UTC). XLA still
     writes dy * xhat in float32 to sum it over the rows in a second pass (7 + 4 ms of the 8K
-    step, profiled 2026-12-01): a column sum cannot share the pass of the row sums."""
-    return _layer_norm_fwd(x, scale, bias, eps)[0]
+    step, profiled 2026-12-01): a column sum cannot share the pass of the row sums.
+
+    impl="pallas": bpt's kernels (bpt.ops.kernels.layer_norm: one pass forward, one backward)
+    where they take x (`supported`), XLA's formula elsewhere."""
+    return _layer_norm_fwd(x, scale, bias, eps, impl)[0]
 
 
-def _layer_norm_fwd(x: Array, scale: Array, bias: Array, eps: float):
+def _layer_norm_fwd(x: Array, scale: Array, bias: Array, eps: float, impl: str = "xla"):
+    if impl == "pallas" and norm_kernel.supported(x) is None:
+        y, mean, rstd = norm_kernel.forward(x, scale, bias, eps)
+        return y, (x, mean[..., None], rstd[..., None], scale, bias)
     x32 = x.astype(jnp.float32)
     mean = x32.mean(axis=-1, keepdims=True)
     rstd = jax.lax.rsqrt(jnp.square(x32 - mean).mean(axis=-1, keepdims=True) + eps)
@@ -272,15 +282,18 @@ def _layer_norm_fwd(x: Array, scale: Array, bias: Array, eps: float):
     return y.astype(x.dtype), (x, mean, rstd, scale, bias)
 
 
-def _layer_norm_bwd(eps: float, residuals, dy: Array):
+def _layer_norm_bwd(eps: float, impl: str, residuals, dy: Array):
     x, mean, rstd, scale, bias = residuals
-    xhat = (x.astype(jnp.float32) - mean) * rstd
-    dy32 = dy.astype(jnp.float32)
-    g = dy32 * scale.astype(jnp.float32)
-    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
-    rows = tuple(range(x.ndim - 1))
-    dscale = (dy32 * xhat).sum(axis=rows).reshape(scale.shape)
-    dbias = dy32.sum(axis=rows).reshape(bias.shape)
+    if impl == "pallas" and norm_kernel.supported(x) is None:
+        dx, dscale, dbias = norm_kernel.backward(x, dy, mean[..., 0], rstd[..., 0], scale)
+    else:
+        xhat = (x.astype(jnp.float32) - mean) * rstd
+        dy32 = dy.astype(jnp.float32)
+        g = dy32 * scale.astype(jnp.float32)
+        dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+        rows = tuple(range(x.ndim - 1))
+        dscale, dbias = (dy32 * xhat).sum(axis=rows), dy32.sum(axis=rows)
+    dscale, dbias = dscale.reshape(scale.shape), dbias.reshape(bias.shape)
     return dx.astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(bias.dtype)
 
 

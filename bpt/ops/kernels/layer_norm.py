@@ -1,0 +1,170 @@
+"""LayerNorm as two Pallas kernels: one pass forward, one pass backward.
+
+XLA runs a LayerNorm of GPT-1B's 8K step as three Triton passes a norm (its forward, the
+forward again where remat recomputes it, its backward) at about 1.8 TB/s on an H200, and
+its backward writes dy * xhat in float32 to sum it over the rows in a second pass: 17.7 ms of
+that step's kernels more than the same model with RMSNorm (docs/notes/step_speed.md,
+2026-12-01). These kernels read each row once a pass:
+
+- forward: a program normalizes `block_rows` rows of x [rows, d] in float32, writes y and
+  each row's mean and 1/std;
+- backward: a program walks `steps` blocks of rows, writes dx from x, dy and the row
+  statistics, and keeps the column sums of dy * xhat and dy in registers; the programs'
+  partial sums [programs, d] are added in XLA (4 MiB each at GPT-1B's 8K step).
+
+The feature size d must be a power of two (Triton's blocks) and the rows a multiple of the
+row block; `supported` says which inputs the kernels take. On a GPU they lower through
+Triton; elsewhere they run in Pallas interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+ROW_ELEMENTS = 8192  # elements of x a program holds at once (block_rows x d)
+MAX_BLOCK_ROWS = 16
+MAX_STEPS = 16  # row blocks a backward program walks at most
+
+
+def block_rows(d: int) -> int:
+    """Rows a program normalizes at once: ROW_ELEMENTS // d, from 1 to MAX_BLOCK_ROWS."""
+    return min(MAX_BLOCK_ROWS, max(1, ROW_ELEMENTS // d))
+
+
+def supported(x: Array) -> str | None:
+    """Why the kernels cannot take x [..., d] (None: they can)."""
+    d = x.shape[-1]
+    if d < 16 or d & (d - 1):
+        return f"the feature size must be a power of two >= 16; got {d}"
+    rows = x.size // d
+    if rows % block_rows(d):
+        return f"the rows ({rows}) must be a multiple of {block_rows(d)} (block_rows for d={d})"
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"x must be float32, bfloat16 or float16; got {x.dtype}"
+    return None
+
+
+def _call(interpret: bool | None, num_warps: int):
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    return functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
+
+
+def _forward_kernel(x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, eps: float):
+    x = x_ref[...].astype(jnp.float32)
+    inv_d = 1.0 / x.shape[1]
+    mean = jnp.sum(x, axis=1) * inv_d
+    centered = x - mean[:, None]
+    rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1) * inv_d + eps)
+    scale = scale_ref[...].astype(jnp.float32)
+    bias = bias_ref[...].astype(jnp.float32)
+    y_ref[...] = (centered * rstd[:, None] * scale[None, :] + bias[None, :]).astype(y_ref.dtype)
+    mean_ref[...] = mean
+    rstd_ref[...] = rstd
+
+
+def forward(
+    x: Array, scale: Array, bias: Array, eps: float, *, interpret: bool | None = None, num_warps: int = 4
+) -> tuple[Array, Array, Array]:
+    """(y, mean, rstd): the LayerNorm of x [..., d] over its last axis in float32, y in x's
+    dtype, the rows' mean and 1/std [...] in float32."""
+    d = x.shape[-1]
+    rows, br = x.size // d, block_rows(d)
+    x2 = x.reshape(rows, d)
+    whole = pl.BlockSpec((d,), lambda i: (0,))
+    block = pl.BlockSpec((br,), lambda i: (i,))
+    y, mean, rstd = _call(interpret, num_warps)(
+        functools.partial(_forward_kernel, eps=eps),
+        grid=(rows // br,),
+        in_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), whole, whole],
+        out_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), block, block],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, d), x.dtype),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+        ],
+        name="bpt_layer_norm_fwd",
+    )(x2, scale, bias)
+    lead = x.shape[:-1]
+    return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
+
+
+def _backward_kernel(
+    x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, steps: int
+):
+    br, d = x_ref.shape[0] // steps, x_ref.shape[1]
+    inv_d = 1.0 / d
+    scale = scale_ref[...].astype(jnp.float32)
+
+    def step(j, sums):
+        dscale, dbias = sums
+        rows = pl.ds(j * br, br)
+        x = x_ref[rows, :].astype(jnp.float32)
+        dy = dy_ref[rows, :].astype(jnp.float32)
+        rstd = rstd_ref[rows]
+        xhat = (x - mean_ref[rows][:, None]) * rstd[:, None]
+        g = dy * scale[None, :]
+        mean_g = jnp.sum(g, axis=1) * inv_d
+        mean_gx = jnp.sum(g * xhat, axis=1) * inv_d
+        dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
+        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+        return dscale + jnp.sum(dy * xhat, axis=0), dbias + jnp.sum(dy, axis=0)
+
+    zeros = jnp.zeros((d,), jnp.float32)
+    dscale, dbias = lax.fori_loop(0, steps, step, (zeros, zeros))
+    dscale_ref[...] = dscale
+    dbias_ref[...] = dbias
+
+
+def backward_steps(rows: int, d: int) -> int:
+    """Row blocks a backward program walks: MAX_STEPS, halved until they divide the rows."""
+    steps, blocks = MAX_STEPS, rows // block_rows(d)
+    while blocks % steps:
+        steps //= 2
+    return steps
+
+
+def backward(
+    x: Array,
+    dy: Array,
+    mean: Array,
+    rstd: Array,
+    scale: Array,
+    *,
+    interpret: bool | None = None,
+    num_warps: int = 4,
+) -> tuple[Array, Array, Array]:
+    """(dx, dscale, dbias) of the LayerNorm whose forward gave mean and rstd [...] for x
+    [..., d], dy its output's gradient: dx in x's dtype, the others float32 [d]."""
+    d = x.shape[-1]
+    rows, br = x.size // d, block_rows(d)
+    steps = backward_steps(rows, d)
+    span = br * steps  # the rows of one program
+    programs = rows // span
+    rows_spec = pl.BlockSpec((span, d), lambda i: (i, 0))
+    stat_spec = pl.BlockSpec((span,), lambda i: (i,))
+    sums_spec = pl.BlockSpec((None, d), lambda i: (i, 0))
+    dx, dscale, dbias = _call(interpret, num_warps)(
+        functools.partial(_backward_kernel, steps=steps),
+        grid=(programs,),
+        in_specs=[rows_spec, rows_spec, stat_spec, stat_spec, pl.BlockSpec((d,), lambda i: (0,))],
+        out_specs=[rows_spec, sums_spec, sums_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, d), x.dtype),
+            jax.ShapeDtypeStruct((programs, d), jnp.float32),
+            jax.ShapeDtypeStruct((programs, d), jnp.float32),
+        ],
+        name="bpt_layer_norm_bwd",
+    )(x.reshape(rows, d), dy.reshape(rows, d), mean.reshape(rows), rstd.reshape(rows), scale)
+    return dx.reshape(x.shape), dscale.sum(axis=0), dbias.sum(axis=0)
