@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import json
 import math
 import re
 import types
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err, tree_rel_err
+from conftest import load_script, rel_err, tree_rel_err
 
 from bpt.config import base_config, model_config
 from bpt.models.gpt import GPT, Block, GPTConfig
@@ -223,7 +224,10 @@ def test_layer_norm_kernels_take_what_they_can_and_say_why_not():
     assert "power of two" in kernel.supported(jnp.zeros((4, 768)))
     assert "multiple of 4" in kernel.supported(jnp.zeros((1, 2048)))
     assert "float32, bfloat16" in kernel.supported(jnp.zeros((16, 64), jnp.int32))
-    assert kernel.backward_steps(32768, 2048) == 16 and kernel.backward_steps(6 * 16, 64) == 2
+    assert "power of two" in kernel.supported(jnp.zeros((12, 64)), rows_per_block=3)
+    with pytest.raises(ValueError, match=r"cannot take x \(4, 768\) float32: the feature size"):
+        kernel.forward(jnp.zeros((4, 768)), jnp.ones(768), jnp.zeros(768), 1e-5)
+    assert kernel.backward_steps(32768 // 4) == 16 and kernel.backward_steps(6) == 2
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 768))
     scale, bias = jnp.ones(768), jnp.zeros(768)
     assert "pallas_call" not in str(jax.make_jaxpr(lambda x: layer_norm(x, scale, bias, 1e-5, "pallas"))(x))
@@ -300,6 +304,26 @@ def test_ffn_chunk_size_computes_the_same_function(batch):
         got_logits, got_loss, got_grads = forward(dataclasses.replace(cfg, ffn_chunk_size=chunk), params, tokens, targets)
         assert rel_err(got_logits, logits) < TOL and rel_err(got_loss, loss) < TOL, chunk
         assert tree_rel_err(got_grads, grads) < TOL, chunk
+
+
+def test_bench_norm_times_each_implementation_and_reports_a_bad_variant(tmp_path, monkeypatch, capsys):
+    """scripts/bench_norm.py: XLA and each kernel variant a row (the kernels' outputs checked
+    against XLA's), GB/s from the least traffic, a variant the kernels refuse a row that
+    says why; results.json and table.md under --out."""
+    bench = load_script("bench_norm")
+    monkeypatch.setattr(bench, "seconds_per_call", lambda *a, **k: 1e-6)  # 1 µs a call
+    variants = '{"pallas": {"max_steps": 2}, "odd": {"rows_per_block": 3}}'
+    argv = ["bench_norm.py", "--rows", "64", "--widths", "64", "--variants", variants, "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", argv)
+    bench.main()
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["implementation"] for r in rows] == ["xla", "pallas", "odd"]
+    assert rows[1]["error"] < 1e-2 and rows[1]["forward_us"] == pytest.approx(1)
+    assert "row block must be a power of two; got 3" in rows[2]["failed"]
+    table = (tmp_path / "table.md").read_text()
+    # forward: x read, y written (2 x 64 x 64 x 2 bytes) a µs; both: x, y, x, dy, dx (5 x)
+    assert "| 64 | pallas | 1 (16) | 1 (41) |" in table
+    assert table in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mode", ["blockwise_parallel", "vanilla"])

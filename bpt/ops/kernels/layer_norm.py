@@ -29,7 +29,11 @@ from jax.experimental import pallas as pl
 Array = jax.Array
 ROW_ELEMENTS = 8192  # elements of x a program holds at once (block_rows x d)
 MAX_BLOCK_ROWS = 16
-MAX_STEPS = 16  # row blocks a backward program walks at most
+# Row blocks a backward program walks at most: its column sums stay in registers over them,
+# and the programs' partial sums [programs, d] go through memory (fewer steps: more programs
+# running at once, more partial sums). Untuned: scripts/bench_norm.py sweeps them.
+MAX_STEPS = 16
+BACKWARD_STAGES = 2  # Triton's pipelining of the backward's loop over row blocks
 
 
 def block_rows(d: int) -> int:
@@ -37,27 +41,35 @@ def block_rows(d: int) -> int:
     return min(MAX_BLOCK_ROWS, max(1, ROW_ELEMENTS // d))
 
 
-def supported(x: Array) -> str | None:
+def supported(x: Array, rows_per_block: int | None = None) -> str | None:
     """Why the kernels cannot take x [..., d] (None: they can)."""
     d = x.shape[-1]
     if d < 16 or d & (d - 1):
         return f"the feature size must be a power of two >= 16; got {d}"
-    rows = x.size // d
-    if rows % block_rows(d):
-        return f"the rows ({rows}) must be a multiple of {block_rows(d)} (block_rows for d={d})"
+    rows, br = x.size // d, rows_per_block or block_rows(d)
+    if br < 1 or br & (br - 1):
+        return f"the row block must be a power of two; got {br}"
+    if rows % br:
+        return f"the rows ({rows}) must be a multiple of {br} (the row block for d={d})"
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         return f"x must be float32, bfloat16 or float16; got {x.dtype}"
     return None
 
 
-def _call(interpret: bool | None, num_warps: int):
+def _check(x: Array, rows_per_block: int | None) -> None:
+    problem = supported(x, rows_per_block)
+    if problem:
+        raise ValueError(f"the LayerNorm kernels cannot take x {x.shape} {x.dtype}: {problem}")
+
+
+def _call(interpret: bool | None, num_warps: int, num_stages: int = 1):
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     return functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
 
 
@@ -75,12 +87,21 @@ def _forward_kernel(x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, ep
 
 
 def forward(
-    x: Array, scale: Array, bias: Array, eps: float, *, interpret: bool | None = None, num_warps: int = 4
+    x: Array,
+    scale: Array,
+    bias: Array,
+    eps: float,
+    *,
+    rows_per_block: int | None = None,
+    num_warps: int = 4,
+    interpret: bool | None = None,
 ) -> tuple[Array, Array, Array]:
     """(y, mean, rstd): the LayerNorm of x [..., d] over its last axis in float32, y in x's
-    dtype, the rows' mean and 1/std [...] in float32."""
+    dtype, the rows' mean and 1/std [...] in float32. rows_per_block: rows a program
+    (default block_rows(d))."""
+    _check(x, rows_per_block)
     d = x.shape[-1]
-    rows, br = x.size // d, block_rows(d)
+    rows, br = x.size // d, rows_per_block or block_rows(d)
     x2 = x.reshape(rows, d)
     whole = pl.BlockSpec((d,), lambda i: (0,))
     block = pl.BlockSpec((br,), lambda i: (i,))
@@ -127,9 +148,10 @@ def _backward_kernel(
     dbias_ref[...] = dbias
 
 
-def backward_steps(rows: int, d: int) -> int:
-    """Row blocks a backward program walks: MAX_STEPS, halved until they divide the rows."""
-    steps, blocks = MAX_STEPS, rows // block_rows(d)
+def backward_steps(blocks: int, max_steps: int = MAX_STEPS) -> int:
+    """Row blocks a backward program walks: max_steps (a power of two), halved until they
+    divide the blocks."""
+    steps = max_steps
     while blocks % steps:
         steps //= 2
     return steps
@@ -142,20 +164,28 @@ def backward(
     rstd: Array,
     scale: Array,
     *,
-    interpret: bool | None = None,
+    rows_per_block: int | None = None,
+    max_steps: int = MAX_STEPS,
     num_warps: int = 4,
+    num_stages: int = BACKWARD_STAGES,
+    interpret: bool | None = None,
 ) -> tuple[Array, Array, Array]:
     """(dx, dscale, dbias) of the LayerNorm whose forward gave mean and rstd [...] for x
-    [..., d], dy its output's gradient: dx in x's dtype, the others float32 [d]."""
+    [..., d], dy its output's gradient: dx in x's dtype, the others float32 [d]. A program
+    walks up to max_steps blocks of rows_per_block rows (num_stages: Triton's pipelining of
+    that loop's loads)."""
+    _check(x, rows_per_block)
+    if max_steps < 1 or max_steps & (max_steps - 1):
+        raise ValueError(f"max_steps must be a power of two; got {max_steps}")
     d = x.shape[-1]
-    rows, br = x.size // d, block_rows(d)
-    steps = backward_steps(rows, d)
+    rows, br = x.size // d, rows_per_block or block_rows(d)
+    steps = backward_steps(rows // br, max_steps)
     span = br * steps  # the rows of one program
     programs = rows // span
     rows_spec = pl.BlockSpec((span, d), lambda i: (i, 0))
     stat_spec = pl.BlockSpec((span,), lambda i: (i,))
     sums_spec = pl.BlockSpec((None, d), lambda i: (i, 0))
-    dx, dscale, dbias = _call(interpret, num_warps)(
+    dx, dscale, dbias = _call(interpret, num_warps, num_stages)(
         functools.partial(_backward_kernel, steps=steps),
         grid=(programs,),
         in_specs=[rows_spec, rows_spec, stat_spec, stat_spec, pl.BlockSpec((d,), lambda i: (0,))],
