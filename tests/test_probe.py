@@ -742,3 +742,37 @@ def test_only_training_chooses_the_remat(monkeypatch):
     assert chosen == []
     loop.setup(c, training=True)
     assert chosen == ["auto"]
+
+
+def test_compare_profiles_groups_an_unrolled_steps_copies_by_kind():
+    """scripts/compare_profiles.py: the layers' copies of an operation (fusion.3, fusion.4)
+    are one kind with their times and calls summed; kinds only one profile has read "none";
+    the kinds that differ most come first; --skip leaves out the kinds it matches."""
+    compare = load_script("compare_profiles")
+
+    def op(name, ms, calls, hlo):
+        return {"op": name, "ms": ms, "calls": calls, "hlo": hlo}
+
+    a = {
+        "kernel_ms_per_step": 12.0,
+        "by_part": {"elementwise and norms": 9.0},
+        "ops": [
+            op("fusion.3", 2.0, 1, "bf16[4,2048] kCustom"),
+            op("fusion.4", 3.0, 1, "bf16[4,2048] kCustom"),
+            op("fusion.9", 4.0, 2, "f32[4,2048] kCustom"),
+            op("custom-call.1", 3.0, 1, "__cublas$lt$matmul"),
+        ],
+    }
+    b = {
+        "kernel_ms_per_step": 5.5,
+        "by_part": {"elementwise and norms": 2.0},
+        "ops": [op("fusion.7", 2.0, 1, "bf16[4,2048] kCustom"), op("custom-call.2", 3.5, 1, "__cublas$lt$matmul")],
+    }
+    text = compare.compare(a, b, top=3, names=("ln", "rms"))
+    assert "kernels a step: ln 12.0 ms, rms 5.5 ms (+6.5)" in text
+    assert "  elementwise and norms: 9.0 against 2.0 ms (+7.0)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows[0] == "| fusion | f32[4,2048] kCustom | 4.00 (2) | none | +4.00 |"
+    assert rows[1] == "| fusion | bf16[4,2048] kCustom | 5.00 (2) | 2.00 (1) | +3.00 |"
+    assert rows[2] == "| custom-call | __cublas$lt$matmul | 3.00 (1) | 3.50 (1) | -0.50 |"
+    assert "cublas" not in compare.compare(a, b, top=3, skip="matmul")
