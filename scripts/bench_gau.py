@@ -20,7 +20,7 @@ import json
 
 import jax
 import jax.numpy as jnp
-from benchlib import run_meta, script_parser, seconds_per_call, write_results
+from benchlib import rel_err, run_meta, script_parser, seconds_per_call, write_results
 
 from bpt.ops.gau import mixed_chunk_attention
 
@@ -30,10 +30,6 @@ DEFAULT_VARIANTS = '{"pallas": {}, "pallas, quadratic kernel": {"quadratic": tru
 def median_ms(fn, args, repeats: int) -> float:
     return 1e3 * seconds_per_call(fn, *args, repeats=repeats, warmup=1)
 
-
-def rel_err(a, b) -> float:
-    a, b = (jnp.asarray(x, jnp.float32) for x in (a, b))
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 def main() -> None:

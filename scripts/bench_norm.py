@@ -10,8 +10,8 @@ of 2048), each implementation's forward and forward + backward (the gradients of
 and bias for a fixed cotangent), the device's time a call (calls back to back, the median
 of 5 runs of --repeats), and the bytes each must move at least as GB/s: the forward reads x
 and writes y, the backward reads x and dy and writes dx. Variants (--variants: a JSON object,
-name -> the kernels' options: rows_per_block ("double": twice the default), max_steps,
-num_warps, num_stages; by default one setting changed at a time) are checked against XLA's
+name -> the kernels' options: rows_per_block, max_steps, num_warps, num_stages; by default
+one setting changed at a time) are checked against XLA's
 outputs first. Prints a markdown table last; --out writes results.json and
 table.md.
 """
@@ -22,7 +22,7 @@ import json
 
 import jax
 import jax.numpy as jnp
-from benchlib import run_meta, script_parser, seconds_per_call, write_results
+from benchlib import rel_err, run_meta, script_parser, seconds_per_call, write_results
 
 from bpt.models.lm import layer_norm
 from bpt.ops.kernels import layer_norm as kernel
@@ -35,20 +35,15 @@ DEFAULT_VARIANTS = json.dumps(
         "pallas, 64 steps": {"max_steps": 64},
         "pallas, 8 warps": {"num_warps": 8},
         "pallas, 1 stage": {"num_stages": 1},
-        "pallas, 2x rows": {"rows_per_block": "double"},
+        "pallas, 8 rows": {"rows_per_block": 8},
     }
 )
 FORWARD_OPTIONS = ("rows_per_block", "num_warps")
 
 
-def rel_err(a, b) -> float:
-    a, b = (jnp.asarray(x, jnp.float32) for x in (a, b))
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
-
-def implementations(variants: dict, d: int):
-    """(name, forward(x, scale, bias), forward_and_backward(x, scale, bias, dy)) at width d.
-    A variant's rows_per_block "double" is twice the default's at d."""
+def implementations(variants: dict):
+    """(name, forward(x, scale, bias), forward_and_backward(x, scale, bias, dy))."""
 
     def xla_forward(x, scale, bias):
         return layer_norm(x, scale, bias, 1e-5)
@@ -59,8 +54,6 @@ def implementations(variants: dict, d: int):
 
     yield "xla", jax.jit(xla_forward), jax.jit(xla_both)
     for name, options in variants.items():
-        if options.get("rows_per_block") == "double":
-            options = dict(options, rows_per_block=2 * kernel.block_rows(d))
         forward_options = {k: v for k, v in options.items() if k in FORWARD_OPTIONS}
 
         def forward(x, scale, bias, forward_options=forward_options):
@@ -98,7 +91,7 @@ def main() -> None:
         inputs = (x, scale, bias)
         row_bytes = args.rows * d * x.dtype.itemsize
         want = None
-        for name, forward, both in implementations(variants, d):
+        for name, forward, both in implementations(variants):
             row = {"width": d, "implementation": name}
             try:
                 outs = both(*inputs, dy)

@@ -234,6 +234,12 @@ def seconds_per_call(fn, *args, repeats: int = 10, warmup: int = 2, timing: str 
     return statistics.median(times)
 
 
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float32: a fast path's output against the reference's."""
+    a, b = (jax.numpy.asarray(x, "float32") for x in (a, b))
+    return float(jax.numpy.linalg.norm(a - b) / jax.numpy.linalg.norm(b))
+
+
 def error_summary(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 

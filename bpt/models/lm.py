@@ -271,8 +271,13 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float, impl: str = "xla
     return _layer_norm_fwd(x, scale, bias, eps, impl)[0]
 
 
+def _runs_kernels(x: Array, impl: str) -> bool:
+    """Whether layer_norm of x runs bpt's kernels (the forward and the backward decide alike)."""
+    return impl == "pallas" and norm_kernel.supported(x) is None
+
+
 def _layer_norm_fwd(x: Array, scale: Array, bias: Array, eps: float, impl: str = "xla"):
-    if impl == "pallas" and norm_kernel.supported(x) is None:
+    if _runs_kernels(x, impl):
         y, mean, rstd = norm_kernel.forward(x, scale, bias, eps)
         return y, (x, mean[..., None], rstd[..., None], scale, bias)
     x32 = x.astype(jnp.float32)
@@ -284,7 +289,7 @@ def _layer_norm_fwd(x: Array, scale: Array, bias: Array, eps: float, impl: str =
 
 def _layer_norm_bwd(eps: float, impl: str, residuals, dy: Array):
     x, mean, rstd, scale, bias = residuals
-    if impl == "pallas" and norm_kernel.supported(x) is None:
+    if _runs_kernels(x, impl):
         dx, dscale, dbias = norm_kernel.backward(x, dy, mean[..., 0], rstd[..., 0], scale)
     else:
         xhat = (x.astype(jnp.float32) - mean) * rstd
