@@ -42,6 +42,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_c
 from benchlib import benchmark_config, run_meta, script_parser  # noqa: E402
 
 KINDS = (  # (kind, a pattern of kernel names), the first match wins
+    ("norm kernel", r"layer_norm|rms_norm"),  # bpt's (bpt_layer_norm_fwd, ...), before pallas
     ("matmul", r"gemm|nvjet|cutlass|cublas|sm\d+_xmma|wgmma|dot"),
     ("attention kernel", r"flash|attention|mosaic|pallas|triton"),
     ("collective", r"nccl|all_reduce|all_gather|reduce_scatter|collective|permute"),
@@ -64,10 +65,13 @@ PARTS = (  # what a language model's step spends its time on (part_of)
 
 def part_of(op: dict, *, vocab_sizes=(), param_shapes=()) -> str:
     """The part of the step one profiled operation (a row of summarize's ops) belongs to:
+    norm kernels (bpt's LayerNorm, a pallas_call like attention's) with the elementwise ops;
     attention kernels (cuDNN's or Pallas') forward or backward; anything with a vocabulary
     dimension (the LM head's matmuls, the loss); whole-parameter updates run once a step
     (param_shapes: 'f32[24,2048,8192]', ...); then by kernel kind."""
     text = f"{op['op']} {op['hlo']} {op['kernel']}".lower()
+    if kind_of(op["kernel"]) == "norm kernel":
+        return "elementwise and norms"
     if re.search(r"attention|fmha|flash|mosaic|pallas|gau_", text):
         # bpt's backward kernels: bpt_flash_hopper_dkdvdq_..., _dkdv_kernel, _dq_kernel
         return "attention backward" if re.search(r"bwd|backward|dkdv|_dq|_dkv", text) else "attention forward"

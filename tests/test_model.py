@@ -345,6 +345,18 @@ def test_norm_impl_pallas_computes_the_same_function(batch, mode):
         Block(pallas, parallel=two)._norm_impl()
 
 
+def test_norm_impl_auto_takes_the_kernels_on_one_gpu_only(monkeypatch):
+    """model.norm_impl="auto" (the default): pallas on one GPU; xla on a CPU or on a mesh of
+    several devices (the kernels are one device's), where pallas set by name is an error."""
+    one, two = (types.SimpleNamespace(mesh=types.SimpleNamespace(size=n)) for n in (1, 2))
+    assert BASE.norm_impl == "auto"
+    assert [Block(BASE, parallel=par)._norm_impl() for par in (None, one, two)] == ["xla"] * 3
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert [Block(BASE, parallel=par)._norm_impl() for par in (None, one, two)] == ["pallas", "pallas", "xla"]
+    xla = dataclasses.replace(BASE, norm_impl="xla")
+    assert Block(xla, parallel=one)._norm_impl() == "xla"
+
+
 @pytest.mark.parametrize("unroll, unrolled_bound, chunk", [(1, 64, 32), (2, 64, 64), (2, 48, 32)])
 def test_ffn_chunk_size_auto_takes_the_largest_multiple_of_q_chunk_size_within_its_bound(
     batch, monkeypatch, unroll, unrolled_bound, chunk
@@ -590,7 +602,7 @@ def test_parameters_carry_logical_axis_names():
         ("head_dim", 0, "model.head_dim must be a positive integer or None; got 0"),
         ("loss_impl", "blockwise", "unknown model.loss_impl 'blockwise'; allowed: auto, chunked, full"),
         ("offload_layer_inputs", True, "offload_layer_inputs needs model.remat_layer other than 'none'"),
-        ("norm_impl", "triton", "unknown model.norm_impl 'triton'; allowed: xla, pallas"),
+        ("norm_impl", "triton", "unknown model.norm_impl 'triton'; allowed: auto, xla, pallas"),
     ],
 )
 def test_bad_model_settings(field, value, message):

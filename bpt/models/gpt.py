@@ -109,10 +109,12 @@ class GPTConfig(LMConfig):
     # "swiglu" (Llama's: (silu(x W1) * x W3) W2, a third matrix W3 of the same shape as W1).
     mlp_activation: str = "gelu"
     rms_norm: bool = False  # RMSNorm (a scale, no bias) instead of LayerNorm, in every norm
-    # The layers' LayerNorms: "xla" (XLA's fusions of bpt.models.lm.layer_norm's formula) or
+    # The layers' LayerNorms: "xla" (XLA's fusions of bpt.models.lm.layer_norm's formula),
     # "pallas" (bpt's kernels, bpt.ops.kernels.layer_norm: one pass forward, one backward,
-    # where they take the shape; XLA's elsewhere). "pallas" runs on one device for now.
-    norm_impl: str = "xla"
+    # where they take the shape; XLA's elsewhere) or "auto": pallas on one GPU (GPT-1B's 8K
+    # step 2% faster on an H200, docs/notes/step_speed.md), xla on a CPU or a mesh of several
+    # devices. "pallas" runs on one device for now.
+    norm_impl: str = "auto"
     attention_mode: str = "blockwise_parallel"
     decode_impl: str = "auto"  # attention over the key/value cache: see bpt.ops.decode.DECODE
     # The key/value cache while decoding: "auto" keeps keys and values in the compute dtype;
@@ -142,7 +144,7 @@ class GPTConfig(LMConfig):
         ):
             self.check_allowed(name, options)
         self.check_allowed("attention_impl", ATTENTION.names)
-        self.check_allowed("norm_impl", NORM_IMPLS)
+        self.check_allowed("norm_impl", ("auto", *NORM_IMPLS))
         self.check_allowed("decode_impl", DECODE.names)
         for name in ("remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
@@ -387,10 +389,14 @@ class Block(Layer):
         return (chunk_loop(x, a, weights, shards) if out is None else out), None
 
     def _norm_impl(self) -> str:
-        """model.norm_impl, where it can run: bpt's LayerNorm kernels are one device's (XLA
-        cannot split a kernel over a mesh)."""
+        """model.norm_impl, resolved (one of NORM_IMPLS) where it can run: bpt's LayerNorm
+        kernels are one device's (XLA cannot split a kernel over a mesh); auto takes them on
+        one GPU."""
         impl, par = self.config.norm_impl, self.parallel
-        if impl == "pallas" and par is not None and par.mesh.size > 1:
+        one_device = par is None or par.mesh.size == 1
+        if impl == "auto":
+            return "pallas" if one_device and jax.default_backend() == "gpu" else "xla"
+        if impl == "pallas" and not one_device:
             raise ValueError(
                 f"model.norm_impl='pallas' runs on one device for now; the mesh has {par.mesh.size} "
                 "(use model.norm_impl='xla')"
