@@ -16,7 +16,7 @@ from conftest import load_script, rel_err, tree_rel_err
 
 from bpt.config import base_config, model_config
 from bpt.models.gpt import GPT, Block, GPTConfig
-from bpt.models.lm import apply_rotary, gelu, layer_norm, rotary_tables
+from bpt.models.lm import add_layer_norm, apply_rotary, gelu, layer_norm, rotary_tables
 from bpt.train.probe import TrainingStep
 
 TOL = 1e-5
@@ -187,6 +187,59 @@ def test_layer_norms_written_out_backward_is_autodiffs(key, impl):
     np.testing.assert_allclose(dx.astype(jnp.float32), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_add_layer_norm_is_the_add_then_the_norm(key, impl):
+    """add_layer_norm(x, r) = (x + r, layer_norm(x + r)), with bpt's kernels (interpret mode)
+    in one pass each way: values and the gradients of x, r, scale and bias against autodiff
+    of the add and layer_norm, for cotangents on both h and y (the residual stream's gradient
+    reaches x and r past the norm), in float32 and bfloat16."""
+    kx, kr, ks, kb, kh, ky = jax.random.split(key, 6)
+    x = 2.0 + jax.random.normal(kx, (2, 48, 64), jnp.float32)
+    r = jax.random.normal(kr, x.shape, jnp.float32)
+    scale = 1.0 + 0.5 * jax.random.normal(ks, (64,), jnp.float32)
+    bias = jax.random.normal(kb, (64,), jnp.float32)
+    dh, dy = (jax.random.normal(k, x.shape, jnp.float32) for k in (kh, ky))
+
+    def separately(x, r, scale, bias):
+        h = x + r
+        return h, layer_norm(h, scale, bias, 1e-5)
+
+    def loss(f, *args):
+        h, y = f(*args)
+        return (h.astype(jnp.float32) * dh).sum() + (y.astype(jnp.float32) * dy).sum()
+
+    ours = lambda *a: add_layer_norm(*a, 1e-5, impl)  # noqa: E731
+    grad = lambda f: jax.grad(functools.partial(loss, f), argnums=(0, 1, 2, 3))  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(grad(ours))(x, r, scale, bias))
+    assert ("bpt_add_layer_norm_fwd" in jaxpr and "bpt_add_layer_norm_bwd" in jaxpr) == (impl == "pallas")
+    for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)):
+        args = (x.astype(dtype), r.astype(dtype), scale, bias)
+        for got, want in zip(ours(*args), separately(*args)):
+            assert got.dtype == want.dtype == dtype
+            np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=tol, atol=tol)
+        grads = [grad(f)(*args) for f in (ours, separately)]
+        for got, want in zip(*grads):
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=tol, atol=tol)
+
+
+def test_add_layer_norm_takes_the_kernels_only_for_a_residual_like_x():
+    """add_layer_norm(impl="pallas") runs XLA's add, then layer_norm (its kernels still), where
+    the residual's dtype is not x's; the kernels say what they need of a residual or its
+    gradient."""
+    from bpt.ops.kernels import layer_norm as kernel
+
+    x, scale, bias = jnp.ones((16, 64)), jnp.ones(64), jnp.zeros(64)
+    r = jnp.full((16, 64), 0.5, jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(lambda x: add_layer_norm(x, r, scale, bias, 1e-5, "pallas"))(x))
+    assert "bpt_add_layer_norm" not in jaxpr and "bpt_layer_norm_fwd" in jaxpr
+    with pytest.raises(ValueError, match=r"residual must have x's shape and dtype \(16, 64\) float32; got"):
+        kernel.forward(x, scale, bias, 1e-5, residual=r)
+    stats = jnp.zeros(16)
+    with pytest.raises(ValueError, match=r"dresidual must have x's shape \(16, 64\); got \(16, 32\)"):
+        kernel.backward(x, x, stats, stats, scale, dresidual=jnp.zeros((16, 32)))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton-lowered kernels need an NVIDIA GPU")
 @pytest.mark.parametrize("d", [2048, 4096])
@@ -194,24 +247,41 @@ def test_layer_norm_kernels_on_gpu(key, d):
     """The LayerNorm kernels lowered through Triton at GPT-1B's and GPT-7B's widths, bf16
     rows of a 4 x 4096 batch, against XLA's formula computed in float32 from the same bf16
     input: y, dx, dscale and dbias, with dx's and y's memory poisoned by NaN first (an
-    unwritten row would fail)."""
-    kx, ks, kb, kg = jax.random.split(key, 4)
+    unwritten row would fail); add_layer_norm's fused kernels (h and y, and the gradients of
+    x and the residual) alike."""
+    kx, ks, kb, kg, kr = jax.random.split(key, 5)
     x = (1.0 + 2.0 * jax.random.normal(kx, (4, 4096, d))).astype(jnp.bfloat16)
     scale = (1.0 + 0.5 * jax.random.normal(ks, (d,))).astype(jnp.bfloat16)
     bias = jax.random.normal(kb, (d,)).astype(jnp.bfloat16)
     dy = jax.random.normal(kg, x.shape).astype(jnp.bfloat16)
     jnp.full(x.shape, jnp.nan, x.dtype).block_until_ready()  # memory the kernels' outputs may reuse
 
+    r = jax.random.normal(kr, x.shape).astype(jnp.bfloat16)
+
     def run(impl, x, scale, bias):
         y, vjp = jax.vjp(lambda *a: layer_norm(*a, 1e-5, impl), x, scale, bias)
         return (y, *vjp(dy.astype(y.dtype)))
 
-    got = jax.jit(functools.partial(run, "pallas"))(x, scale, bias)
-    want = jax.jit(functools.partial(run, "xla"))(*(a.astype(jnp.float32) for a in (x, scale, bias)))
-    for name, g, w, tol in zip(("y", "dx", "dscale", "dbias"), got, want, (2e-2, 5e-2, 2e-2, 2e-2)):
-        g32, w32 = g.astype(jnp.float32), w.astype(jnp.float32)
-        assert bool(jnp.isfinite(g32).all()), name
-        np.testing.assert_allclose(g32, w32, rtol=tol, atol=tol * float(jnp.abs(w32).max()), err_msg=name)
+    def run_add(impl, x, r, scale, bias):
+        (h, y), vjp = jax.vjp(lambda *a: add_layer_norm(*a, 1e-5, impl), x, r, scale, bias)
+        return (h, y, *vjp((dy.astype(h.dtype), dy.astype(y.dtype))))
+
+    f32 = lambda *a: (t.astype(jnp.float32) for t in a)  # noqa: E731
+    for names, tols, f, args in (
+        (("y", "dx", "dscale", "dbias"), (2e-2, 5e-2, 2e-2, 2e-2), run, (x, scale, bias)),
+        (
+            ("h", "y", "dx", "dr", "dscale", "dbias"),
+            (1e-2, 2e-2, 5e-2, 5e-2, 2e-2, 2e-2),
+            run_add,
+            (x, r, scale, bias),
+        ),
+    ):
+        got = jax.jit(functools.partial(f, "pallas"))(*args)
+        want = jax.jit(functools.partial(f, "xla"))(*f32(*args))
+        for name, g, w, tol in zip(names, got, want, tols):
+            g32, w32 = f32(g, w)
+            assert bool(jnp.isfinite(g32).all()), name
+            np.testing.assert_allclose(g32, w32, rtol=tol, atol=tol * float(jnp.abs(w32).max()), err_msg=name)
 
 
 def test_layer_norm_kernels_take_what_they_can_and_say_why_not():
@@ -324,19 +394,27 @@ def test_bench_norm_times_each_implementation_and_reports_a_bad_variant(tmp_path
     # forward: x read, y written (2 x 64 x 64 x 2 bytes) a µs; both: x, y, x, dy, dx (5 x)
     assert "| 64 | pallas | 1 (16) | 1 (41) |" in table
     assert table in capsys.readouterr().out
+    # --add: add_layer_norm's kernels against XLA's add and norm; 4 and 8 rows' bytes
+    monkeypatch.setattr("sys.argv", argv[:-2] + ["--add", "--out", str(tmp_path / "add")])
+    bench.main()
+    rows = json.loads((tmp_path / "add" / "results.json").read_text())["rows"]
+    assert rows[1]["implementation"] == "pallas" and rows[1]["error"] < 1e-2
+    assert "| 64 | pallas | 1 (33) | 1 (66) |" in (tmp_path / "add" / "table.md").read_text()
 
 
 @pytest.mark.parametrize("mode", ["blockwise_parallel", "vanilla"])
 def test_norm_impl_pallas_computes_the_same_function(batch, mode):
-    """model.norm_impl="pallas": the layers' LayerNorms by bpt's kernels (interpret mode here),
-    with the logits, loss and gradients of XLA's formula; on a mesh of several devices it
+    """model.norm_impl="pallas": the layers' LayerNorms by bpt's kernels (interpret mode here;
+    the FFN's with the residual add before it), with the logits, loss and gradients of XLA's
+    formula; on a mesh of several devices it
     says it runs on one."""
     tokens, targets, params = batch
     cfg = dataclasses.replace(BASE, attention_mode=mode, attention_impl="reference")
     logits, loss, grads = forward(cfg, params, tokens, targets)
     pallas = dataclasses.replace(cfg, norm_impl="pallas")
     step = jax.make_jaxpr(lambda p: GPT(pallas).apply({"params": p}, tokens, targets=targets).loss)(params)
-    assert "pallas_call" in str(step)
+    assert "bpt_layer_norm_fwd" in str(step)  # ln1
+    assert "bpt_add_layer_norm_fwd" in str(step)  # ln2, with the residual add before it
     got_logits, got_loss, got_grads = forward(pallas, params, tokens, targets)
     assert rel_err(got_logits, logits) < TOL and rel_err(got_loss, loss) < TOL
     assert tree_rel_err(got_grads, grads) < 1e-4

@@ -308,6 +308,41 @@ def _layer_norm_bwd(eps: float, impl: str, residuals, dy: Array):
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
+def add_layer_norm(
+    x: Array, residual: Array, scale: Array, bias: Array, eps: float, impl: str = "xla"
+) -> tuple[Array, Array]:
+    """(h, y): h = x + residual and y = layer_norm(h), a transformer layer's residual add and
+    the norm after it. impl="pallas" runs both in one kernel pass where the kernels take x
+    (and residual has x's shape and dtype), and the backward adds the gradient h receives
+    from the residual stream to the norm's dx in its own pass; XLA's add, then layer_norm,
+    elsewhere."""
+    if _runs_kernels(x, impl) and (residual.shape, residual.dtype) == (x.shape, x.dtype):
+        return _fused_add_layer_norm(x, residual, scale, bias, eps)
+    h = x + residual
+    return h, layer_norm(h, scale, bias, eps, impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_add_layer_norm(x, residual, scale, bias, eps):
+    return _fused_add_layer_norm_fwd(x, residual, scale, bias, eps)[0]
+
+
+def _fused_add_layer_norm_fwd(x, residual, scale, bias, eps):
+    h, y, mean, rstd = norm_kernel.forward(x, scale, bias, eps, residual=residual)
+    return (h, y), (h, mean, rstd, scale, bias)
+
+
+def _fused_add_layer_norm_bwd(eps, saved, cotangents):
+    h, mean, rstd, scale, bias = saved
+    dh, dy = cotangents
+    dx, dscale, dbias = norm_kernel.backward(h, dy, mean, rstd, scale, dresidual=dh)
+    dscale, dbias = dscale.reshape(scale.shape), dbias.reshape(bias.shape)
+    return dx, dx, dscale.astype(scale.dtype), dbias.astype(bias.dtype)
+
+
+_fused_add_layer_norm.defvjp(_fused_add_layer_norm_fwd, _fused_add_layer_norm_bwd)
+
+
 GELU_SCALE = 2 * math.sqrt(2 / math.pi)
 
 

@@ -12,6 +12,11 @@ that step's kernels more than the same model with RMSNorm (docs/notes/step_speed
   statistics, and keeps the column sums of dy * xhat and dy in registers; the programs'
   partial sums [programs, d] are added in XLA (4 MiB each at GPT-1B's 8K step).
 
+With a residual (a transformer layer's h = x + residual, then the norm of h) the forward
+adds it in the same pass and writes h too, and the backward adds the gradient h receives
+past the norm (the residual stream's) to dx: the add and that sum, otherwise two more passes
+over the rows, cost no pass of their own.
+
 The feature size d must be a power of two (Triton's blocks) and the rows a multiple of the
 row block; `supported` says which inputs the kernels take. On a GPU they lower through
 Triton; elsewhere they run in Pallas interpret mode.
@@ -73,8 +78,16 @@ def _call(interpret: bool | None, num_warps: int, num_stages: int = 1):
     return functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
 
 
-def _forward_kernel(x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, eps: float):
-    x = x_ref[...].astype(jnp.float32)
+def _forward_kernel(*refs, eps: float, add: bool):
+    """One block of rows: y = LayerNorm(x), or with add h = x + residual and y = LayerNorm(h)."""
+    if add:
+        x_ref, r_ref, scale_ref, bias_ref, h_ref, y_ref, mean_ref, rstd_ref = refs
+        h = (x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
+        h_ref[...] = h  # rounded as XLA rounds x + residual, then normalized from there
+        x = h.astype(jnp.float32)
+    else:
+        x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref = refs
+        x = x_ref[...].astype(jnp.float32)
     inv_d = 1.0 / x.shape[1]
     mean = jnp.sum(x, axis=1) * inv_d
     centered = x - mean[:, None]
@@ -92,38 +105,46 @@ def forward(
     bias: Array,
     eps: float,
     *,
+    residual: Array | None = None,
     rows_per_block: int | None = None,
     num_warps: int = 4,
     interpret: bool | None = None,
-) -> tuple[Array, Array, Array]:
+) -> tuple[Array, ...]:
     """(y, mean, rstd): the LayerNorm of x [..., d] over its last axis in float32, y in x's
-    dtype, the rows' mean and 1/std [...] in float32. rows_per_block: rows a program
-    (default block_rows(d))."""
+    dtype, the rows' mean and 1/std [...] in float32. With residual (x's shape and dtype):
+    (h, y, mean, rstd), h = x + residual and y its LayerNorm, in one pass (a transformer
+    layer's residual add and the norm after it). rows_per_block: rows a program (default
+    block_rows(d))."""
     _check(x, rows_per_block)
+    add = residual is not None
+    if add and (residual.shape, residual.dtype) != (x.shape, x.dtype):
+        got = f"{residual.shape} {residual.dtype}"
+        raise ValueError(f"residual must have x's shape and dtype {x.shape} {x.dtype}; got {got}")
     d = x.shape[-1]
     rows, br = x.size // d, rows_per_block or block_rows(d)
-    x2 = x.reshape(rows, d)
     whole = pl.BlockSpec((d,), lambda i: (0,))
     block = pl.BlockSpec((br,), lambda i: (i,))
-    y, mean, rstd = _call(interpret, num_warps)(
-        functools.partial(_forward_kernel, eps=eps),
+    rows_spec = pl.BlockSpec((br, d), lambda i: (i, 0))
+    matrix = jax.ShapeDtypeStruct((rows, d), x.dtype)
+    stats = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    inputs = (x, residual) if add else (x,)
+    outs = _call(interpret, num_warps)(
+        functools.partial(_forward_kernel, eps=eps, add=add),
         grid=(rows // br,),
-        in_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), whole, whole],
-        out_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), block, block],
-        out_shape=[
-            jax.ShapeDtypeStruct((rows, d), x.dtype),
-            jax.ShapeDtypeStruct((rows,), jnp.float32),
-            jax.ShapeDtypeStruct((rows,), jnp.float32),
-        ],
-        name="bpt_layer_norm_fwd",
-    )(x2, scale, bias)
+        in_specs=[rows_spec] * len(inputs) + [whole, whole],
+        out_specs=[rows_spec] * len(inputs) + [block, block],
+        out_shape=[matrix] * len(inputs) + [stats, stats],
+        name="bpt_add_layer_norm_fwd" if add else "bpt_layer_norm_fwd",
+    )(*(a.reshape(rows, d) for a in inputs), scale, bias)
     lead = x.shape[:-1]
-    return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
+    return (*(a.reshape(x.shape) for a in outs[:-2]), *(t.reshape(lead) for t in outs[-2:]))
 
 
-def _backward_kernel(
-    x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, steps: int
-):
+def _backward_kernel(*refs, steps: int, add: bool):
+    if add:
+        x_ref, dy_ref, dr_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref = refs
+    else:
+        x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref = refs
     br, d = x_ref.shape[0] // steps, x_ref.shape[1]
     inv_d = 1.0 / d
     scale = scale_ref[...].astype(jnp.float32)
@@ -139,6 +160,8 @@ def _backward_kernel(
         mean_g = jnp.sum(g, axis=1) * inv_d
         mean_gx = jnp.sum(g * xhat, axis=1) * inv_d
         dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
+        if add:  # the gradient that reaches x past the norm (the residual stream's)
+            dx = dx + dr_ref[rows, :].astype(jnp.float32)
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
         return dscale + jnp.sum(dy * xhat, axis=0), dbias + jnp.sum(dy, axis=0)
 
@@ -164,6 +187,7 @@ def backward(
     rstd: Array,
     scale: Array,
     *,
+    dresidual: Array | None = None,
     rows_per_block: int | None = None,
     max_steps: int = MAX_STEPS,
     num_warps: int = 4,
@@ -171,10 +195,14 @@ def backward(
     interpret: bool | None = None,
 ) -> tuple[Array, Array, Array]:
     """(dx, dscale, dbias) of the LayerNorm whose forward gave mean and rstd [...] for x
-    [..., d], dy its output's gradient: dx in x's dtype, the others float32 [d]. A program
-    walks up to max_steps blocks of rows_per_block rows (num_stages: Triton's pipelining of
-    that loop's loads)."""
+    [..., d], dy its output's gradient: dx in x's dtype, the others float32 [d]. dresidual
+    (x's shape): a gradient of x from elsewhere, added to dx in the same pass (the residual
+    stream's, past an add_layer_norm). A program walks up to max_steps blocks of
+    rows_per_block rows (num_stages: Triton's pipelining of that loop's loads)."""
     _check(x, rows_per_block)
+    add = dresidual is not None
+    if add and dresidual.shape != x.shape:
+        raise ValueError(f"dresidual must have x's shape {x.shape}; got {dresidual.shape}")
     if max_steps < 1 or max_steps & (max_steps - 1):
         raise ValueError(f"max_steps must be a power of two; got {max_steps}")
     d = x.shape[-1]
@@ -185,16 +213,17 @@ def backward(
     rows_spec = pl.BlockSpec((span, d), lambda i: (i, 0))
     stat_spec = pl.BlockSpec((span,), lambda i: (i,))
     sums_spec = pl.BlockSpec((None, d), lambda i: (i, 0))
+    matrices = (x, dy, dresidual) if add else (x, dy)
     dx, dscale, dbias = _call(interpret, num_warps, num_stages)(
-        functools.partial(_backward_kernel, steps=steps),
+        functools.partial(_backward_kernel, steps=steps, add=add),
         grid=(programs,),
-        in_specs=[rows_spec, rows_spec, stat_spec, stat_spec, pl.BlockSpec((d,), lambda i: (0,))],
+        in_specs=[rows_spec] * len(matrices) + [stat_spec, stat_spec, pl.BlockSpec((d,), lambda i: (0,))],
         out_specs=[rows_spec, sums_spec, sums_spec],
         out_shape=[
             jax.ShapeDtypeStruct((rows, d), x.dtype),
             jax.ShapeDtypeStruct((programs, d), jnp.float32),
             jax.ShapeDtypeStruct((programs, d), jnp.float32),
         ],
-        name="bpt_layer_norm_bwd",
-    )(x.reshape(rows, d), dy.reshape(rows, d), mean.reshape(rows), rstd.reshape(rows), scale)
+        name="bpt_add_layer_norm_bwd" if add else "bpt_layer_norm_bwd",
+    )(*(a.reshape(rows, d) for a in matrices), mean.reshape(rows), rstd.reshape(rows), scale)
     return dx.reshape(x.shape), dscale.sum(axis=0), dbias.sum(axis=0)
