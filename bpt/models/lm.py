@@ -301,8 +301,12 @@ def _layer_norm_bwd(eps: float, impl: str, residuals, dy: Array):
         dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
         rows = tuple(range(x.ndim - 1))
         dscale, dbias = (dy32 * xhat).sum(axis=rows), dy32.sum(axis=rows)
-    dscale, dbias = dscale.reshape(scale.shape), dbias.reshape(bias.shape)
-    return dx.astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(bias.dtype)
+    return dx.astype(x.dtype), _like(scale, dscale), _like(bias, dbias)
+
+
+def _like(param: Array, grad: Array) -> Array:
+    """A parameter's gradient summed over rows, in the parameter's shape and dtype."""
+    return grad.reshape(param.shape).astype(param.dtype)
 
 
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
@@ -336,8 +340,7 @@ def _fused_add_layer_norm_bwd(eps, saved, cotangents):
     h, mean, rstd, scale, bias = saved
     dh, dy = cotangents
     dx, dscale, dbias = norm_kernel.backward(h, dy, mean, rstd, scale, dresidual=dh)
-    dscale, dbias = dscale.reshape(scale.shape), dbias.reshape(bias.shape)
-    return dx, dx, dscale.astype(scale.dtype), dbias.astype(bias.dtype)
+    return dx, dx, _like(scale, dscale), _like(bias, dbias)
 
 
 _fused_add_layer_norm.defvjp(_fused_add_layer_norm_fwd, _fused_add_layer_norm_bwd)
