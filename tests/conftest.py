@@ -156,9 +156,9 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def tree_rel_err(a, b) -> float:
+def tree_rel_err(a, b, floor: float = 1e-3) -> float:
     """The worst leaf's relative error. A leaf whose true value is (near) zero, such as the
-    gradient of a key bias, which softmax cancels exactly, is measured against 1e-3 of the
+    gradient of a key bias, which softmax cancels exactly, is measured against `floor` of the
     whole tree's norm instead of its own."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)
@@ -166,7 +166,7 @@ def tree_rel_err(a, b) -> float:
     worst = 0.0
     for x, y in zip(la, lb):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        worst = max(worst, float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-3 * total, 1e-30)))
+        worst = max(worst, float(np.linalg.norm(x - y) / max(np.linalg.norm(y), floor * total, 1e-30)))
     return worst
 
 

@@ -502,10 +502,14 @@ def test_later_tokens_never_change_earlier_logits(form, key):
 
 def test_remat_policies_do_not_change_flash_gradients(key):
     """model.remat_layer chooses only what the backward recomputes (attention_saveable keeps
-    the chunk attention's results, bpt.ops.gau). Jitted, as the train step is: op by op, the
-    two policies round differently, and a small leaf summed over every position (a norm's
-    scale, 3e-3) then differed by 1.7e-5 of itself (seed 1602655396); jitted, the two agreed
-    to the bit on that seed and 15 others."""
+    the chunk attention's results, bpt.ops.gau): jitted, as the train step is, the two
+    policies' gradients agree to float32's rounding. They do not agree to the bit: XLA fuses
+    the two programs differently. Over the whole tree they differed by at most 7e-7 of its
+    norm (30 seeds); one leaf is far worse by its own measure, the scalar sin_scale, whose
+    gradient sums every position's and feature's terms, which nearly cancel: 1.3e-4 of
+    itself, a leaf 1.5e-3 of the tree's norm (seed 1963721932). So each leaf is measured
+    against 1e-2 of the tree's norm where it is smaller (the worst of the 30 seeds 3.8e-6,
+    that seed's 1.9e-5)."""
     tokens = jax.random.randint(jax.random.fold_in(key, 2), (2, 24), 0, 40)
 
     def grads(policy):
@@ -514,7 +518,10 @@ def test_remat_policies_do_not_change_flash_gradients(key):
         loss = lambda p: model.apply({"params": p}, tokens, targets=jnp.roll(tokens, -1, 1)).loss  # noqa: E731
         return jax.jit(jax.grad(loss))(params)
 
-    assert tree_rel_err(grads("attention_and_dots_saveable"), grads("nothing_saveable")) < 1e-5
+    saved, recomputed = grads("attention_and_dots_saveable"), grads("nothing_saveable")
+    flat = lambda t: jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)])  # noqa: E731
+    assert rel_err(flat(saved), flat(recomputed)) < 1e-5
+    assert tree_rel_err(saved, recomputed, floor=1e-2) < 1e-4
 
 
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: "-".join(str(v) for v in f.values()))
