@@ -406,8 +406,8 @@ def test_bench_norm_times_each_implementation_and_reports_a_bad_variant(tmp_path
 def test_norm_impl_pallas_computes_the_same_function(batch, mode):
     """model.norm_impl="pallas": the layers' LayerNorms by bpt's kernels (interpret mode here;
     the FFN's with the residual add before it), with the logits, loss and gradients of XLA's
-    formula; on a mesh of several devices it
-    says it runs on one."""
+    formula; on a mesh of several devices it says where it cannot run per device (meshes:
+    tests/multidevice)."""
     tokens, targets, params = batch
     cfg = dataclasses.replace(BASE, attention_mode=mode, attention_impl="reference")
     logits, loss, grads = forward(cfg, params, tokens, targets)
@@ -418,15 +418,23 @@ def test_norm_impl_pallas_computes_the_same_function(batch, mode):
     got_logits, got_loss, got_grads = forward(pallas, params, tokens, targets)
     assert rel_err(got_logits, logits) < TOL and rel_err(got_loss, loss) < TOL
     assert tree_rel_err(got_grads, grads) < 1e-4
-    two = types.SimpleNamespace(mesh=types.SimpleNamespace(size=2))
-    with pytest.raises(ValueError, match="model.norm_impl='pallas' runs on one device for now; the mesh has 2"):
-        Block(pallas, parallel=two)._norm_impl()
+    fsdp, tensor = (_fake_mesh(2, tensor=t) for t in (1, 2))
+    assert Block(pallas, parallel=fsdp)._norm_impl() == "pallas"
+    with pytest.raises(ValueError, match="norm_impl='pallas' runs on a mesh of 2 devices per device, .* mesh.tensor=2"):
+        Block(pallas, parallel=tensor)._norm_impl()
+    with pytest.raises(ValueError, match="runs on a mesh of 2 devices per device, which it cannot while decoding"):
+        Block(pallas, parallel=fsdp, decode=True)._norm_impl()
+
+
+def _fake_mesh(devices: int, tensor: int = 1):
+    """What Block._norm_impl reads of a Parallelism: the mesh's size and its tensor axis."""
+    return types.SimpleNamespace(mesh=types.SimpleNamespace(size=devices), size=lambda axis: tensor)
 
 
 def test_norm_impl_auto_takes_the_kernels_on_one_gpu_only(monkeypatch):
     """model.norm_impl="auto" (the default): pallas on one GPU; xla on a CPU or on a mesh of
-    several devices (the kernels are one device's), where pallas set by name is an error."""
-    one, two = (types.SimpleNamespace(mesh=types.SimpleNamespace(size=n)) for n in (1, 2))
+    several devices (the kernels per device there are not measured yet; pallas by name)."""
+    one, two = (_fake_mesh(n) for n in (1, 2))
     assert BASE.norm_impl == "auto"
     assert [Block(BASE, parallel=par)._norm_impl() for par in (None, one, two)] == ["xla"] * 3
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

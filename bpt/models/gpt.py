@@ -114,7 +114,7 @@ class GPTConfig(LMConfig):
     # "pallas" (bpt's kernels, bpt.ops.kernels.layer_norm: one pass forward, one backward,
     # where they take the shape; XLA's elsewhere) or "auto": pallas on one GPU (GPT-1B's 8K
     # step 2% faster on an H200, docs/notes/step_speed.md), xla on a CPU or a mesh of several
-    # devices. "pallas" runs on one device for now.
+    # devices. On a mesh "pallas" runs them on each device's rows (shard_map; mesh.tensor=1).
     norm_impl: str = "auto"
     attention_mode: str = "blockwise_parallel"
     decode_impl: str = "auto"  # attention over the key/value cache: see bpt.ops.decode.DECODE
@@ -348,26 +348,42 @@ class Block(Layer):
         p = self._params()
         rng = None if self.deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
         eps, rate, norm_impl = cfg.layer_norm_epsilon, cfg.dropout, self._norm_impl()
+        # On a mesh of several devices bpt's norm kernels run on each device's own rows: a
+        # norm outside the per-device chunk loops goes through shard_map (Parallelism.per_device).
+        norms_per_device = norm_impl == "pallas" and par is not None and par.mesh.size > 1
 
-        def ffn_residual(x: Array, delta: Array, rng, p=p) -> Array:
+        def norm_rows(p: dict, name: str, *rows: Array, local: bool = False):
+            """The layer's norm `name` of rows (h), or with the residual add before it
+            (x, residual: add_norm's (h, y)); local: rows already one device's."""
+            weights = {k: p[k] for k in (f"{name}_scale", f"{name}_bias") if k in p}
+            if len(rows) == 1:
+                run = lambda h, w: norm(w, name, h, eps, norm_impl)  # noqa: E731
+            else:
+                run = lambda x, r, w: add_norm(w, name, x, r, eps, norm_impl)  # noqa: E731
+            if norms_per_device and not local:
+                return par.per_device(run, *rows, weights=weights)
+            return run(*rows, weights)
+
+        def ffn_residual(x: Array, delta: Array, rng, p=p, local: bool = False) -> Array:
             """h = x + delta (attention's output), then h + the FFN of h's norm, the norm and
             the FFN under model.remat_ffn. With the LayerNorm kernels the add joins the norm's
             pass (add_norm); XLA's add stays out of the remat, which then keeps h alone (not
-            x and delta: 94 MiB more at GPT-125M's 16K in two layers, the blockwise loop)."""
+            x and delta: 94 MiB more at GPT-125M's 16K in two layers, the blockwise loop).
+            local: x and delta are one device's rows (a per-device chunk loop)."""
             if norm_impl == "pallas" and "ln2_bias" in p:
 
                 def ffn(x, delta):
-                    h, y = add_norm(p, "ln2", x, delta, eps, norm_impl)
+                    h, y = norm_rows(p, "ln2", x, delta, local=local)
                     return h, mlp(p, y, cfg.mlp_activation)
 
                 h, f = remat(ffn, cfg.remat_ffn)(x, delta)
             else:
                 h = x + delta
-                ffn = remat(lambda h: mlp(p, norm(p, "ln2", h, eps, norm_impl), cfg.mlp_activation), cfg.remat_ffn)
+                ffn = remat(lambda h: mlp(p, norm_rows(p, "ln2", h, local=local), cfg.mlp_activation), cfg.remat_ffn)
                 f = ffn(h)
             return h + dropout(f, rate, rng)
 
-        q, k, v = project_qkv(p, norm(p, "ln1", x, eps, norm_impl))
+        q, k, v = project_qkv(p, norm_rows(p, "ln1", x))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
 
@@ -387,16 +403,16 @@ class Block(Layer):
 
         # Attention by a fused kernel, or across sequence shards, over the whole (local)
         # sequence; the rest block by block (on every shard at once).
-        def post_attention(i, chunk, p):
+        def post_attention(i, chunk, p, local=False):
             x_c, a_c = chunk
             delta = dropout(project_out(p, a_c), rate, fold_rng(rng, 0, i))
-            return ffn_residual(x_c, delta, fold_rng(rng, 1, i), p)
+            return ffn_residual(x_c, delta, fold_rng(rng, 1, i), p, local)
 
-        def chunk_loop(x, a, weights, shards):
+        def chunk_loop(x, a, weights, shards, local=False):
             most = FFN_CHUNK_UNROLLED if stack_unrolled(cfg) else FFN_CHUNK
             chunk = cfg.ffn_chunk_size or largest_chunk(x.shape[1] // shards, cfg.q_chunk_size, most)
             out = scan_chunks(
-                post_attention,
+                functools.partial(post_attention, local=local),
                 (x, a),
                 chunk_size=chunk,
                 policy="none",
@@ -407,21 +423,24 @@ class Block(Layer):
             return from_chunks(out, shards)
 
         weights = post_attention_weights(p)
-        out = self._per_device(functools.partial(chunk_loop, shards=1), x, a, weights=weights, rng=rng)
+        out = self._per_device(functools.partial(chunk_loop, shards=1, local=True), x, a, weights=weights, rng=rng)
         return (chunk_loop(x, a, weights, shards) if out is None else out), None
 
     def _norm_impl(self) -> str:
         """model.norm_impl, resolved (one of NORM_IMPLS) where it can run: bpt's LayerNorm
-        kernels are one device's (XLA cannot split a kernel over a mesh); auto takes them on
-        one GPU."""
+        kernels are one device's (XLA cannot split a kernel over a mesh), so on a mesh of
+        several devices they run on each device's rows under shard_map, which needs
+        mesh.tensor=1 (Parallelism.per_device) and a training step (not decoding). auto takes
+        them on one GPU only: on a mesh they have not been measured yet."""
         impl, par = self.config.norm_impl, self.parallel
         one_device = par is None or par.mesh.size == 1
         if impl == "auto":
             return "pallas" if one_device and jax.default_backend() == "gpu" else "xla"
-        if impl == "pallas" and not one_device:
+        if impl == "pallas" and not one_device and (self.decode or par.size("tensor") > 1):
+            where = "while decoding" if self.decode else f"with mesh.tensor={par.size('tensor')}"
             raise ValueError(
-                f"model.norm_impl='pallas' runs on one device for now; the mesh has {par.mesh.size} "
-                "(use model.norm_impl='xla')"
+                f"model.norm_impl='pallas' runs on a mesh of {par.mesh.size} devices per device, "
+                f"which it cannot {where} (use model.norm_impl='xla' or 'auto')"
             )
         return impl
 
@@ -538,7 +557,7 @@ class Block(Layer):
         """The BPT loop: per query block, attention over all key/value blocks, then the FFN."""
         cfg = self.config
 
-        def loop(x, q, k, v, segment_ids, weights):
+        def loop(x, q, k, v, segment_ids, weights, local=False):
             k, v = gradient_carrier(k), gradient_carrier(v)
 
             def block(i, chunk, p):
@@ -558,7 +577,7 @@ class Block(Layer):
                     prevent_cse=False,
                 )
                 delta = dropout(project_out(p, attend(q_c)), cfg.dropout, fold_rng(rng, 0, i))
-                return ffn_residual(x_c, delta, fold_rng(rng, 1, i), p)
+                return ffn_residual(x_c, delta, fold_rng(rng, 1, i), p, local)
 
             out = scan_chunks(
                 block,
@@ -571,7 +590,7 @@ class Block(Layer):
             return from_chunks(out)
 
         rows, weights = (x, q, k, v, segment_ids), post_attention_weights(p)
-        out = self._per_device(loop, *rows, weights=weights, rng=rng)
+        out = self._per_device(functools.partial(loop, local=True), *rows, weights=weights, rng=rng)
         return loop(*rows, weights) if out is None else out
 
     def _per_device(self, loop, *rows, weights, rng):

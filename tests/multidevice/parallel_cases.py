@@ -317,6 +317,45 @@ def test_an_unrolled_stack_on_a_mesh_logs_the_one_device_losses(one_device_losse
     assert tuple(state.params["layers"]["w1"].sharding.spec) == (None, ("fsdp", "sequence"), None)
 
 
+@pytest.mark.parametrize(
+    "mode,mesh",
+    [("blockwise_parallel", dict(fsdp=2, sequence=4)), ("memory_efficient", dict(data=2, fsdp=2, sequence=2))],
+    ids=["bpt-fsdp2-sequence4", "memory_efficient-data2-fsdp2-sequence2"],
+)
+def test_norm_kernels_on_a_mesh_run_per_device_and_log_the_one_device_losses(one_device_losses, mode, mesh):
+    """model.norm_impl="pallas" on a mesh: bpt's LayerNorm kernels (interpret mode here) run on
+    each device's rows, ln1 through shard_map, ln2 inside BPT's per-device chunk loop or
+    through shard_map where the FFN runs globally (memory_efficient): the losses of XLA's
+    norms on one device, and the step holds the kernels."""
+    c = tiny_config(mode, **mesh)
+    c.model.norm_impl = "pallas"
+    found, state, model = losses(c)
+    np.testing.assert_allclose(found, one_device_losses[mode], rtol=1e-4)
+    tokens = jnp.zeros((c.train.batch_size, c.data.seq_len), jnp.int32)
+    loss = lambda p: model.apply({"params": p}, tokens, targets=tokens).loss  # noqa: E731
+    rows = kernel_rows(jax.make_jaxpr(jax.grad(loss))(state.params).jaxpr)
+    names = {"bpt_layer_norm_fwd", "bpt_layer_norm_bwd", "bpt_add_layer_norm_fwd", "bpt_add_layer_norm_bwd"}
+    assert set(rows) == names, rows
+    local = c.train.batch_size * c.data.seq_len // 8  # each of the 8 devices' rows
+    assert all(r == {local} for r in rows.values()), rows
+
+
+def kernel_rows(jaxpr, found=None) -> dict:
+    """The row counts each named pallas_call takes (its first operand's), through nested jaxprs
+    (shard_map's, scan's, remat's, custom_vjp's)."""
+    found = {} if found is None else found
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.setdefault(eqn.params["name"], set()).add(eqn.invars[0].aval.shape[0])
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    kernel_rows(sub, found)
+    return found
+
+
 def test_tensor_parallelism_splits_an_odd_vocabulary_padded():
     """The byte tokenizer's 257 tokens, padded to model.vocab_multiple (128: 384 rows), split
     over mesh.tensor=2 with the losses of one device; without the padding, a clear error."""
