@@ -236,8 +236,8 @@ def test_cudnn_matches_reference_in_bf16(key, kv_heads):
 
 def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
     """On an H100-class GPU auto runs bpt's Hopper kernels where bench_attention measured them
-    faster than cuDNN (LEADS): causal, head_dim 128 up to one 32K sequence of 32 heads' work
-    (GPT-1B's micro-batches, its step at 32K and GPT-7B's), head_dim 64 up to one 16K sequence of 32 heads', both up to
+    faster than cuDNN (LEADS): causal, head_dim 128 up to one 128K sequence of 16 heads' work
+    (GPT-1B's micro-batches, its steps at 32K-128K, GPT-7B's at 32K), head_dim 64 up to one 16K sequence of 32 heads', both up to
     one 4K sequence's (both kernels must be Hopper's: head_dim 256 has only the forward); cuDNN beyond."""
     from bpt.ops import select_impl
     from bpt.ops.kernels import attention_hopper
@@ -249,14 +249,15 @@ def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
         return select_impl(q, q, causal=causal, segment_ids=None, q_chunk_size=1024, kv_chunk_size=1024)
 
     leads = (impl(1, 2048), impl(8, 2048), impl(16, 1024), impl(2, 8192), impl(1, 16384), impl(1, 32768),
-             impl(2, 16384), impl(1, 16384, heads=32), impl(1, 32768, heads=32), impl(2, 32768), impl(1, 4096, heads=32), impl(1, 4096, head_dim=64),
+             impl(2, 16384), impl(1, 16384, heads=32), impl(1, 32768, heads=32), impl(2, 32768),
+             impl(1, 65536), impl(1, 131072), impl(1, 65536, heads=64), impl(1, 4096, heads=32), impl(1, 4096, head_dim=64),
              impl(1, 2048, head_dim=64), impl(1, 16384, head_dim=64), impl(1, 16384, heads=32, head_dim=64),
              impl(4, 8192, head_dim=64))
     assert set(leads) == {"pallas"}, leads
     for other in (
-        impl(1, 65536),
-        impl(4, 32768),
-        impl(1, 32768, heads=64),
+        impl(1, 262144),
+        impl(2, 131072),
+        impl(1, 131072, heads=32),
         impl(1, 32768, head_dim=64),
         impl(2, 16384, heads=32, head_dim=64),
         impl(1, 2048, causal=False),

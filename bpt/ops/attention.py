@@ -12,8 +12,8 @@ return a piece's output and logsumexp for a merge (context parallelism's hops).
 |             |             | take the inputs, else Triton); elsewhere interpret mode (tests) | yes |
 | auto        | on an H100-class GPU, pallas for causal bf16/fp16 inputs that the Mosaic GPU
 |             | kernels take, forward and backward (head_dim 64, 128), where they were
-|             | measured faster than cuDNN (LEADS: head_dim 128 up to 32K tokens and one
-|             | 32K sequence of 32 heads' work; 64 up to 16K and one 16K sequence of 32
+|             | measured faster than cuDNN (LEADS: head_dim 128 up to 128K tokens and one
+|             | 128K sequence of 16 heads' work; 64 up to 16K and one 16K sequence of 32
 |             | heads'; both up to 4K and one 4K sequence's); on
 |             | a GPU otherwise cudnn where it supports
 |             | the inputs, else pallas for bf16/fp16 (segment ids); off the GPU blockwise
@@ -47,12 +47,15 @@ Array = jax.Array
 # key/value heads 0.996x at 8K); 0.99-1.00x non-causal. At head_dim 64, since the backward's
 # warpgroups take dQ's steps in turn (attention_hopper.DQ_SPLIT): 1.01-1.03x at 16K with 16
 # heads, 1.02x at 8K, 1.06x at 4K, GQA 32/4 1.05x, 1.03x, 1.02x at 4K, 8K, 16K (the third row;
-# docs/benchmarks.md, docs/notes/attention_kernels.md). GPT-7B's step at 32K (32 heads of one
-# 32K sequence) ran 1.008-1.011x faster with them than with cuDNN, paired, its compiled memory
-# 0.8 GiB less (docs/notes/step_speed.md, 2026-12-01): the first row's 32 heads.
+# docs/benchmarks.md, docs/notes/attention_kernels.md). On 2026-12-01, paired in one process
+# (docs/notes/step_speed.md): GPT-7B's step at 32K (32 heads of one 32K sequence) 1.008-1.011x
+# with them, 0.8 GiB less compiled; GPT-1B's at 128K (the loop, attention_saveable)
+# 1.021-1.023x, 0.8 GiB more (their float32 dQ buffer): the first row now reaches one 128K
+# sequence of 16 heads' work. Longer, cuDNN stays (not measured; the dQ buffer grows with the
+# context the longest runs need memory for).
 # Head_dim 256 has no Hopper backward (supported(..., backward=True)), so auto takes cuDNN there.
 LEADS = (
-    (32768, 32 * 32768**2, (128,)),
+    (131072, 16 * 131072**2, (128,)),
     (4096, 16 * 4096**2, None),
     (16384, 32 * 16384**2, (64,)),
 )
