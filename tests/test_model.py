@@ -420,15 +420,16 @@ def test_norm_impl_pallas_computes_the_same_function(batch, mode):
     assert tree_rel_err(got_grads, grads) < 1e-4
     fsdp, tensor = (_fake_mesh(2, tensor=t) for t in (1, 2))
     assert Block(pallas, parallel=fsdp)._norm_impl() == "pallas"
-    with pytest.raises(ValueError, match="norm_impl='pallas' runs on a mesh of 2 devices per device, .* mesh.tensor=2"):
+    with pytest.raises(ValueError, match=r"runs on a mesh of 2 devices per device, .* tensor parallelism \(mesh.tensor > 1\)"):
         Block(pallas, parallel=tensor)._norm_impl()
     with pytest.raises(ValueError, match="runs on a mesh of 2 devices per device, which it cannot while decoding"):
         Block(pallas, parallel=fsdp, decode=True)._norm_impl()
 
 
 def _fake_mesh(devices: int, tensor: int = 1):
-    """What Block._norm_impl reads of a Parallelism: the mesh's size and its tensor axis."""
-    return types.SimpleNamespace(mesh=types.SimpleNamespace(size=devices), size=lambda axis: tensor)
+    """What Block._norm_impl reads of a Parallelism: the mesh's size, and whether per_device
+    runs there (not with tensor parallelism)."""
+    return types.SimpleNamespace(mesh=types.SimpleNamespace(size=devices), runs_per_device=devices > 1 and tensor == 1)
 
 
 def test_norm_impl_auto_takes_the_kernels_on_one_gpu_only(monkeypatch):

@@ -436,8 +436,8 @@ class Block(Layer):
         one_device = par is None or par.mesh.size == 1
         if impl == "auto":
             return "pallas" if one_device and jax.default_backend() == "gpu" else "xla"
-        if impl == "pallas" and not one_device and (self.decode or par.size("tensor") > 1):
-            where = "while decoding" if self.decode else f"with mesh.tensor={par.size('tensor')}"
+        if impl == "pallas" and not one_device and (self.decode or not par.runs_per_device):
+            where = "while decoding" if self.decode else "with tensor parallelism (mesh.tensor > 1)"
             raise ValueError(
                 f"model.norm_impl='pallas' runs on a mesh of {par.mesh.size} devices per device, "
                 f"which it cannot {where} (use model.norm_impl='xla' or 'auto')"

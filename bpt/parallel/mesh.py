@@ -151,6 +151,12 @@ class Parallelism:
     def replicated(self) -> NamedSharding:
         return self.sharding()
 
+    @property
+    def runs_per_device(self) -> bool:
+        """Whether per_device runs a function on each device's rows here (several devices, no
+        tensor parallelism)."""
+        return self.mesh.size > 1 and self.size("tensor") == 1
+
     def per_device(self, fn, *rows, weights, reduced: bool = False):
         """fn(*rows, weights) run by every device on its own rows (shard_map), or None where
         it cannot be. rows: [batch, seq, ...] arrays (or None) in the activations' sharding;
@@ -161,7 +167,7 @@ class Parallelism:
         global chunks reduces the weights' gradient across the devices in every chunk, a
         loop per device once, when shard_map's backward sums it. Not with tensor
         parallelism (the chunk's matmuls need the tensor axis): None there, and on one device."""
-        if self.mesh.size == 1 or self.size("tensor") > 1:
+        if not self.runs_per_device:
             return None
         spec = self.activations().spec
         return jax.shard_map(
