@@ -360,7 +360,7 @@ class Block(Layer):
                 run = lambda h, w: norm(w, name, h, eps, norm_impl)  # noqa: E731
             else:
                 run = lambda x, r, w: add_norm(w, name, x, r, eps, norm_impl)  # noqa: E731
-            if norms_per_device and not local:
+            if norms_per_device and not local and f"{name}_bias" in p:  # RMSNorm stays XLA's
                 return par.per_device(run, *rows, weights=weights)
             return run(*rows, weights)
 
