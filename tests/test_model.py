@@ -406,8 +406,8 @@ def test_bench_norm_times_each_implementation_and_reports_a_bad_variant(tmp_path
 def test_norm_impl_pallas_computes_the_same_function(batch, mode):
     """model.norm_impl="pallas": the layers' LayerNorms by bpt's kernels (interpret mode here;
     the FFN's with the residual add before it), with the logits, loss and gradients of XLA's
-    formula; on a mesh of several devices it says where it cannot run per device (meshes:
-    tests/multidevice)."""
+    formula; on a mesh of several devices it says where it cannot run per device, and decoding
+    there takes XLA's norms (meshes: tests/multidevice)."""
     tokens, targets, params = batch
     cfg = dataclasses.replace(BASE, attention_mode=mode, attention_impl="reference")
     logits, loss, grads = forward(cfg, params, tokens, targets)
@@ -420,10 +420,9 @@ def test_norm_impl_pallas_computes_the_same_function(batch, mode):
     assert tree_rel_err(got_grads, grads) < 1e-4
     fsdp, tensor = (_fake_mesh(2, tensor=t) for t in (1, 2))
     assert Block(pallas, parallel=fsdp)._norm_impl() == "pallas"
-    with pytest.raises(ValueError, match=r"runs on a mesh of 2 devices per device, .* tensor parallelism \(mesh.tensor > 1\)"):
+    with pytest.raises(ValueError, match=r"runs on a mesh of 2 devices per device, .* tensor parallelism \(mesh.tensor > 1"):
         Block(pallas, parallel=tensor)._norm_impl()
-    with pytest.raises(ValueError, match="runs on a mesh of 2 devices per device, which it cannot while decoding"):
-        Block(pallas, parallel=fsdp, decode=True)._norm_impl()
+    assert Block(pallas, parallel=fsdp, decode=True)._norm_impl() == "xla"  # a decode step's few rows
 
 
 def _fake_mesh(devices: int, tensor: int = 1):

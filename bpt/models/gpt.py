@@ -430,17 +430,20 @@ class Block(Layer):
         """model.norm_impl, resolved (one of NORM_IMPLS) where it can run: bpt's LayerNorm
         kernels are one device's (XLA cannot split a kernel over a mesh), so on a mesh of
         several devices they run on each device's rows under shard_map, which needs
-        mesh.tensor=1 (Parallelism.per_device) and a training step (not decoding). auto takes
-        them on one GPU only: on a mesh they have not been measured yet."""
+        mesh.tensor=1 (Parallelism.per_device; otherwise an error). Decoding on a mesh takes
+        XLA's norms, as layer_norm does where the kernels do not take the shape (a decode
+        step's few rows). auto takes them on one GPU only: on a mesh they have not been
+        measured yet."""
         impl, par = self.config.norm_impl, self.parallel
         one_device = par is None or par.mesh.size == 1
         if impl == "auto":
             return "pallas" if one_device and jax.default_backend() == "gpu" else "xla"
-        if impl == "pallas" and not one_device and (self.decode or not par.runs_per_device):
-            where = "while decoding" if self.decode else "with tensor parallelism (mesh.tensor > 1)"
+        if impl == "pallas" and not one_device and self.decode:
+            return "xla"
+        if impl == "pallas" and not one_device and not par.runs_per_device:
             raise ValueError(
                 f"model.norm_impl='pallas' runs on a mesh of {par.mesh.size} devices per device, "
-                f"which it cannot {where} (use model.norm_impl='xla' or 'auto')"
+                "which it cannot with tensor parallelism (mesh.tensor > 1; use model.norm_impl='xla' or 'auto')"
             )
         return impl
 

@@ -1,6 +1,7 @@
 """Multi-device tests, run on 8 CPU devices in their own process by tests/test_parallel.py
 (XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax starts)."""
 
+import dataclasses
 import functools
 import json
 import re
@@ -476,6 +477,9 @@ def test_sampling_with_the_cache_sharded_gives_the_one_device_tokens():
     greedy = dict(num_tokens=20, max_len=64, rng=jax.random.PRNGKey(0), temperature=0.0, prefill_chunk=16)
     expected = generate_batch(one, params, prompts, **greedy)
     np.testing.assert_array_equal(generate_batch(sharded, params, prompts, **greedy), expected)
+    # A model trained with the norm kernels by name samples on a mesh too (XLA's norms there).
+    kernels = GPT(dataclasses.replace(cfg, norm_impl="pallas"), parallel=Parallelism(sequence_mesh(4)))
+    np.testing.assert_array_equal(generate_batch(kernels, params, prompts, **greedy), expected)
     # The cache lives in shards of 16 slots, one a device.
     padded = jnp.zeros((1, 16), jnp.int32)
     cache, _ = prefill(sharded, params, padded, jnp.array([16]), max_len=64, chunk=16)
