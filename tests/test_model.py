@@ -443,6 +443,23 @@ def test_norm_impl_auto_takes_the_kernels_on_one_gpu_only(monkeypatch):
     assert Block(xla, parallel=one)._norm_impl() == "xla"
 
 
+def test_resolved_impls_say_what_auto_takes(monkeypatch):
+    """GPT.resolved_impls (the training log's "kernels:" line): what the layers resolve auto
+    to from a step's shapes, here on a pretended Hopper GPU: bpt's kernels for GPT-7B's 32K
+    step, cuDNN past LEADS, bpt's again for packed documents (cuDNN takes no segment ids);
+    no norm_impl for RMSNorm, which has one implementation."""
+    from bpt.ops.kernels import attention_hopper
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention_hopper, "is_hopper", lambda: True)
+    cfg = dataclasses.replace(BASE, dtype="bfloat16", d_model=4096, num_heads=32, num_kv_heads=None, attention_impl="auto")
+    assert GPT(cfg).resolved_impls(1, 32768) == "attention_impl=auto -> pallas, norm_impl=auto -> pallas"
+    assert GPT(cfg).resolved_impls(1, 262144) == "attention_impl=auto -> cudnn, norm_impl=auto -> pallas"
+    assert GPT(cfg).resolved_impls(1, 262144, packed=True).startswith("attention_impl=auto -> pallas")
+    named = dataclasses.replace(cfg, attention_impl="cudnn", norm_impl="xla", rms_norm=True)
+    assert GPT(named).resolved_impls(1, 32768) == "attention_impl=cudnn -> cudnn"
+
+
 @pytest.mark.parametrize("unroll, unrolled_bound, chunk", [(1, 64, 32), (2, 64, 64), (2, 48, 32)])
 def test_ffn_chunk_size_auto_takes_the_largest_multiple_of_q_chunk_size_within_its_bound(
     batch, monkeypatch, unroll, unrolled_bound, chunk

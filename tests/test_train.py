@@ -119,6 +119,7 @@ def test_the_loop_runs_the_step_remat_auto_compiled_also_after_resuming(tmp_path
     train(c, tmp_path / "auto")
     out = capsys.readouterr().out
     assert "model.remat_layer=auto: attention_and_dots_saveable" in out
+    assert "kernels: attention_impl=" in out  # what auto resolved to (GPT.resolved_impls)
     assert reused in out
     c.train.steps = 3
     train(c, tmp_path / "auto")

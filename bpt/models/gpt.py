@@ -620,6 +620,21 @@ class GPT(CausalLM):
     def layer_class(self):
         return Block
 
+    def resolved_impls(self, batch: int, seq_len: int, *, packed: bool = False) -> str:
+        """What the layers run for a [batch, seq_len] training step (packed: with segment
+        ids), as the training log says it: "attention_impl=auto -> pallas, norm_impl=auto ->
+        pallas". Resolved as the layers resolve them when traced (from each device's shapes)."""
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        q = jax.ShapeDtypeStruct((batch, seq_len, cfg.num_heads, cfg.dim_per_head), dtype)
+        k = jax.ShapeDtypeStruct((batch, seq_len, cfg.kv_heads, cfg.dim_per_head), dtype)
+        segments = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32) if packed else None
+        block = Block(cfg, parallel=self.parallel, parent=None)  # not a submodule: only asked
+        chosen = {"attention_impl": block._attention_impl(q, k, segments)}
+        if not cfg.rms_norm:
+            chosen["norm_impl"] = block._norm_impl()
+        return ", ".join(f"{name}={getattr(cfg, name)} -> {impl}" for name, impl in chosen.items())
+
     def cache_shapes(self, batch: int, slots: int):
         cfg = self.config
         shape = (cfg.num_layers, batch, slots, cfg.kv_heads, cfg.dim_per_head)

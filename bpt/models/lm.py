@@ -501,6 +501,11 @@ class CausalLM(nn.Module):
         """The smallest inputs the model's call takes (to create its parameters)."""
         return jnp.zeros((1, 1), jnp.int32)
 
+    def resolved_impls(self, batch: int, seq_len: int, *, packed: bool = False) -> str:
+        """What the layers' "auto" settings resolve to for a [batch, seq_len] training step, as
+        the training log says it ("" for a family that resolves none from shapes)."""
+        return ""
+
     # ------------------------------------------------------------------------ the pieces
 
     def stack(self, x, positions, segment_ids, cache_index, *, valid=None, deterministic: bool, decode: bool):

@@ -442,6 +442,10 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
         f"model: {num_params / 1e6:.2f}M parameters, {model.config.summary}; "
         f"data: {config.data.name}, seq_len={config.data.seq_len}; {mesh_summary(model)}"
     )
+    micro_batch = tc.batch_size // tc.grad_accum_steps
+    impls = model.resolved_impls(micro_batch, config.data.seq_len, packed=bool(config.data.get("segment_ids")))
+    if impls:
+        say(f"kernels: {impls}")
 
     with Checkpoints(
         workdir / "checkpoints", keep=tc.keep_checkpoints, async_save=tc.async_checkpoints
