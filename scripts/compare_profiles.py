@@ -9,6 +9,12 @@ operations are grouped by their name without its numeric suffix and by what they
 step and calls in each profile. Prints the step totals and parts, then the `--top` kinds
 whose times differ most (`--skip 'matmul|gemm'` leaves out kinds that match: GEMMs that only
 changed their names between two programs).
+
+--png draws the profiles' parts (one bar a profile, each part's share of its kernel time,
+with its ms a step), for any number of profiles:
+
+    python scripts/compare_profiles.py p8/profile.json p32/profile.json p7b/profile.json \
+        --names "GPT-1B 8K,GPT-1B 32K,GPT-7B 32K" --png parts.png
 """
 
 from __future__ import annotations
@@ -62,21 +68,86 @@ def compare(a: dict, b: dict, *, top: int, names: tuple[str, str] = ("a", "b"), 
     return "\n".join(lines)
 
 
+# The parts in the order the bars stack them (profile_step's names); others follow.
+PART_ORDER = (
+    "dense matmuls",
+    "attention forward",
+    "attention backward",
+    "LM head and loss",
+    "elementwise and norms",
+    "copies",
+    "collectives",
+    "optimizer and gradient sums",
+)
+
+
+def part_shares(profile: dict) -> list[tuple[str, float, float]]:
+    """(part, ms a step, share of the parts' sum) in PART_ORDER, then any other part."""
+    by_part = profile.get("by_part", {})
+    total = sum(by_part.values()) or 1.0
+    names = [p for p in PART_ORDER if p in by_part] + sorted(p for p in by_part if p not in PART_ORDER)
+    return [(name, by_part[name], by_part[name] / total) for name in names]
+
+
+def plot_parts(profiles: dict[str, dict], path: str | Path) -> None:
+    """One horizontal bar a profile (named by the dict's keys, top to bottom): its parts'
+    shares of the kernel time, each segment labeled with its ms a step where it is wide
+    enough."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shares = {name: part_shares(p) for name, p in profiles.items()}
+    parts = [p for p in PART_ORDER if any(p == s[0] for rows in shares.values() for s in rows)]
+    parts += sorted({s[0] for rows in shares.values() for s in rows} - set(parts))
+    colors = dict(zip(parts, plt.get_cmap("tab10").colors))
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(profiles)))
+    names = list(profiles)
+    for row, name in enumerate(names):
+        left = 0.0
+        for part, ms, share in shares[name]:
+            ax.barh(row, share * 100, left=left, color=colors[part], label=part if row == 0 else None)
+            if share > 0.06:
+                ax.text(left + share * 50, row, f"{ms:.0f} ms", ha="center", va="center", fontsize=8)
+            left += share * 100
+    for part in parts:  # a legend entry for parts the first bar lacks
+        if not any(part == s[0] for s in shares[names[0]]):
+            ax.barh(0, 0, color=colors[part], label=part)
+    ax.set_yticks(range(len(names)), [f"{n} ({profiles[n]['kernel_ms_per_step']:.0f} ms)" for n in names])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of the step's kernel time (%)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.05 * len(names)), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main() -> None:
     parser = script_parser(__doc__, out_help="also write the comparison here (markdown)")
-    parser.add_argument("first", help="a profile.json of scripts/profile_step.py")
-    parser.add_argument("second", help="the profile.json to compare it with")
+    parser.add_argument("profiles", nargs="+", help="profile.json files of scripts/profile_step.py")
     parser.add_argument("--top", type=int, default=12, help="kinds of operation to list")
     parser.add_argument(
         "--skip", default="", help="leave out kinds whose operation or computes match (e.g. 'matmul|gemm')"
     )
+    parser.add_argument("--names", default="", help="comma-separated names (default: each file's folder)")
+    parser.add_argument("--png", default="", help="draw the profiles' parts here")
     args = parser.parse_args()
-    a, b = (json.loads(Path(p).read_text()) for p in (args.first, args.second))
-    names = tuple(Path(p).parent.name or Path(p).stem for p in (args.first, args.second))
-    text = compare(a, b, top=args.top, names=names, skip=args.skip)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    profiles = [json.loads(Path(p).read_text()) for p in args.profiles]
+    names = args.names.split(",") if args.names else [Path(p).parent.name or Path(p).stem for p in args.profiles]
+    if len(names) != len(profiles):
+        parser.error(f"--names gives {len(names)} names for {len(profiles)} profiles")
+    if not args.png and len(profiles) != 2:
+        parser.error("the comparison takes two profiles (--png draws any number)")
+    if args.png:
+        plot_parts(dict(zip(names, profiles)), args.png)
+        print(f"wrote {args.png}")
+    if len(profiles) == 2:
+        text = compare(*profiles, top=args.top, names=tuple(names), skip=args.skip)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        print(text)
 
 
 if __name__ == "__main__":

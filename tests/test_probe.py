@@ -777,3 +777,28 @@ def test_compare_profiles_groups_an_unrolled_steps_copies_by_kind():
     assert rows[1] == "| fusion | bf16[4,2048] kCustom | 5.00 (2) | 2.00 (1) | +3.00 |"
     assert rows[2] == "| custom-call | __cublas$lt$matmul | 3.00 (1) | 3.50 (1) | -0.50 |"
     assert "cublas" not in compare.compare(a, b, top=3, skip="matmul")
+
+
+def test_compare_profiles_draws_each_profiles_parts(tmp_path, monkeypatch, capsys):
+    """--png: one bar a profile, its parts' shares of the kernel time in PART_ORDER (parts it
+    does not know after them); any number of profiles, the table for two only."""
+    compare = load_script("compare_profiles")
+    a = {"kernel_ms_per_step": 10.0, "by_part": {"copies": 1.0, "dense matmuls": 6.0, "attention forward": 3.0}}
+    b = {"kernel_ms_per_step": 4.0, "by_part": {"collectives": 1.0, "dense matmuls": 2.0, "a new part": 1.0}, "ops": []}
+    assert compare.part_shares(a) == [("dense matmuls", 6.0, 0.6), ("attention forward", 3.0, 0.3), ("copies", 1.0, 0.1)]
+    assert [name for name, _, _ in compare.part_shares(b)] == ["dense matmuls", "collectives", "a new part"]
+    paths = []
+    for name, profile in (("a", a), ("b", b), ("c", b)):
+        path = tmp_path / name / "profile.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(profile))
+        paths.append(str(path))
+    png = tmp_path / "parts.png"
+    monkeypatch.setattr("sys.argv", ["compare_profiles.py", *paths, "--names", "x,y,z", "--png", str(png)])
+    compare.main()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "kernels a step" not in capsys.readouterr().out  # three profiles: no table
+    monkeypatch.setattr("sys.argv", ["compare_profiles.py", *paths])
+    with pytest.raises(SystemExit):
+        compare.main()
+    assert "the comparison takes two profiles" in capsys.readouterr().err
