@@ -347,22 +347,8 @@ class Block(Layer):
                 x = row_major(x)
         p = self._params()
         rng = None if self.deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
-        eps, rate, norm_impl = cfg.layer_norm_epsilon, cfg.dropout, self._norm_impl()
-        # On a mesh of several devices bpt's norm kernels run on each device's own rows: a
-        # norm outside the per-device chunk loops goes through shard_map (Parallelism.per_device).
-        norms_per_device = norm_impl == "pallas" and par is not None and par.mesh.size > 1
-
-        def norm_rows(p: dict, name: str, *rows: Array, local: bool = False):
-            """The layer's norm `name` of rows (h), or with the residual add before it
-            (x, residual: add_norm's (h, y)); local: rows already one device's."""
-            weights = {k: p[k] for k in (f"{name}_scale", f"{name}_bias") if k in p}
-            if len(rows) == 1:
-                run = lambda h, w: norm(w, name, h, eps, norm_impl)  # noqa: E731
-            else:
-                run = lambda x, r, w: add_norm(w, name, x, r, eps, norm_impl)  # noqa: E731
-            if norms_per_device and not local and f"{name}_bias" in p:  # RMSNorm stays XLA's
-                return par.per_device(run, *rows, weights=weights)
-            return run(*rows, weights)
+        rate, norm_impl = cfg.dropout, self._norm_impl()
+        norm_rows = functools.partial(self._norm_rows, norm_impl=norm_impl)
 
         def ffn_residual(x: Array, delta: Array, rng, p=p, local: bool = False) -> Array:
             """h = x + delta (attention's output), then h + the FFN of h's norm, the norm and
@@ -425,6 +411,22 @@ class Block(Layer):
         weights = post_attention_weights(p)
         out = self._per_device(functools.partial(chunk_loop, shards=1, local=True), x, a, weights=weights, rng=rng)
         return (chunk_loop(x, a, weights, shards) if out is None else out), None
+
+    def _norm_rows(self, p: dict, name: str, *rows: Array, norm_impl: str, local: bool = False):
+        """The layer's norm `name` of rows (h), or with the residual add before it (x,
+        residual: add_norm's (h, y)), as norm_impl runs it. On a mesh of several devices
+        bpt's kernels run on each device's own rows: rows that are the global ones (not
+        local: outside a per-device chunk loop) go through shard_map (Parallelism.per_device)."""
+        eps, par = self.config.layer_norm_epsilon, None if self.decode else self.parallel
+        weights = {k: p[k] for k in (f"{name}_scale", f"{name}_bias") if k in p}
+        if len(rows) == 1:
+            run = lambda h, w: norm(w, name, h, eps, norm_impl)  # noqa: E731
+        else:
+            run = lambda x, r, w: add_norm(w, name, x, r, eps, norm_impl)  # noqa: E731
+        per_device = norm_impl == "pallas" and par is not None and par.mesh.size > 1
+        if per_device and not local and f"{name}_bias" in p:  # RMSNorm's runs XLA's formula
+            return par.per_device(run, *rows, weights=weights)
+        return run(*rows, weights)
 
     def _norm_impl(self) -> str:
         """model.norm_impl, resolved (one of NORM_IMPLS) where it can run: bpt's LayerNorm
