@@ -24,6 +24,9 @@ settings a user would type) on all N GPUs, a few steps long, checkpoints off:
   all_gather at 128K, the ring and all_gather at 512K, fsdp x sequence and tensor x sequence
   at 512K, and the longest context the mesh holds, ring and all_gather (searched by compiled
   memory with scripts/bench_max_context.py, then trained).
+- norm kernels: a losses row (fsdp, and x the ring on 4 GPUs or more) and GPT-7B with fsdp at 32K again with
+  `model.norm_impl=pallas` (bpt's LayerNorm kernels on each device's rows; auto keeps XLA's
+  norms on a mesh until these rows have measured them).
 - GPT-7B (configs/gpt_7b.py) with fsdp at 32K, fsdp x sequence (sequence alone on 2 GPUs) at
   128K, and at its longest.
 
@@ -70,6 +73,9 @@ PROCESS_RTOL = 1e-3  # a process a GPU against one process: the same bf16 step, 
 # What the coordination service's end says when a run of several processes exits untidily
 # (every line of it: XLA's warning spans several; scripts/repro_exit_warning.py counts them too)
 EXIT_COMPLAINTS = ("WatchTasksAsync", "Connection refused", "coordination_service", "Coordination service")
+# bpt's LayerNorm kernels on each device's rows (auto keeps XLA's norms on a mesh until these
+# rows measure them against the rows without it)
+NORM_KERNELS = "model.norm_impl=pallas"
 COMMON = [  # every row: a few steps, each logged, nothing else
     "train.log_every=1",
     "train.eval_every=0",
@@ -120,6 +126,8 @@ def rows_for(n: int, *, small: bool = False) -> list[Row]:
         Row("losses: all_gather", "losses", tiny, 256, {"sequence": n, "context_parallel": "all_gather"}, 8, steps=4),
         Row("losses: fsdp x sequence", "losses", tiny, 256, {"fsdp": 2, "sequence": half}, 8, steps=4, min_gpus=4),
         Row("losses: tensor x sequence", "losses", tiny, 256, {"tensor": 2, "sequence": half}, 8, steps=4, min_gpus=4),
+        Row("losses: norm kernels", "losses", tiny, 256, {"fsdp": 2, "sequence": half} if n >= 4 else {"fsdp": n},
+            8, steps=4, extra=(NORM_KERNELS,)),
     ]  # fmt: skip
     one_b, seven_b = "configs/gpt_1b.py", "configs/gpt_7b.py"
     k = 1024 if not small else 4  # contexts scale down on CPUs
@@ -136,6 +144,7 @@ def rows_for(n: int, *, small: bool = False) -> list[Row]:
     big = [
         Row("1B ring zigzag 128K", "1b", one_b, 128 * k, {"sequence": n}, 1, extra=cut),
         Row("7B fsdp 32K", "7b", seven_b, 32 * k, {"fsdp": n}, n, extra=cut),
+        Row("7B fsdp 32K, norm kernels", "7b", seven_b, 32 * k, {"fsdp": n}, n, extra=(*cut, NORM_KERNELS)),
         Row("1B tensor 32K", "1b", one_b, 32 * k, {"tensor": n}, 1, extra=cut),
         Row("1B all_gather 128K", "1b", one_b, 128 * k, {"sequence": n, "context_parallel": "all_gather"}, 1, extra=cut),
         Row("1B ring striped 128K", "1b", one_b, 128 * k, {"sequence": n, "load_balance": "striped"}, 1, extra=cut),

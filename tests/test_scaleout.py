@@ -181,17 +181,21 @@ def test_scaling_table_compares_sequence_setups_with_one_gpu_at_their_context(tm
 
 def test_check_gpus_runs_bpt_train_on_each_mesh_with_one_devices_losses(tmp_path):
     """scripts/check_gpus.py on two simulated devices: real bpt-train runs, the one-device
-    reference and tensor parallelism (the copy task's odd vocabulary, padded), their losses
-    compared; --set reaches every run and the report; a second call resumes (runs nothing) and
+    reference, tensor parallelism (the copy task's odd vocabulary, padded) and fsdp with bpt's
+    LayerNorm kernels, their losses compared; --set reaches every run and the report; a second call resumes (runs nothing) and
     the report is rebuilt, one with other settings is refused; a losses row that differs fails."""
     out = tmp_path / "check"
     script = [sys.executable, str(REPO / "scripts" / "check_gpus.py"), "--out", str(out), "--cpu_devices", "2"]
     argv = [*script, "--set", "train.xla_flags=overlap"]
-    done = subprocess.run([*argv, "--rows", "losses: 1 GPU,losses: tensor"], capture_output=True, text=True, timeout=900)
+    rows = "losses: 1 GPU,losses: tensor,losses: norm kernels"
+    done = subprocess.run([*argv, "--rows", rows], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     state = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in state["results"]}
     assert rows["losses: 1 GPU"]["status"] == "pass" and rows["losses: 1 GPU"]["gpus"] == 1
+    # bpt's LayerNorm kernels (interpreted here) on each device's rows under fsdp: the same losses
+    assert rows["losses: norm kernels"]["status"] == "pass", rows["losses: norm kernels"]
+    assert rows["losses: norm kernels"]["command"].endswith("--config.model.norm_impl=pallas --config.train.xla_flags=overlap")
     assert rows["losses: tensor"]["status"] == "pass" and rows["losses: tensor"]["gpus"] == 2
     assert rows["losses: tensor"]["loss_rel_diff"] <= 1e-4 and len(rows["losses: tensor"]["losses"]) == 4
     assert "| losses: tensor | 2 | 256 |" in done.stdout and "pass |" in done.stdout
