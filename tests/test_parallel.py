@@ -96,6 +96,40 @@ def test_context_parallel_attention_on_gpus_with_bpts_kernels(strategy, head_gro
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs or more")
+def test_layer_norm_kernels_per_device_on_gpus():
+    """model.norm_impl=pallas with fsdp over the GPUs: bpt's LayerNorm kernels (Triton, on each
+    device's rows under shard_map) in the compiled step, and its loss and gradients those of
+    XLA's norms on the same mesh (float32)."""
+    import dataclasses
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from conftest import rel_err, tree_rel_err
+
+    from bpt.models.gpt import GPT, GPTConfig
+    from bpt.parallel import Parallelism, make_mesh
+
+    n = jax.device_count()
+    cfg = GPTConfig(vocab_size=512, num_layers=2, d_model=256, num_heads=2, q_chunk_size=256, kv_chunk_size=256,
+                    loss_chunk_size=256, max_seq_len=1024, attention_impl="blockwise")  # fmt: skip
+    par = Parallelism(make_mesh(fsdp=n))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2 * n, 1024), 0, cfg.vocab_size)
+    params = nn.meta.unbox(GPT(cfg).init(jax.random.PRNGKey(0), tokens[:1, :8])["params"])
+
+    def step(impl):
+        model = GPT(dataclasses.replace(cfg, norm_impl=impl), parallel=par)
+        loss = lambda p: model.apply({"params": p}, tokens, targets=jnp.roll(tokens, -1, 1)).loss  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))
+
+    (loss_xla, grads_xla), (loss_pallas, grads_pallas) = step("xla")(params), step("pallas")(params)
+    assert "__gpu$xla.gpu.triton" in step("pallas").lower(params).compile().as_text()
+    assert rel_err(loss_pallas, loss_xla) < 1e-5
+    assert tree_rel_err(grads_pallas, grads_xla) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs or more")
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 def test_flash_attention_over_sequence_shards_on_gpus(packed):
     """FLASH's mixed chunk attention with the tokens in contiguous shards over the GPUs (each
