@@ -417,14 +417,15 @@ class Block(Layer):
         residual: add_norm's (h, y)), as norm_impl runs it. On a mesh of several devices
         bpt's kernels run on each device's own rows: rows that are the global ones (not
         local: outside a per-device chunk loop) go through shard_map (Parallelism.per_device)."""
-        eps, par = self.config.layer_norm_epsilon, None if self.decode else self.parallel
+        eps, par = self.config.layer_norm_epsilon, self.parallel
         weights = {k: p[k] for k in (f"{name}_scale", f"{name}_bias") if k in p}
         if len(rows) == 1:
             run = lambda h, w: norm(w, name, h, eps, norm_impl)  # noqa: E731
         else:
             run = lambda x, r, w: add_norm(w, name, x, r, eps, norm_impl)  # noqa: E731
-        per_device = norm_impl == "pallas" and par is not None and par.mesh.size > 1
-        if per_device and not local and f"{name}_bias" in p:  # RMSNorm's runs XLA's formula
+        # _norm_impl gives pallas on a mesh only where per_device runs (not while decoding);
+        # RMSNorm runs XLA's formula whatever norm_impl says
+        if norm_impl == "pallas" and par is not None and par.runs_per_device and not local and f"{name}_bias" in p:
             return par.per_device(run, *rows, weights=weights)
         return run(*rows, weights)
 
