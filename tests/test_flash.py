@@ -318,22 +318,25 @@ def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
 
-def test_head_dim_256_runs_the_hopper_forward_and_the_triton_backward(key):
+def test_head_dim_256_runs_the_hopper_kernels(key):
     """At head_dim 256 the Hopper forward takes key blocks of 64 (two 128-key blocks of keys
     and values beside the query tile overflow shared memory: the CUDA lowering, checked here
-    without a GPU, raised) and the backward is the Triton kernels' (the Hopper one would
-    hold 256 float32 accumulators a thread): auto picks each on its own, and the two agree
-    with float32 attention, values and gradients."""
+    without a GPU, raised) and the backward is _dkdv_wide's (the warpgroups split the columns)
+    and the dQ pass's: both lower for CUDA, the interpreted kernels agree with float32
+    attention, and head_dim 192 (halves of 96 columns) is refused in the backward."""
     x = jax.ShapeDtypeStruct((1, 256, 1, 256), jnp.bfloat16)
     fwd = functools.partial(attention_hopper.forward, causal=True, scale=0.1)  # block_k 128 asked
     text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
-    assert attention_hopper.supported(x, x) is None
-    assert "head_dim 256 in the backward" in attention_hopper.supported(x, x, backward=True)
-    q, k, v, d_out = inputs(key, 1, 128, 1, 1, 256, jnp.bfloat16)
-    with pytest.raises(ValueError, match="flash backward='hopper' cannot take head_dim 256 in the backward"):
-        flash_attention(q, k, v, forward="hopper", backward="hopper")
-    compare(q, k, v, d_out, causal=True, segment_ids=None, tol=1e-2, forward="hopper", backward="auto")
+    stats = jax.ShapeDtypeStruct((1, 1, 256), jnp.float32)
+    bwd = functools.partial(attention_hopper.backward, causal=True, scale=0.1)
+    text = jax.jit(bwd).trace(x, x, x, x, stats, stats).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 2
+    assert attention_hopper.supported(x, x, backward=True) is None
+    y = jax.ShapeDtypeStruct((1, 256, 1, 192), jnp.bfloat16)
+    assert "head_dim 192 in the backward" in attention_hopper.supported(y, y, backward=True)
+    q, k, v, d_out = inputs(key, 1, 256, 2, 1, 256, jnp.bfloat16)
+    compare(q, k, v, d_out, causal=True, segment_ids=None, tol=1e-2, forward="triton", backward="hopper")
 
 
 def test_hopper_kernels_give_rows_without_keys_what_the_triton_kernels_do(key):
@@ -549,7 +552,7 @@ def test_hopper_fused_backward_lowers_to_a_tma_reduce_add(causal, head_dim, dq_s
 
     text = jax.jit(jax.grad(layers)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("cp.reduce.async.bulk.tensor") == 1
-    with pytest.raises(ValueError, match="cannot take head_dim 256 in the backward"):
+    with pytest.raises(ValueError, match="fused_dq=True at head_dim 256: the backward fuses dQ up to head_dim 128"):
         big = jnp.zeros((1, 128, 1, 256), jnp.bfloat16)
         attention_hopper.backward(
             big,

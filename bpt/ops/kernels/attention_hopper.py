@@ -61,7 +61,14 @@ BLOCKS = (64, 128)  # the block sizes the kernels take
 # Above this head_dim the forward's key blocks are 64 keys (a ring of two 128-key blocks of
 # keys and values beside the query tile is 320 KiB at head_dim 256, over the 227 KiB a CTA has).
 MAX_HEAD_DIM_BLOCK_128 = 128
-MAX_BACKWARD_HEAD_DIM = 128  # see supported()
+# Above this head_dim one warpgroup's dK and dV would not fit in its registers (2 x 64 x 256
+# float32 a warpgroup is 256 a thread at 256): the backward is then _dkdv_wide's, whose two
+# warpgroups split each tile's columns, and the dQ pass's (no fused dQ).
+MAX_FUSED_HEAD_DIM = 128
+WIDE_KEYS = 64  # key rows a CTA of _dkdv_wide holds
+# The dQ pass above MAX_FUSED_HEAD_DIM: key blocks and ring depth (one 64-key block of keys and
+# values is 64 KiB at head_dim 256, beside 64 KiB each of the tile's queries and dO).
+WIDE_DQ_BLOCK_K, WIDE_DQ_STAGES = 64, 1
 # The shared-memory rings' depth (stages=None): the forward's 2, the backward's by head_dim.
 # At head_dim 64 a ring 4 deep ran the backward 3-5% faster than 2 on an H200 (forward+backward
 # at 16K 417-419 against 404 TFLOP/s; 6 no faster, 8 over shared memory); the forward gained
@@ -113,16 +120,18 @@ def check_dq_split(split: str | None, head_dim: int | None = None, setting: str 
 def supported(q: Array, k: Array, *, segment_ids=None, backward: bool = False) -> str | None:
     """None when the Hopper forward (backward=True: also the backward) can take these inputs,
     else the reason it cannot (segment ids they take: every block masked by segment, none
-    skipped for it). The backward stops at head_dim 128: each compute warpgroup holds its
-    keys' dK and dV in float32 registers, 2 x 64 x 256 / 128 = 256 a thread at head_dim 256,
-    more than a thread has (REGISTERS)."""
+    skipped for it). The backward takes head_dims up to 128 (each compute warpgroup holds
+    its keys' dK and dV in float32 registers) and 256, where those would be 2 x 64 x 256 / 128
+    = 256 a thread, more than a thread has (REGISTERS), and the warpgroups split the columns
+    instead (_dkdv_wide), half a head each: 192's halves would be 96 columns, not whole
+    128-byte tiles."""
     d = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (needs bfloat16 or float16)"
     if d % 64 or d > 256:
         return f"head_dim {d} (needs a multiple of 64, at most 256)"
-    if backward and d > MAX_BACKWARD_HEAD_DIM:
-        return f"head_dim {d} in the backward (at most {MAX_BACKWARD_HEAD_DIM})"
+    if backward and MAX_FUSED_HEAD_DIM < d < 256:
+        return f"head_dim {d} in the backward (at most {MAX_FUSED_HEAD_DIM}, or 256)"
     if q.shape[1] % TILE or k.shape[1] % TILE:
         return f"lengths {q.shape[1]}, {k.shape[1]} (need multiples of {TILE})"
     return None
@@ -168,6 +177,24 @@ def _scores_while(a_ref, b_ref, interpret: bool, during):
     return pl.run_scoped(mma, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
 
 
+def _scores_summed(pairs, interpret: bool, during):
+    """(the sum of a @ b^T over (a_ref, b_ref) pairs, one contraction split in blocks, in
+    float32 on the tensor cores; during()), during() running while the matmuls are in flight."""
+    if interpret:
+        dims = (((1,), (1,)), ((), ()))
+        s = sum(lax.dot_general(a[...], b[...], dims, preferred_element_type=jnp.float32) for a, b in pairs)
+        return s, during()
+
+    def mma(acc_ref):
+        for a_ref, b_ref in pairs:
+            plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
+        meanwhile = during()
+        return acc_ref[...], meanwhile
+
+    (a0, b0), *_ = pairs
+    return pl.run_scoped(mma, plgpu.ACC((a0.shape[0], b0.shape[0]), jnp.float32))
+
+
 def _scores_t(a_ref, b_ref, interpret: bool) -> Array:
     """a^T @ b in float32 on the tensor cores (both operands in shared memory)."""
     if interpret:
@@ -187,6 +214,16 @@ def _accumulate(acc: Array, a: Array, b_ref, interpret: bool) -> Array:
     if interpret:  # the interpreter has no run_state
         return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
     return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b_ref))(plgpu.ACC.init(acc))
+
+
+def _accumulate_t(acc: Array, a_ref, b_ref, interpret: bool) -> Array:
+    """acc + a^T @ b on the tensor cores, in place in acc's registers (both operands in shared
+    memory)."""
+    if interpret:
+        return acc + lax.dot_general(
+            a_ref[...], b_ref[...], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    return pl.run_state(lambda ref: plgpu.wgmma(ref, a_ref.transpose((1, 0)), b_ref))(plgpu.ACC.init(acc))
 
 
 @contextlib.contextmanager
@@ -414,11 +451,12 @@ def _copy_in(barrier, *copies) -> None:
         plgpu.barrier_wait(barrier)
 
 
-def _smem(shape, dtype, swizzled: bool = True):
-    """Shared memory; swizzled: tiled in rows of 128 bytes with the 128-byte swizzle, the
-    layout wgmma and TMA read without bank conflicts."""
-    row = 128 // jnp.dtype(dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, row)), plgpu.SwizzleTransform(128)) if swizzled else ()
+def _smem(shape, dtype, swizzled: bool = True, swizzle: int = 128):
+    """Shared memory; swizzled: tiled in rows of `swizzle` bytes with that swizzle (128: the
+    widest, what wgmma and TMA read without bank conflicts; 64 where a warpgroup writes a
+    column slice half as wide)."""
+    row = swizzle // jnp.dtype(dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, row)), plgpu.SwizzleTransform(swizzle)) if swizzled else ()
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
@@ -782,12 +820,26 @@ def forward(
 
 
 def _dq(
-    q, k, v, d_out, lse2, delta, *, causal, scale, stages, tile_group, interpret, q_seg=None, kv_seg=None
+    q,
+    k,
+    v,
+    d_out,
+    lse2,
+    delta,
+    *,
+    causal,
+    scale,
+    stages,
+    tile_group,
+    interpret,
+    q_seg=None,
+    kv_seg=None,
+    block_k=TILE // COMPUTE_WGS,
 ):
-    """dQ: per 2 x 64 query rows, over the key blocks (64) they see."""
+    """dQ: per 2 x 64 query rows, over the key blocks (block_k keys) they see."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    bq = bk = TILE // COMPUTE_WGS
+    bq, bk = TILE // COMPUTE_WGS, block_k
     dtype, num_tiles, num_k = q.dtype, sq // TILE, sk // bk
     stages = max(1, min(stages, num_k))
     regs = _Regs(interpret)
@@ -882,13 +934,14 @@ class _QueryStream:
     stages: int
     causal: bool
     segments: bool = False  # each query block's segment ids come with it
+    keys: int = TILE  # key rows a CTA holds
 
-    def scratch(self, d: int, dtype) -> list:
+    def scratch(self, d: int, dtype, swizzle: int = 128) -> list:
         """The ring's shared memory and barriers: open() takes them in this order."""
         rows, stats = (self.stages, self.bq, d), (self.stages, self.bq)
         ring = [
-            _smem(rows, dtype),
-            _smem(rows, dtype),
+            _smem(rows, dtype, swizzle=swizzle),
+            _smem(rows, dtype, swizzle=swizzle),
             _smem(stats, jnp.float32, swizzled=False),
             _smem(stats, jnp.float32, swizzled=False),
             *[_barriers(self.stages) for _ in range(4)],
@@ -921,7 +974,7 @@ class _QueryStream:
         q_ref, do_ref, lse2_ref, delta_ref = refs
         tile, kv_head, bi = self.grid.here()
         wg = lax.axis_index("wg")
-        first = tile * TILE // self.bq if self.causal else 0  # the first query block that sees the tile
+        first = tile * self.keys // self.bq if self.causal else 0  # the first query block that sees the tile
         per_head = self.num_q - first
 
         head_rows = functools.partial(self.head_rows, kv_head, first, per_head)
@@ -1236,6 +1289,181 @@ def _dkdv(
     )
 
 
+def _dkdv_wide(
+    q,
+    k,
+    v,
+    d_out,
+    lse2,
+    delta,
+    *,
+    causal,
+    scale,
+    stages,
+    tile_group,
+    interpret,
+    q_seg=None,
+    kv_seg=None,
+    expand=False,
+):
+    """dK, dV above head_dim 128, where one warpgroup's 64 keys' dK and dV would not fit in its
+    registers (supported()): per WIDE_KEYS key rows of one key/value head (expand: of one
+    query head's view of them, as _dkdv), over the query blocks (64) that see them. The two
+    compute warpgroups split each block's scores by keys and the accumulators by columns:
+    warpgroup w computes S and dP for its half of the keys ([queries, keys / 2]), puts its P
+    and dS in shared memory beside its partner's (two buffers, by the step's parity, so that
+    one may run a step ahead), and once both are in accumulates dV += P^T dO and dK += dS^T Q
+    over all the tile's keys for its half of the head's columns (4 matmuls a block, none
+    repeated; dQ is the dQ pass's)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    group = h // hk
+    walked = 1 if expand else group  # query heads a CTA walks
+    bq, bk = TILE // COMPUTE_WGS, WIDE_KEYS // COMPUTE_WGS  # bk: the keys of a warpgroup's scores
+    half = d // COMPUTE_WGS  # the columns of dK and dV a warpgroup accumulates
+    dtype, num_tiles, num_q = q.dtype, sk // WIDE_KEYS, sq // bq
+    regs = _Regs(interpret)
+    c = scale * LOG2E
+    grid = _Grid(num_tiles, h if expand else hk, b, tile_group)
+    segments = q_seg is not None
+    queries = _QueryStream(
+        grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments, keys=WIDE_KEYS
+    )
+    # Every operand in 64-byte swizzled tiles: a warpgroup's half of P is 32 columns, 64
+    # bytes, and wgmma takes both its operands in one swizzle.
+    swizzle = 64
+    scratch = [
+        # the tile's keys by column halves (warpgroup w's keys at rows bk w), and its values:
+        # at the end each warpgroup's dK and dV columns go out of its half, contiguous for TMA
+        _smem((COMPUTE_WGS, WIDE_KEYS, half), dtype, swizzle=swizzle),
+        _smem((COMPUTE_WGS, WIDE_KEYS, half), dtype, swizzle=swizzle),
+        _barriers(COMPUTE_WGS),
+        *([_smem((COMPUTE_WGS, bk), jnp.int32, swizzled=False)] if segments else []),  # the keys' segments
+        _smem((2, bq, WIDE_KEYS), dtype, swizzle=swizzle),  # P by the step's parity, warpgroup w's at columns bk w
+        _smem((2, bq, WIDE_KEYS), dtype, swizzle=swizzle),  # dS alike
+        _barriers(2, COMPUTE_WGS),  # both warpgroups' P and dS of a parity are in
+        _barriers(1, COMPUTE_WGS),  # both warpgroups are done with the keys and values
+        *queries.scratch(d, dtype, swizzle=swizzle),
+    ]
+
+    def body(*refs):
+        (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *outs), scratch_refs = (
+            refs[: -len(scratch)],
+            refs[-len(scratch) :],
+        )
+        qs_ref, ks_ref = (outs.pop(0), outs.pop(0)) if segments else (None, None)
+        dk_ref, dv_ref = outs
+        k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
+        kseg_smem = ring_scratch.pop(0) if segments else None
+        p_smem, ds_smem, shared, done, *ring_scratch = ring_scratch
+        if segments:
+            *ring_scratch, qseg_smem, qseg_ready = ring_scratch
+        q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_scratch
+        tile, bi, head, wg, ring, first, per_head = queries.open(
+            (q_ref, do_ref, lse2_ref, delta_ref),
+            *ring_scratch,
+            *((qseg_smem, qseg_ready) if segments else ()),
+            seg_ref=qs_ref,
+        )
+        kv_head = lax.div(head, group) if expand else head  # the keys' head (`head`: the grid's)
+
+        def _compute(wg):
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
+            tile_keys = pl.ds(tile * WIDE_KEYS, WIDE_KEYS)
+            key0 = tile * WIDE_KEYS + wg * bk
+            mine, keys = pl.ds(wg * bk, bk), pl.ds(key0, bk)
+            halves = [pl.ds(i * half, half) for i in range(COMPUTE_WGS)]
+            _copy_in(
+                own_ready.at[wg],
+                *[(k_ref.at[bi, keys, kv_head, cs], k_smem.at[i, mine]) for i, cs in enumerate(halves)],
+                *[(v_ref.at[bi, keys, kv_head, cs], v_smem.at[i, mine]) for i, cs in enumerate(halves)],
+                *([(ks_ref.at[bi, keys], kseg_smem.at[wg])] if segments else []),
+            )
+            my_segments = regs.vector(kseg_smem.at[wg], 0) if segments else None  # one a column of S
+            cols = halves[wg]
+
+            def scores(rows_ref, keys_smem, during):
+                """(rows @ my keys^T, [queries, bk], summed over the column halves; during())."""
+                pairs = [(rows_ref.at[:, cs], keys_smem.at[i, mine]) for i, cs in enumerate(halves)]
+                return _scores_summed(pairs, interpret, during)
+
+            def step(j, carry, masked: bool):
+                dk, dv = carry
+                slot, parity = ring.slot(j), lax.rem(j, 2)
+
+                def stat(ready, smem):  # a per-query statistic of the slot's rows, once it arrives
+                    plgpu.barrier_wait(ready.at[slot])
+                    return regs.vector(smem.at[slot], 1)
+
+                with jax.named_scope("wait_Q"):
+                    plgpu.barrier_wait(q_ready.at[slot])
+                with jax.named_scope("S"):  # [queries, my keys]; the rows' statistics load meanwhile
+                    load_lse = functools.partial(stat, lse_ready, lse_smem)
+                    s, lse2 = scores(q_smem.at[slot], k_smem, load_lse)
+                with jax.named_scope("P"):
+                    p = jnp.exp2(s * c - _rows(lse2, s.shape))
+                    if masked:
+                        q0 = (first + lax.rem(j, per_head)) * bq
+                        p = jnp.where(regs.visible(s.shape, q0, key0), p, 0.0)
+                    if segments:
+                        segs = stat(qseg_ready, qseg_smem)
+                        p = jnp.where(_same_segment(segs, my_segments, p.shape), p, 0.0)
+                with jax.named_scope("wait_dO"):
+                    plgpu.barrier_wait(do_ready.at[slot])
+                with jax.named_scope("dP"):
+                    load_delta = functools.partial(stat, delta_ready, delta_smem)
+                    dp, delta = scores(do_smem.at[slot], v_smem, load_delta)
+                with jax.named_scope("share_P_dS"):
+                    p_smem.at[parity, :, mine][...] = p.astype(dtype)
+                    ds_smem.at[parity, :, mine][...] = (p * (dp - _rows(delta, dp.shape))).astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(shared.at[parity])
+                    plgpu.barrier_wait(shared.at[parity])
+                with jax.named_scope("dV"):
+                    dv = _accumulate_t(dv, p_smem.at[parity], do_smem.at[slot, :, cols], interpret)
+                with jax.named_scope("dK"):
+                    dk = _accumulate_t(dk, ds_smem.at[parity], q_smem.at[slot, :, cols], interpret)
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            def head_loop(g, carry):
+                base = g * per_head - first  # step of query block i is base + i
+                if causal:  # the tile's first query block holds the diagonal; the rest see every key
+                    carry = step(base + first, carry, masked=True)
+                    start = base + first + 1
+                else:
+                    start = base
+                return lax.fori_loop(start, base + num_q, functools.partial(step, masked=False), carry)
+
+            zeros = regs.zeros((WIDE_KEYS, half))
+            dk, dv = lax.fori_loop(0, walked, head_loop, (zeros, zeros))
+            plgpu.barrier_arrive(done.at[0])  # my columns of the tile go where both read keys and values
+            plgpu.barrier_wait(done.at[0])
+            out_k, out_v = k_smem.at[wg], v_smem.at[wg]
+            out_k[...] = (dk * scale).astype(dtype)
+            out_v[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_k, dk_ref.at[bi, tile_keys, head, cols])
+            plgpu.copy_smem_to_gmem(out_v, dv_ref.at[bi, tile_keys, head, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        _per_warpgroup(wg, _compute)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            ring.produce()
+
+    kv_shape = (b, sk, h, d) if expand else k.shape
+    return _launch(
+        body,
+        scratch,
+        out_type=(jax.ShapeDtypeStruct(kv_shape, dtype), jax.ShapeDtypeStruct(kv_shape, dtype)),
+        grid=grid,
+        interpret=interpret,
+        name="bpt_flash_hopper_dkdv_wide",
+    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if segments else ()))
+
+
 def _dq_accumulator(q: Array, d_out: Array) -> Array:
     """The fused backward's float32 dQ buffer, zeros shaped like q, made once this call's d_out
     exists. A bare jnp.zeros is the same constant in every layer: XLA merged the unrolled
@@ -1290,6 +1518,11 @@ def backward(
     per-head dK and dV (two arrays shaped like q, in its dtype) before the sum."""
     _check(q, k, causal, backward=True)
     stages = default_stages(q.shape[-1], backward=True) if stages is None else stages
+    if fused_dq and q.shape[-1] > MAX_FUSED_HEAD_DIM:
+        raise ValueError(
+            f"fused_dq=True at head_dim {q.shape[-1]}: the backward fuses dQ up to head_dim "
+            f"{MAX_FUSED_HEAD_DIM}; allowed there: None or False"
+        )
     fused_dq = True if fused_dq is None else fused_dq
     check_tile_group(tile_group)
     check_gqa(gqa)
@@ -1314,6 +1547,10 @@ def backward(
             return dk, dv
         return tuple(x.reshape(b, sk, hk, group, d).sum(3, dtype=jnp.float32).astype(k.dtype) for x in (dk, dv))
 
+    if d > MAX_FUSED_HEAD_DIM:
+        dk, dv = summed(*_dkdv_wide(q, k, v, d_out, lse2, delta, expand=expand, **kw))
+        kw.update(stages=min(stages, WIDE_DQ_STAGES))
+        return _dq(q, k, v, d_out, lse2, delta, block_k=WIDE_DQ_BLOCK_K, **kw), dk, dv
     if not fused_dq:
         dk, dv = summed(*_dkdv(q, k, v, d_out, lse2, delta, expand=expand, **kw))
         return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
