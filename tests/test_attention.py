@@ -238,7 +238,7 @@ def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
     """On an H100-class GPU auto runs bpt's Hopper kernels where bench_attention measured them
     faster than cuDNN (LEADS): causal, head_dim 128 up to one 128K sequence of 16 heads' work
     (GPT-1B's micro-batches, its steps at 32K-128K, GPT-7B's at 32K), head_dim 64 up to one 16K sequence of 32 heads', both up to
-    one 4K sequence's (both kernels must be Hopper's: head_dim 256 has only the forward); cuDNN beyond."""
+    one 4K sequence's (head_dim 256's Hopper backward measured 0.99x cuDNN: no row names it); cuDNN beyond."""
     from bpt.ops import select_impl
     from bpt.ops.kernels import attention_hopper
 
@@ -261,7 +261,7 @@ def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
         impl(1, 32768, head_dim=64),
         impl(2, 16384, heads=32, head_dim=64),
         impl(1, 2048, causal=False),
-        impl(1, 2048, heads=8, head_dim=256),  # the Hopper backward stops at head_dim 128
+        impl(1, 2048, heads=8, head_dim=256),  # no row names head_dim 256
     ):
         assert other != "pallas"  # cuDNN on a GPU; here, without one, blockwise
     assert impl(1, 2048, dtype=jnp.float32) != "pallas"

@@ -20,8 +20,10 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   it in shared memory, and the memory warpgroup sends both halves into a float32 buffer
   with TMA's reduce-add (5 matmuls a block). At head_dim 64 the two warpgroups take the
   steps in turn, each computing all of dQ's columns over the tile's 128 keys at its steps
-  (DQ_SPLITS), one part a step reduce-added alike. At 256 a second pass,
-  per query block over key blocks, recomputes P for dQ += dS K (7). D = rowsum(dO * O)
+  (DQ_SPLITS), one part a step reduce-added alike. At 256 (_dkdv_wide) a CTA holds 64
+  keys, each warpgroup computes S and dP for 32 of them and shares P and dS through shared
+  memory, and accumulates dK and dV for half of the columns; a second pass, per query block
+  over key blocks, recomputes P for dQ += dS K (7 matmuls a block in all). D = rowsum(dO * O)
   (minus the logsumexp's cotangent) comes from XLA.
 - causal: a warpgroup visits only the blocks that its rows can see and masks only those the
   diagonal crosses; a warpgroup that needs fewer blocks than its partner still waits for and
@@ -32,8 +34,8 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   masked by them; none is skipped for its segments.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
-multiple of 64 up to 256 for the forward (above 128 in key blocks of 64) and up to 128 for
-the backward, lengths a multiple of the blocks (see supported).
+multiple of 64 up to 256 for the forward (above 128 in key blocks of 64) and up to 128, or
+256, for the backward, lengths a multiple of the blocks (see supported).
 Off the GPU the kernels run under Mosaic GPU's interpreter (slow; for tests), where the
 matmuls are plain dots and register layouts do not exist; it has no TMA reduce-add, so
 there the fused backward writes each key tile's partial dQ and XLA sums them.
@@ -996,6 +998,13 @@ class _QueryStream:
         ring = _Ring([(free, buffers)], self.stages, self.group * per_head)
         return tile, bi, kv_head, wg, ring, first, per_head
 
+    def open_scratch(self, refs, scratch, seg_ref=None):
+        """open() on scratch()'s refs as they come: (open()'s tuple, the ring's refs (Q, dO,
+        logsumexp and delta smem, their ready barriers, the free barriers), the segment ids'
+        (smem, ready barriers), (None, None) without segments)."""
+        ring, seg = (scratch[:-2], scratch[-2:]) if self.segments else (scratch, ())
+        return self.open(refs, *ring, *seg, seg_ref=seg_ref), ring, tuple(seg) or (None, None)
+
     def head_rows(self, kv_head, first, per_head, j):
         """(query head, query rows) of step j."""
         return kv_head * self.group + j // per_head, pl.ds((first + lax.rem(j, per_head)) * self.bq, self.bq)
@@ -1095,15 +1104,11 @@ def _dkdv(
             *ring_scratch, ds_ready, keys_read = ring_scratch
         if with_dq:
             *ring_scratch, ds_smem, dq_smem, dq_full, dq_empty = ring_scratch
-        if segments:
-            *ring_scratch, qseg_smem, qseg_ready = ring_scratch
-        q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_scratch
-        tile, bi, head, wg, ring, first, per_head = queries.open(
-            (q_ref, do_ref, lse2_ref, delta_ref),
-            *ring_scratch,
-            *((qseg_smem, qseg_ready) if segments else ()),
-            seg_ref=qs_ref,
+        opened, ring_refs, (qseg_smem, qseg_ready) = queries.open_scratch(
+            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref
         )
+        tile, bi, head, wg, ring, first, per_head = opened
+        q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_refs
         kv_head = lax.div(head, group) if expand else head  # the keys' head (`head`: the grid's)
 
         def _compute(wg):
@@ -1356,15 +1361,11 @@ def _dkdv_wide(
         k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
         kseg_smem = ring_scratch.pop(0) if segments else None
         p_smem, ds_smem, shared, done, *ring_scratch = ring_scratch
-        if segments:
-            *ring_scratch, qseg_smem, qseg_ready = ring_scratch
-        q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_scratch
-        tile, bi, head, wg, ring, first, per_head = queries.open(
-            (q_ref, do_ref, lse2_ref, delta_ref),
-            *ring_scratch,
-            *((qseg_smem, qseg_ready) if segments else ()),
-            seg_ref=qs_ref,
+        opened, ring_refs, (qseg_smem, qseg_ready) = queries.open_scratch(
+            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref
         )
+        tile, bi, head, wg, ring, first, per_head = opened
+        q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_refs
         kv_head = lax.div(head, group) if expand else head  # the keys' head (`head`: the grid's)
 
         def _compute(wg):
