@@ -165,24 +165,13 @@ def _scores(a_ref, b_ref, interpret: bool, issued=lambda: None) -> Array:
 def _scores_while(a_ref, b_ref, interpret: bool, during):
     """(a @ b^T as _scores computes it, during()): during() runs while the matmul is in
     flight (for a barrier to wait on, or registers to load from shared memory)."""
-    if interpret:  # the interpreter takes no transposed refs
-        s = lax.dot_general(
-            a_ref[...], b_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        return s, during()
-
-    def mma(acc_ref):
-        plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
-        meanwhile = during()
-        return acc_ref[...], meanwhile
-
-    return pl.run_scoped(mma, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
+    return _scores_summed([(a_ref, b_ref)], interpret, during)
 
 
 def _scores_summed(pairs, interpret: bool, during):
     """(the sum of a @ b^T over (a_ref, b_ref) pairs, one contraction split in blocks, in
     float32 on the tensor cores; during()), during() running while the matmuls are in flight."""
-    if interpret:
+    if interpret:  # the interpreter takes no transposed refs
         dims = (((1,), (1,)), ((), ()))
         s = sum(lax.dot_general(a[...], b[...], dims, preferred_element_type=jnp.float32) for a, b in pairs)
         return s, during()
