@@ -10,11 +10,12 @@ return a piece's output and logsumexp for a merge (context parallelism's hops).
 | cudnn       | O(seq)      | NVIDIA GPU, bf16/fp16    | no                |
 | pallas      | O(seq)      | NVIDIA GPU (Mosaic GPU kernels on H100-class GPUs where they
 |             |             | take the inputs, else Triton); elsewhere interpret mode (tests) | yes |
-| auto        | on an H100-class GPU, pallas for causal bf16/fp16 inputs that the Mosaic GPU
-|             | kernels take, forward and backward (head_dim 64, 128), where they were
-|             | measured faster than cuDNN (LEADS: head_dim 128 up to 128K tokens and one
-|             | 128K sequence of 16 heads' work; 64 up to 16K and one 16K sequence of 32
-|             | heads'; both up to 4K and one 4K sequence's); on
+| auto        | on an H100-class GPU, pallas for bf16/fp16 inputs that the Mosaic GPU
+|             | kernels take, forward and backward, where they were measured faster than
+|             | cuDNN (LEADS: causal at head_dim 128 up to 128K tokens and one 128K
+|             | sequence of 16 heads' work, at 64 up to 16K and one 16K sequence of 32
+|             | heads', at both up to one 4K sequence's; causal or not at 256 up to 64K
+|             | tokens and one 64K sequence of 8 heads'); on
 |             | a GPU otherwise cudnn where it supports
 |             | the inputs, else pallas for bf16/fp16 (segment ids); off the GPU blockwise
 |             | (reference when one chunk covers it) |
@@ -35,9 +36,9 @@ from bpt.ops.reference import SegmentIds, check_qkv, reference_attention, split_
 from bpt.ops.registry import Implementation, Registry
 
 Array = jax.Array
-# Where bpt's Hopper kernels run causal attention faster than cuDNN, forward+backward:
-# (most keys a sequence, most query-key pairs batch x heads x seq^2, head_dims or None for
-# any). Measured: on an H100 at batch 1, 1.5x at 2K and 1.17x at 4K (the second row; 0.68x
+# Where bpt's Hopper kernels run attention faster than cuDNN, forward+backward: (most keys a
+# sequence, most query-key pairs batch x heads x seq^2, head_dims, masks: "causal" or "any").
+# Measured: on an H100 at batch 1, 1.5x at 2K and 1.17x at 4K (the second row; 0.68x
 # at batch 8 of 2K then). Since their CTAs launch in runs of one head's tiles
 # (attention_hopper.TILE_GROUP), on an H200 at head_dim 128: 1.02-1.06x at GPT-1B's
 # micro-batches of 16K tokens (batch 16 of 1K to batch 1 of 16K), 1.01x at 32K and 64K and
@@ -53,12 +54,15 @@ Array = jax.Array
 # 1.021-1.023x, 0.8 GiB more (their float32 dQ buffer): the first row now reaches one 128K
 # sequence of 16 heads' work. Longer, cuDNN stays (not measured; the dQ buffer grows with the
 # context the longest runs need memory for).
-# Head_dim 256's Hopper backward (attention_hopper._dkdv_wide) measured 0.99x cuDNN causal at 16K
-# with 8 heads on an H200 (2026-12-01), so no row names 256 and auto takes cuDNN there.
+# At head_dim 256 (attention_hopper._dkdv_wide, then the dQ pass in blocks of 32 keys), on an
+# H200 on 2026-12-01 with 8 heads: causal 1.02x at 4K, 1.07x at 16K, 1.06x at 64K, 1.09x at
+# batch 8 of 2K, GQA 16/8 at 16K 1.07x; non-causal 1.09-1.10x at 4K-64K (the last row: causal
+# or not, up to one 64K sequence of 8 heads' work; the backward has no float32 dQ buffer there).
 LEADS = (
-    (131072, 16 * 131072**2, (128,)),
-    (4096, 16 * 4096**2, (64, 128)),
-    (16384, 32 * 16384**2, (64,)),
+    (131072, 16 * 131072**2, (128,), "causal"),
+    (4096, 16 * 4096**2, (64, 128), "causal"),
+    (16384, 32 * 16384**2, (64,), "causal"),
+    (65536, 8 * 65536**2, (256,), "any"),
 )
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -85,10 +89,9 @@ def select_impl(
     thresholds were measured per device) on this platform."""
     pairs = q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1]
     if (
-        causal
-        and any(
-            k.shape[1] <= keys and pairs <= most and (dims is None or q.shape[-1] in dims)
-            for keys, most, dims in LEADS
+        any(
+            k.shape[1] <= keys and pairs <= most and q.shape[-1] in dims and (causal or masks == "any")
+            for keys, most, dims, masks in LEADS
         )
         and attention_hopper.is_hopper()
         and attention_hopper.supported(q, k, segment_ids=segment_ids, backward=True) is None

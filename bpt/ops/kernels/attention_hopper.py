@@ -68,9 +68,13 @@ MAX_HEAD_DIM_BLOCK_128 = 128
 # warpgroups split each tile's columns, and the dQ pass's (no fused dQ).
 MAX_FUSED_HEAD_DIM = 128
 WIDE_KEYS = 64  # key rows a CTA of _dkdv_wide holds
-# The dQ pass above MAX_FUSED_HEAD_DIM: key blocks and ring depth (one 64-key block of keys and
-# values is 64 KiB at head_dim 256, beside 64 KiB each of the tile's queries and dO).
-WIDE_DQ_BLOCK_K, WIDE_DQ_STAGES = 64, 1
+# The dQ pass above MAX_FUSED_HEAD_DIM: key blocks and ring depth. At head_dim 256 the tile's
+# queries and dO take 64 KiB each, and a block of 64 keys and values 64 KiB: one such block
+# fits, so each block's loads waited for the last one's matmuls. Blocks of 32 fit two deep (3
+# fit, 4 not): on an H200 at 16K with 8 heads forward+backward ran 440 TFLOP/s causal against
+# 408 with one 64-key block (434 three deep; refilling values before keys no faster), 438
+# non-causal against 435 (docs/notes/attention_kernels.md, 2026-12-01, 17:48 UTC).
+WIDE_DQ_BLOCK_K, WIDE_DQ_STAGES = 32, 2
 # The shared-memory rings' depth (stages=None): the forward's 2, the backward's by head_dim.
 # At head_dim 64 a ring 4 deep ran the backward 3-5% faster than 2 on an H200 (forward+backward
 # at 16K 417-419 against 404 TFLOP/s; 6 no faster, 8 over shared memory); the forward gained
@@ -361,11 +365,11 @@ class _KeyStream:
     eager: bool = False  # the ring refills keys and values each as soon as they are free
     segments: bool = False  # each key block's segment ids come with its keys
 
-    def scratch(self, d: int, dtype) -> list:
+    def scratch(self, d: int, dtype, swizzle: int = 128) -> list:
         """The ring's shared memory and barriers: open() takes them in this order."""
         ring = [
-            _smem((self.stages, self.bk, d), dtype),
-            _smem((self.stages, self.bk, d), dtype),
+            _smem((self.stages, self.bk, d), dtype, swizzle=swizzle),
+            _smem((self.stages, self.bk, d), dtype, swizzle=swizzle),
             _barriers(self.stages),
             _barriers(self.stages),
             _barriers(self.stages, COMPUTE_WGS),
@@ -891,14 +895,17 @@ def _dq(
 
         pl.when(wg == COMPUTE_WGS)(ring.produce)
 
+    # dQ += dS K contracts over the block's keys: a block of 32 keys is 64 bytes of bf16, so
+    # the keys take 64-byte swizzled tiles, and wgmma takes both its operands in one swizzle.
+    swizzle = min(128, bk * jnp.dtype(dtype).itemsize)
     scratch = [
-        _smem((COMPUTE_WGS, bq, d), dtype),
-        _smem((COMPUTE_WGS, bq, d), dtype),
+        _smem((COMPUTE_WGS, bq, d), dtype, swizzle=swizzle),
+        _smem((COMPUTE_WGS, bq, d), dtype, swizzle=swizzle),
         _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
         _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
         _barriers(COMPUTE_WGS),
         *([_smem((COMPUTE_WGS, bq), jnp.int32, swizzled=False)] if segments else []),
-        *keys.scratch(d, dtype),
+        *keys.scratch(d, dtype, swizzle=swizzle),
     ]
     return _launch(
         body,
@@ -1507,6 +1514,7 @@ def backward(
     expand's speed there, 0.96x at 64K; docs/notes/attention_kernels.md). expand writes the
     per-head dK and dV (two arrays shaped like q, in its dtype) before the sum."""
     _check(q, k, causal, backward=True)
+    wide_dq_stages = WIDE_DQ_STAGES if stages is None else min(stages, WIDE_DQ_STAGES)
     stages = default_stages(q.shape[-1], backward=True) if stages is None else stages
     if fused_dq and q.shape[-1] > MAX_FUSED_HEAD_DIM:
         raise ValueError(
@@ -1539,7 +1547,7 @@ def backward(
 
     if d > MAX_FUSED_HEAD_DIM:
         dk, dv = summed(*_dkdv_wide(q, k, v, d_out, lse2, delta, expand=expand, **kw))
-        kw.update(stages=min(stages, WIDE_DQ_STAGES))
+        kw.update(stages=wide_dq_stages)
         return _dq(q, k, v, d_out, lse2, delta, block_k=WIDE_DQ_BLOCK_K, **kw), dk, dv
     if not fused_dq:
         dk, dv = summed(*_dkdv(q, k, v, d_out, lse2, delta, expand=expand, **kw))
