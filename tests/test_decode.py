@@ -232,8 +232,10 @@ def test_merging_partials_over_any_split_of_the_keys_is_exact(key):
 @pytest.mark.parametrize("count", [1, 3])
 def test_the_kernels_merge_equals_logsumexp_by_segments(key, count):
     """The kernel's dense merge (reductions for one group, a one-hot product for more)
-    against logsumexp written out per group with segment sums; empty partials (lse -inf)
-    weigh nothing, and a group with none but empty ones gives zeros and -inf."""
+    against logsumexp written out per group with segment sums; empty partials (lse
+    -inf) weigh nothing, also where they come first (two of them meet before any other: a
+    GPU's tree of partial sums), and a group, or a row, with none but empty ones gives
+    zeros and -inf."""
     n = 7
     ko, kl, ki = jax.random.split(key, 3)
     out = jax.random.normal(ko, (n, 2, 5, 16))
@@ -243,6 +245,8 @@ def test_the_kernels_merge_equals_logsumexp_by_segments(key, count):
     if count > 1:
         ids = ids.at[-1].set(0)  # unsorted is allowed
         lse = jnp.where((ids == count - 1)[:, None, None], -jnp.inf, lse)  # a group of empty partials
+    else:
+        lse = lse.at[:2].set(-jnp.inf).at[:, 1, 3].set(-jnp.inf)  # empty first; a row of empty ones
     merged, merged_lse = jax.jit(_merge, static_argnums=3)(ids, out, lse, count)
     top = jax.ops.segment_max(lse, ids, num_segments=count)
     weight = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)[ids])
@@ -256,6 +260,8 @@ def test_the_kernels_merge_equals_logsumexp_by_segments(key, count):
     np.testing.assert_allclose(merged_lse, expected_lse, rtol=1e-5)
     if count > 1:
         assert not jnp.any(merged[count - 1]) and jnp.all(merged_lse[count - 1] == -jnp.inf)
+    else:
+        assert not jnp.any(merged[0, 1, 3]) and merged_lse[0, 1, 3] == -jnp.inf
 
 
 @pytest.mark.parametrize("heads,kv_heads,splits", [(4, 4, 1), (4, 2, 3)], ids=["mha-1", "gqa-3"])
