@@ -318,7 +318,7 @@ def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
 
-def test_head_dim_256_runs_the_hopper_kernels(key):
+def test_head_dim_256_runs_the_hopper_kernels(key, monkeypatch):
     """At head_dim 256 the Hopper forward takes key blocks of 64 (two 128-key blocks of keys
     and values beside the query tile overflow shared memory: the CUDA lowering, checked here
     without a GPU, raised) and the backward is _dkdv_wide's (the warpgroups split the columns)
@@ -335,6 +335,25 @@ def test_head_dim_256_runs_the_hopper_kernels(key):
     assert attention_hopper.supported(x, x, backward=True) is None
     y = jax.ShapeDtypeStruct((1, 256, 1, 192), jnp.bfloat16)
     assert "head_dim 192 in the backward" in attention_hopper.supported(y, y, backward=True)
+    # With segment ids _dkdv_wide would overflow shared memory (the CUDA lowering raises): the
+    # backward refuses them at 256, and auto's backward there is the Triton kernel's.
+    seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    assert "segment ids at head_dim 256" in attention_hopper.supported(x, x, segment_ids=seg, backward=True)
+    assert attention_hopper.supported(x, x, segment_ids=seg) is None  # the forward takes them
+
+    def wide(q, k, v, d_out, lse2, delta, s):
+        return attention_hopper._dkdv_wide(
+            q, k, v, d_out, lse2, delta, causal=True, scale=0.1, stages=2, tile_group=None, interpret=False,
+            q_seg=s, kv_seg=s,
+        )
+
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        jax.jit(wide).trace(x, x, x, x, stats, stats, seg).lower(lowering_platforms=("cuda",))
+    packed = functools.partial(flash_attention, causal=True, segment_ids=jnp.zeros((1, 256), jnp.int32), interpret=False)
+    monkeypatch.setattr(attention_hopper, "is_hopper", lambda: True)
+    grad = jax.grad(lambda q: jnp.sum(packed(q, q, q).astype(jnp.float32)))
+    text = jax.jit(grad).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1  # the forward's; the backward is Triton's
     q, k, v, d_out = inputs(key, 1, 256, 2, 1, 256, jnp.bfloat16)
     compare(q, k, v, d_out, causal=True, segment_ids=None, tol=1e-2, forward="triton", backward="hopper")
 

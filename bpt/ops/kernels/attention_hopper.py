@@ -35,7 +35,7 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
 multiple of 64 up to 256 for the forward (above 128 in key blocks of 64) and up to 128, or
-256, for the backward, lengths a multiple of the blocks (see supported).
+256 without segment ids, for the backward, lengths a multiple of the blocks (see supported).
 Off the GPU the kernels run under Mosaic GPU's interpreter (slow; for tests), where the
 matmuls are plain dots and register layouts do not exist; it has no TMA reduce-add, so
 there the fused backward writes each key tile's partial dQ and XLA sums them.
@@ -130,7 +130,7 @@ def supported(q: Array, k: Array, *, segment_ids=None, backward: bool = False) -
     its keys' dK and dV in float32 registers) and 256, where those would be 2 x 64 x 256 / 128
     = 256 a thread, more than a thread has (REGISTERS), and the warpgroups split the columns
     instead (_dkdv_wide), half a head each: 192's halves would be 96 columns, not whole
-    128-byte tiles."""
+    128-byte tiles; with segment ids not at 256, whose buffers _dkdv_wide has no room for."""
     d = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (needs bfloat16 or float16)"
@@ -138,6 +138,10 @@ def supported(q: Array, k: Array, *, segment_ids=None, backward: bool = False) -
         return f"head_dim {d} (needs a multiple of 64, at most 256)"
     if backward and MAX_FUSED_HEAD_DIM < d < 256:
         return f"head_dim {d} in the backward (at most {MAX_FUSED_HEAD_DIM}, or 256)"
+    if backward and d > MAX_FUSED_HEAD_DIM and segment_ids is not None:
+        # _dkdv_wide's shared memory is full (224 KiB): the segment ids' buffers put it 1,160
+        # bytes over what a CTA has (found on an H200, 2026-12-01)
+        return f"segment ids at head_dim {d} in the backward (shared memory)"
     if q.shape[1] % TILE or k.shape[1] % TILE:
         return f"lengths {q.shape[1]}, {k.shape[1]} (need multiples of {TILE})"
     return None
