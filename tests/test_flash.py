@@ -349,6 +349,10 @@ def test_head_dim_256_runs_the_hopper_kernels(key, monkeypatch):
 
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         jax.jit(wide).trace(x, x, x, x, stats, stats, seg).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="cannot take segment ids at head_dim 256 in the backward"):
+        s = jnp.zeros((1, 256), jnp.int32)
+        z, st = jnp.zeros(x.shape, x.dtype), jnp.zeros(stats.shape)
+        attention_hopper.backward(z, z, z, z, st, st, causal=True, scale=0.1, q_seg=s, kv_seg=s)
     packed = functools.partial(flash_attention, causal=True, segment_ids=jnp.zeros((1, 256), jnp.int32), interpret=False)
     monkeypatch.setattr(attention_hopper, "is_hopper", lambda: True)
     grad = jax.grad(lambda q: jnp.sum(packed(q, q, q).astype(jnp.float32)))

@@ -549,8 +549,8 @@ def _launch(
     return pl.kernel(entry, out_type=out_type, mesh=mesh, name=name, **common)
 
 
-def _check(q: Array, k: Array, causal: bool, backward: bool = False, **blocks) -> None:
-    reason = supported(q, k, backward=backward)
+def _check(q: Array, k: Array, causal: bool, backward: bool = False, segment_ids=None, **blocks) -> None:
+    reason = supported(q, k, segment_ids=segment_ids, backward=backward)
     if reason:
         raise ValueError(f"the Hopper flash kernels cannot take {reason}")
     if causal and q.shape[1] != k.shape[1]:
@@ -1517,7 +1517,7 @@ def backward(
     and longer CTAs, which at 4K tokens with 32/4 heads are 128 for an H200's 132 SMs (0.78x
     expand's speed there, 0.96x at 64K; docs/notes/attention_kernels.md). expand writes the
     per-head dK and dV (two arrays shaped like q, in its dtype) before the sum."""
-    _check(q, k, causal, backward=True)
+    _check(q, k, causal, backward=True, segment_ids=q_seg)
     wide_dq_stages = WIDE_DQ_STAGES if stages is None else min(stages, WIDE_DQ_STAGES)
     stages = default_stages(q.shape[-1], backward=True) if stages is None else stages
     if fused_dq and q.shape[-1] > MAX_FUSED_HEAD_DIM:
