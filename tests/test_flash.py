@@ -323,7 +323,8 @@ def test_head_dim_256_runs_the_hopper_kernels(key, monkeypatch):
     and values beside the query tile overflow shared memory: the CUDA lowering, checked here
     without a GPU, raised) and the backward is _dkdv_wide's (the warpgroups split the columns)
     and the dQ pass's: both lower for CUDA, the interpreted kernels agree with float32
-    attention, and head_dim 192 (halves of 96 columns) is refused in the backward."""
+    attention, and head_dim 192 (halves of 96 columns) is refused in the backward, as are
+    segment ids at 256 (no shared memory left for them: auto's backward is Triton's)."""
     x = jax.ShapeDtypeStruct((1, 256, 1, 256), jnp.bfloat16)
     fwd = functools.partial(attention_hopper.forward, causal=True, scale=0.1)  # block_k 128 asked
     text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
