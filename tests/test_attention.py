@@ -238,7 +238,8 @@ def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
     """On an H100-class GPU auto runs bpt's Hopper kernels where bench_attention measured them
     faster than cuDNN (LEADS): causal, head_dim 128 up to one 128K sequence of 16 heads' work
     (GPT-1B's micro-batches, its steps at 32K-128K, GPT-7B's at 32K), head_dim 64 up to one 16K sequence of 32 heads', both up to
-    one 4K sequence's; head_dim 256 causal or not up to one 64K sequence of 8 heads'; cuDNN beyond."""
+    one 4K sequence's; head_dim 256 causal or not up to one 64K sequence of 8 heads'; non-causal
+    at head_dim 128 up to one 64K sequence of 16 heads'; cuDNN beyond."""
     from bpt.ops import select_impl
     from bpt.ops.kernels import attention_hopper
 
@@ -254,7 +255,8 @@ def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
              impl(1, 2048, head_dim=64), impl(1, 16384, head_dim=64), impl(1, 16384, heads=32, head_dim=64),
              impl(4, 8192, head_dim=64), impl(1, 2048, heads=8, head_dim=256), impl(8, 2048, heads=8, head_dim=256),
              impl(1, 65536, heads=8, head_dim=256), impl(1, 16384, heads=16, head_dim=256),
-             impl(1, 65536, heads=8, head_dim=256, causal=False), impl(1, 4096, heads=8, head_dim=256, causal=False))
+             impl(1, 65536, heads=8, head_dim=256, causal=False), impl(1, 4096, heads=8, head_dim=256, causal=False),
+             impl(1, 2048, causal=False), impl(1, 16384, causal=False), impl(1, 65536, causal=False))
     assert set(leads) == {"pallas"}, leads
     for other in (
         impl(1, 262144),
@@ -262,7 +264,8 @@ def test_auto_takes_bpts_hopper_kernels_only_where_they_lead_cudnn(monkeypatch):
         impl(1, 131072, heads=32),
         impl(1, 32768, head_dim=64),
         impl(2, 16384, heads=32, head_dim=64),
-        impl(1, 2048, causal=False),
+        impl(1, 131072, causal=False),
+        impl(2, 65536, causal=False),
         impl(1, 131072, heads=8, head_dim=256),
         impl(1, 65536, heads=16, head_dim=256),
         impl(1, 2048, heads=8, head_dim=192),  # the Hopper backward takes no 192

@@ -419,20 +419,48 @@ def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, head
         flash_attention(x, x, x, hopper_gqa="split")
 
 
-@pytest.mark.parametrize("schedule", ["overlap", "pingpong", "overlap_pingpong"])
-def test_hopper_forward_schedules_in_the_mosaic_gpu_interpreter(key, schedule):
+@pytest.mark.parametrize(
+    "schedule, causal, head_dim",
+    [("overlap", True, 64), ("pingpong", True, 64), ("overlap_pingpong", True, 64), ("overlap", False, 256)],
+)
+def test_hopper_forward_schedules_in_the_mosaic_gpu_interpreter(key, schedule, causal, head_dim):
     """The forward's pipelined and ping-pong schedules keep their barriers in step: 64-key
     blocks, so that under the causal mask the first warpgroup passes over a block the second
-    one sees (and, ping-pong, still meets it there), against float32 attention."""
-    q, k, v, _ = inputs(key, 1, 384, 1, 1, 64, jnp.bfloat16)
+    one sees (and, ping-pong, still meets it there); non-causal at head_dim 256, what the
+    default schedule runs overlapped; against float32 attention."""
+    q, k, v, _ = inputs(key, 1, 384, 1, 1, head_dim, jnp.bfloat16)
     out, lse = flash_attention_with_lse(
-        q, k, v, causal=True, forward="hopper", hopper_block_k=64, hopper_schedule=schedule
+        q, k, v, causal=causal, forward="hopper", hopper_block_k=64, hopper_schedule=schedule
     )
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    scores = jnp.einsum("bqhd,bkhd->bhqk", up(q), up(k)) / 8.0
-    scores = jnp.where(jnp.tril(jnp.ones((384, 384), bool)), scores, -jnp.inf)
-    assert rel_err(out, reference_attention(up(q), up(k), up(v), causal=True)) < 1e-2
+    scores = jnp.einsum("bqhd,bkhd->bhqk", up(q), up(k)) / head_dim**0.5
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((384, 384), bool)), scores, -jnp.inf)
+    assert rel_err(out, reference_attention(up(q), up(k), up(v), causal=causal)) < 1e-2
     assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-4
+
+
+def test_hopper_forward_default_schedule_by_shape():
+    """With no schedule asked the forward overlaps where no block is masked (non-causal, no
+    segment ids) at head_dim 128 and 256, and ping-pongs elsewhere: the kernel it lowers to
+    for CUDA is the named schedule's."""
+    assert attention_hopper.default_schedule(False, 128) == "overlap"
+    assert attention_hopper.default_schedule(False, 256) == "overlap"
+    assert attention_hopper.default_schedule(True, 128) == "pingpong"
+    assert attention_hopper.default_schedule(False, 64) == "pingpong"
+    assert attention_hopper.default_schedule(False, 128, segments=True) == "pingpong"
+
+    def lowered(causal, d, schedule):
+        x = jax.ShapeDtypeStruct((1, 256, 1, d), jnp.bfloat16)
+        fwd = functools.partial(
+            attention_hopper.forward, causal=causal, scale=0.1, block_k=64, schedule=schedule
+        )
+        return jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+
+    for causal, d in ((False, 256), (False, 128), (True, 128)):
+        default = lowered(causal, d, None)
+        assert default == lowered(causal, d, attention_hopper.default_schedule(causal, d))
+    assert lowered(False, 128, None) != lowered(False, 128, "pingpong")
 
 
 @pytest.mark.parametrize("schedule", attention_hopper.SCHEDULES)
@@ -647,7 +675,7 @@ def test_flash_on_gpu(key, dtype, head_dim, causal, segments, kv_heads):
 @pytest.mark.parametrize(
     "dtype, head_dim, causal, kv_heads, block_k, fused_dq, schedule, gqa, dq_split",
     [
-        # fused_dq None: dQ fused where it can be (head_dim 64 and 128); pingpong: the default;
+        # fused_dq None: dQ fused where it can be (head_dim 64 and 128); schedule None: by shape;
         # kv_heads 8 of 8 query heads: MHA, else GQA (gqa: the backward's split of it);
         # dq_split: how the fused backward splits dQ (None: by head_dim)
         (jnp.bfloat16, 128, True, 2, 128, None, "pingpong", "expand", None),
@@ -659,6 +687,7 @@ def test_flash_on_gpu(key, dtype, head_dim, causal, segments, kv_heads):
         (jnp.bfloat16, 64, True, 2, 64, None, "pingpong", "walk", "steps"),
         (jnp.bfloat16, 128, True, 2, 128, False, "serial", "expand", None),
         (jnp.bfloat16, 128, True, 2, 128, None, "overlap", "walk", None),
+        (jnp.bfloat16, 128, False, 2, 128, None, None, "expand", None),  # None: by shape, overlap
         (jnp.bfloat16, 64, True, 1, 64, False, "overlap_pingpong", "walk", None),
     ],
 )
@@ -682,12 +711,15 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
-@pytest.mark.parametrize("causal", [True, False])
-def test_head_dim_256_on_gpu(key, causal):
-    """head_dim 256: the Hopper forward in key blocks of 64 (wgmma path, registers at their
-    fullest), the Triton backward behind it, as auto runs them."""
+@pytest.mark.parametrize("causal, segments", [(True, False), (False, False), (True, True)])
+def test_head_dim_256_on_gpu(key, causal, segments):
+    """head_dim 256 as auto runs it: the Hopper forward in key blocks of 64 (wgmma path,
+    registers at their fullest) and the Hopper backward (_dkdv_wide and the dQ pass); with
+    segment ids the Hopper forward and the Triton backward (the Hopper one has no shared
+    memory left for them)."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, 2, 256, jnp.bfloat16)
-    compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, forward="auto", backward="auto")
+    seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=5) if segments else None
+    compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, forward="auto", backward="auto")
 
 
 @pytest.mark.gpu

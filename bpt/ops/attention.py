@@ -15,7 +15,8 @@ return a piece's output and logsumexp for a merge (context parallelism's hops).
 |             | cuDNN (LEADS: causal at head_dim 128 up to 128K tokens and one 128K
 |             | sequence of 16 heads' work, at 64 up to 16K and one 16K sequence of 32
 |             | heads', at both up to one 4K sequence's; causal or not at 256 up to 64K
-|             | tokens and one 64K sequence of 8 heads'); on
+|             | tokens and one 64K sequence of 8 heads'; non-causal at 128 up to one 64K
+|             | sequence of 16 heads'); on
 |             | a GPU otherwise cudnn where it supports
 |             | the inputs, else pallas for bf16/fp16 (segment ids); off the GPU blockwise
 |             | (reference when one chunk covers it) |
@@ -58,11 +59,15 @@ Array = jax.Array
 # H200 on 2026-12-01 with 8 heads: causal 1.02x at 4K, 1.07x at 16K, 1.06x at 64K, 1.09x at
 # batch 8 of 2K, GQA 16/8 at 16K 1.07x; non-causal 1.09-1.10x at 4K-64K (the last row: causal
 # or not, up to one 64K sequence of 8 heads' work; the backward has no float32 dQ buffer there).
+# Non-causal at head_dim 128, since the forward pipelines each warpgroup's matmuls and softmax
+# there (attention_hopper.default_schedule), on an H200 on 2026-12-02 with 16 heads: 1.04x at
+# 4K, 1.02-1.03x at 16K, 1.01x at 64K (the fifth row: up to one 64K sequence of 16 heads').
 LEADS = (
     (131072, 16 * 131072**2, (128,), "causal"),
     (4096, 16 * 4096**2, (64, 128), "causal"),
     (16384, 32 * 16384**2, (64,), "causal"),
     (65536, 8 * 65536**2, (256,), "any"),
+    (65536, 16 * 65536**2, (128,), "any"),
 )
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 

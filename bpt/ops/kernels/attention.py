@@ -74,7 +74,7 @@ class FlashConfig:
     hopper_block_k: int = 128
     hopper_stages: int | None = None  # None: attention_hopper.default_stages
     hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: fused)
-    hopper_schedule: str = "pingpong"  # attention_hopper.forward's schedule
+    hopper_schedule: str | None = None  # attention_hopper.forward's schedule (None: by shape)
     hopper_tile_group: int | None = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
     hopper_gqa: str = "expand"  # attention_hopper.backward's gqa: how the dK/dV pass splits GQA
     hopper_dq_split: str | None = None  # attention_hopper.backward's dq_split (None: by head_dim)
@@ -476,7 +476,7 @@ def flash_attention_with_lse(
     hopper_block_k: int = 128,
     hopper_stages: int | None = None,
     hopper_fused_dq: bool | None = None,
-    hopper_schedule: str = "pingpong",
+    hopper_schedule: str | None = None,
     hopper_tile_group: int | None = attention_hopper.TILE_GROUP,
     hopper_gqa: str = "expand",
     hopper_dq_split: str | None = None,
@@ -496,9 +496,10 @@ def flash_attention_with_lse(
     by head_dim); hopper_fused_dq: the Hopper backward adds dQ inside its dK/dV pass (True or
     None) or runs a second pass for it (False). hopper_schedule: how the Hopper forward orders
     each warpgroup's matmuls and softmax (attention_hopper.SCHEDULES; see
-    attention_hopper.forward). hopper_tile_group: the Hopper kernels' launch order, runs of
-    up to this many tiles of one (batch, head), None: all of them (attention_hopper.forward). hopper_gqa: with
-    fewer key/value heads than query heads, the Hopper backward's split of the work,
+    attention_hopper.forward; None: attention_hopper.default_schedule, by shape).
+    hopper_tile_group: the Hopper kernels' launch order, runs of up to this many tiles of one
+    (batch, head), None: all of them (attention_hopper.forward). hopper_gqa: with fewer
+    key/value heads than query heads, the Hopper backward's split of the work,
     "expand" (a CTA a query head's keys) or "walk" (a CTA a key/value head's keys, walking
     its group; attention_hopper.backward). hopper_dq_split: how the fused Hopper backward
     splits dQ between its warpgroups (attention_hopper.DQ_SPLITS; None: by head_dim, at 64
@@ -546,7 +547,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     forward, backward = settings.get("forward", "auto"), settings.get("backward", "auto")
     hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages")
     hopper_fused_dq = settings.get("hopper_fused_dq")
-    hopper_schedule = settings.get("hopper_schedule", "pingpong")
+    hopper_schedule = settings.get("hopper_schedule")
     attention_hopper.check_schedule(hopper_schedule, "hopper_schedule")
     hopper_tile_group = settings.get("hopper_tile_group", attention_hopper.TILE_GROUP)
     attention_hopper.check_tile_group(hopper_tile_group, "hopper_tile_group")
