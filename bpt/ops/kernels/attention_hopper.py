@@ -588,8 +588,8 @@ SCHEDULES = ("serial", "pingpong", "overlap", "overlap_pingpong")
 def default_schedule(causal: bool, head_dim: int, segments: bool = False) -> str:
     """The forward's schedule where none is asked: "overlap" where no block is masked
     (non-causal, no segment ids) at head_dim 128 and up, "pingpong" elsewhere. On an H200
-    (docs/notes/attention_kernels.md, 2026-12-02) overlap ran the non-causal forward 3.5-4.5%
-    faster at head_dim 128 and 12% at 256, but 3% slower at 64 and 10% slower causal."""
+    (docs/notes/attention_kernels.md, 2026-12-02) overlap ran the non-causal forward 3.6-5.2%
+    faster at head_dim 128 and 12% at 256, but 3.7% slower at 64 and 9-11% slower causal."""
     return "overlap" if not causal and not segments and head_dim >= 128 else "pingpong"
 
 
@@ -629,8 +629,8 @@ def forward(
     None (the default): default_schedule(), overlap where no block is masked at head_dim 128
     and up, else pingpong. On an H100 at d=128, causal (docs/notes/attention_kernels.md),
     pingpong was 5-10% faster than serial; overlap 5% slower (4K) to 2% faster (64K) than
-    serial; overlap_pingpong about 20% slower. On an H200 overlap ran 10% behind pingpong
-    causal and 3.5-12% ahead of it non-causal at head_dim 128 and 256.
+    serial; overlap_pingpong about 20% slower. On an H200 overlap ran 9-11% behind pingpong
+    causal and 3.6-12% ahead of it non-causal at head_dim 128 and 256.
 
     tile_group: the order in which the CTAs launch (_Grid): runs of up to this many tiles of
     one (batch, head) (None, the default: all of them), so that the CTAs that run at once
