@@ -645,8 +645,9 @@ def forward(
     stages = default_stages(d, backward=False) if stages is None else stages
     bq, bk, dtype = TILE // COMPUTE_WGS, block_k, q.dtype
     check_schedule(schedule)
+    segments = _check_segments(q, k, q_seg, kv_seg)
     if schedule is None:
-        schedule = default_schedule(causal, d, segments=q_seg is not None)
+        schedule = default_schedule(causal, d, segments=segments)
     check_tile_group(tile_group)
     overlap, pingpong = schedule.startswith("overlap"), schedule.endswith("pingpong")
     num_tiles, num_k = sq // TILE, sk // bk
@@ -656,7 +657,6 @@ def forward(
     regs = _Regs(interpret)
     c = scale * LOG2E
     grid = _Grid(num_tiles, h, b, tile_group)
-    segments = _check_segments(q, k, q_seg, kv_seg)
     keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, eager=overlap, segments=segments)
 
     def body(*refs):
