@@ -78,8 +78,11 @@ WIDE_DQ_BLOCK_K, WIDE_DQ_STAGES = 32, 2
 # The shared-memory rings' depth (stages=None): the forward's 2, the backward's by head_dim.
 # At head_dim 64 a ring 4 deep ran the backward 3-5% faster than 2 on an H200 (forward+backward
 # at 16K 417-419 against 404 TFLOP/s; 6 no faster, 8 over shared memory); the forward gained
-# nothing. At 128 the forward's ring of 3 is 120 bytes over shared memory, and the backward's
-# ran slower (GQA 32/8 at 16K 499 against 523, non-causal 529 against 549; notes/attention_kernels.md).
+# nothing. At 128 the forward's ring of 3 is 120 bytes over shared memory (it fits without the
+# 2 KB Pallas reserves for cross-warp reductions, which these kernels make none of, and then ran
+# no faster: 594 against 595 TFLOP/s at 64K causal, 623 against 637 non-causal), and the
+# backward's ran slower (GQA 32/8 at 16K 499 against 523, non-causal 529 against 549;
+# docs/notes/attention_kernels.md).
 FORWARD_STAGES = 2
 BACKWARD_STAGES = {64: 4}  # head_dim -> stages; 2 for the others
 # The CTAs' launch order (_Grid): runs of up to this many tiles of one (batch, head); None: all
@@ -99,6 +102,8 @@ GQA_SPLITS = ("expand", "walk")
 # On an H200 at head_dim 64, causal, 16 heads, "steps" ran forward+backward at 305 and 428
 # TFLOP/s at 4K and 16K against "keys"' 299 and 409 (cuDNN 287, 416; docs/notes/attention_kernels.md).
 DQ_SPLITS = ("columns", "keys", "steps")
+# At head_dim 128 "steps" (a [64, 128] float32 dQ a warpgroup at its steps) ran 9-10% slower
+# than "columns" on an H200 (16K and 64K), so only "columns" is allowed there.
 DQ_SPLIT = {64: "steps", 128: "columns"}  # head_dim -> dq_split when None
 # Registers per thread: each compute warpgroup's, the memory warpgroup's (2 x 240 + 24 a
 # thread's worth fill the register file: 65,536 a CTA).
