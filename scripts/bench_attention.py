@@ -237,6 +237,7 @@ SHAPES = {
         "B2 S8K H16 4 docs": dict(batch=2, seq=8192, heads=16, head_dim=128, causal=True, segments=4),
         "B1 S64K H16 32 docs": dict(batch=1, seq=65536, heads=16, head_dim=128, causal=True, segments=32),
         "B1 S16K H16 d64 8 docs": dict(batch=1, seq=16384, heads=16, head_dim=64, causal=True, segments=8),
+        "B1 S16K H8 d256 8 docs": dict(batch=1, seq=16384, heads=8, head_dim=256, causal=True, segments=8),
     },
     "micro_batches": {
         f"B{16 // s} S{s}K H16": dict(batch=16 // s, seq=s * 1024, heads=16, head_dim=128, causal=True)

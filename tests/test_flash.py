@@ -322,45 +322,37 @@ def test_head_dim_256_runs_the_hopper_kernels(key, monkeypatch):
     """At head_dim 256 the Hopper forward takes key blocks of 64 (two 128-key blocks of keys
     and values beside the query tile overflow shared memory: the CUDA lowering, checked here
     without a GPU, raised) and the backward is _dkdv_wide's (the warpgroups split the columns)
-    and the dQ pass's: both lower for CUDA, the interpreted kernels agree with float32
-    attention, and head_dim 192 (halves of 96 columns) is refused in the backward, as are
-    segment ids at 256 (no shared memory left for them: auto's backward is Triton's)."""
+    and the dQ pass's: both lower for CUDA, with segment ids too (their buffers share one
+    allocation with the keys' and the row statistics', which the 1 KiB Pallas rounds each
+    buffer up to had left no room for), the interpreted kernels agree with float32 attention
+    on packed documents, and head_dim 192 (halves of 96 columns) is refused in the backward."""
     x = jax.ShapeDtypeStruct((1, 256, 1, 256), jnp.bfloat16)
     fwd = functools.partial(attention_hopper.forward, causal=True, scale=0.1)  # block_k 128 asked
     text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
     stats = jax.ShapeDtypeStruct((1, 1, 256), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
     bwd = functools.partial(attention_hopper.backward, causal=True, scale=0.1)
     text = jax.jit(bwd).trace(x, x, x, x, stats, stats).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2
+    packed_bwd = lambda q, k, v, do, lse, delta, s: bwd(q, k, v, do, lse, delta, q_seg=s, kv_seg=s)  # noqa: E731
+    text = jax.jit(packed_bwd).trace(x, x, x, x, stats, stats, seg).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 2
     assert attention_hopper.supported(x, x, backward=True) is None
+    assert attention_hopper.supported(x, x, segment_ids=seg, backward=True) is None
     y = jax.ShapeDtypeStruct((1, 256, 1, 192), jnp.bfloat16)
     assert "head_dim 192 in the backward" in attention_hopper.supported(y, y, backward=True)
-    # With segment ids _dkdv_wide would overflow shared memory (the CUDA lowering raises): the
-    # backward refuses them at 256, and auto's backward there is the Triton kernel's.
-    seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
-    assert "segment ids at head_dim 256" in attention_hopper.supported(x, x, segment_ids=seg, backward=True)
-    assert attention_hopper.supported(x, x, segment_ids=seg) is None  # the forward takes them
-
-    def wide(q, k, v, d_out, lse2, delta, s):
-        return attention_hopper._dkdv_wide(
-            q, k, v, d_out, lse2, delta, causal=True, scale=0.1, stages=2, tile_group=None, interpret=False,
-            q_seg=s, kv_seg=s,
-        )
-
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        jax.jit(wide).trace(x, x, x, x, stats, stats, seg).lower(lowering_platforms=("cuda",))
-    with pytest.raises(ValueError, match="cannot take segment ids at head_dim 256 in the backward"):
-        s = jnp.zeros((1, 256), jnp.int32)
-        z, st = jnp.zeros(x.shape, x.dtype), jnp.zeros(stats.shape)
-        attention_hopper.backward(z, z, z, z, st, st, causal=True, scale=0.1, q_seg=s, kv_seg=s)
-    packed = functools.partial(flash_attention, causal=True, segment_ids=jnp.zeros((1, 256), jnp.int32), interpret=False)
+    # auto takes the Hopper kernels both ways for packed documents at 256
+    zeros = jnp.zeros((1, 256), jnp.int32)
+    packed = functools.partial(flash_attention, causal=True, segment_ids=zeros, interpret=False)
     monkeypatch.setattr(attention_hopper, "is_hopper", lambda: True)
     grad = jax.grad(lambda q: jnp.sum(packed(q, q, q).astype(jnp.float32)))
     text = jax.jit(grad).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1  # the forward's; the backward is Triton's
-    q, k, v, d_out = inputs(key, 1, 256, 2, 1, 256, jnp.bfloat16)
-    compare(q, k, v, d_out, causal=True, segment_ids=None, tol=1e-2, forward="triton", backward="hopper")
+    assert text.count("custom_call @mosaic_gpu") == 3  # the forward, _dkdv_wide, the dQ pass
+    # one head: with two, the interpreter's CTAs (two tiles each) did not finish with segment ids
+    q, k, v, d_out = inputs(key, 1, 256, 1, 1, 256, jnp.bfloat16)
+    ids = packed_segments(jax.random.fold_in(key, 1), 1, 256, num=4)
+    compare(q, k, v, d_out, causal=True, segment_ids=ids, tol=1e-2, forward="triton", backward="hopper")
 
 
 def test_hopper_kernels_give_rows_without_keys_what_the_triton_kernels_do(key):
@@ -714,9 +706,8 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
 @pytest.mark.parametrize("causal, segments", [(True, False), (False, False), (True, True)])
 def test_head_dim_256_on_gpu(key, causal, segments):
     """head_dim 256 as auto runs it: the Hopper forward in key blocks of 64 (wgmma path,
-    registers at their fullest) and the Hopper backward (_dkdv_wide and the dQ pass); with
-    segment ids the Hopper forward and the Triton backward (the Hopper one has no shared
-    memory left for them)."""
+    registers at their fullest) and the Hopper backward (_dkdv_wide and the dQ pass), with
+    segment ids too."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, 2, 256, jnp.bfloat16)
     seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=5) if segments else None
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, forward="auto", backward="auto")

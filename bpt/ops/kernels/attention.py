@@ -488,9 +488,9 @@ def flash_attention_with_lse(
     segment_ids: [b, s] ints (or a (q_ids, kv_ids) pair): tokens attend within their segment.
     k and v may have fewer heads than q (a divisor of it). forward, backward: "triton",
     "hopper" (the Mosaic GPU kernels of attention_hopper.py: wgmma/TMA, H100-class GPUs,
-    bf16/fp16, lengths multiples of 128; the backward up to head_dim 128), or "auto" (hopper
-    where it can run, segment ids too, else triton; each of the two on its own, so head_dim
-    256 runs the Hopper forward and the Triton backward).
+    bf16/fp16, lengths multiples of 128; head_dim a multiple of 64 up to 256, the backward
+    128 or 256 at most), or "auto" (hopper where it can run, segment ids too, else triton;
+    each of the two on its own).
     hopper_block_k: the Hopper forward's key block (64 or 128); hopper_stages:
     the depth of the Hopper kernels' shared-memory ring (None: attention_hopper.default_stages,
     by head_dim); hopper_fused_dq: the Hopper backward adds dQ inside its dK/dV pass (True or

@@ -35,7 +35,7 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
 multiple of 64 up to 256 for the forward (above 128 in key blocks of 64) and up to 128, or
-256 without segment ids, for the backward, lengths a multiple of the blocks (see supported).
+256, for the backward, lengths a multiple of the blocks (see supported).
 Off the GPU the kernels run under Mosaic GPU's interpreter (slow; for tests), where the
 matmuls are plain dots and register layouts do not exist; it has no TMA reduce-add, so
 there the fused backward writes each key tile's partial dQ and XLA sums them.
@@ -135,7 +135,7 @@ def supported(q: Array, k: Array, *, segment_ids=None, backward: bool = False) -
     its keys' dK and dV in float32 registers) and 256, where those would be 2 x 64 x 256 / 128
     = 256 a thread, more than a thread has (REGISTERS), and the warpgroups split the columns
     instead (_dkdv_wide), half a head each: 192's halves would be 96 columns, not whole
-    128-byte tiles; with segment ids not at 256, whose buffers _dkdv_wide has no room for."""
+    128-byte tiles."""
     d = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (needs bfloat16 or float16)"
@@ -143,10 +143,6 @@ def supported(q: Array, k: Array, *, segment_ids=None, backward: bool = False) -
         return f"head_dim {d} (needs a multiple of 64, at most 256)"
     if backward and MAX_FUSED_HEAD_DIM < d < 256:
         return f"head_dim {d} in the backward (at most {MAX_FUSED_HEAD_DIM}, or 256)"
-    if backward and d > MAX_FUSED_HEAD_DIM and segment_ids is not None:
-        # _dkdv_wide's shared memory is full (224 KiB): the segment ids' buffers put it 1,160
-        # bytes over what a CTA has (found on an H200, 2026-12-01)
-        return f"segment ids at head_dim {d} in the backward (shared memory)"
     if q.shape[1] % TILE or k.shape[1] % TILE:
         return f"lengths {q.shape[1]}, {k.shape[1]} (need multiples of {TILE})"
     return None
@@ -956,19 +952,29 @@ class _QueryStream:
     keys: int = TILE  # key rows a CTA holds
 
     def scratch(self, d: int, dtype, swizzle: int = 128) -> list:
-        """The ring's shared memory and barriers: open() takes them in this order."""
-        rows, stats = (self.stages, self.bq, d), (self.stages, self.bq)
+        """The ring's shared memory and barriers, as open_scratch() takes them. Pallas rounds
+        every buffer up to 1 KiB, so the small ones share: the logsumexp's and delta's slots
+        one float32 buffer [2, stages, bq]; with segments, the query blocks' segment ids and
+        the CTA's own keys' (key_segments) one int32 buffer [stages + keys / bq, bq] (at head_dim
+        256 _dkdv_wide has no 1 KiB to spare)."""
+        rows = (self.stages, self.bq, d)
         ring = [
             _smem(rows, dtype, swizzle=swizzle),
             _smem(rows, dtype, swizzle=swizzle),
-            _smem(stats, jnp.float32, swizzled=False),
-            _smem(stats, jnp.float32, swizzled=False),
+            _smem((2, self.stages, self.bq), jnp.float32, swizzled=False),
             *[_barriers(self.stages) for _ in range(4)],
             _barriers(self.stages, COMPUTE_WGS),
         ]
         if self.segments:
-            ring += [_smem(stats, jnp.int32, swizzled=False), _barriers(self.stages)]
+            seg_rows = self.stages + pl.cdiv(self.keys, self.bq)
+            ring += [_smem((seg_rows, self.bq), jnp.int32, swizzled=False), _barriers(self.stages)]
         return ring
+
+    def key_segments(self, seg_smem, wg: int, bk: int):
+        """The shared memory of warpgroup wg's bk keys' segment ids in scratch()'s int32
+        buffer (its rows after the ring's)."""
+        first = wg * bk
+        return seg_smem.at[self.stages + first // self.bq, pl.ds(first % self.bq, bk)]
 
     def open(
         self,
@@ -1018,9 +1024,17 @@ class _QueryStream:
     def open_scratch(self, refs, scratch, seg_ref=None):
         """open() on scratch()'s refs as they come: (open()'s tuple, the ring's refs (Q, dO,
         logsumexp and delta smem, their ready barriers, the free barriers), the segment ids'
-        (smem, ready barriers), (None, None) without segments)."""
+        (the whole int32 buffer, the ring's part of it, its ready barriers), all None without
+        segments)."""
         ring, seg = (scratch[:-2], scratch[-2:]) if self.segments else (scratch, ())
-        return self.open(refs, *ring, *seg, seg_ref=seg_ref), ring, tuple(seg) or (None, None)
+        q_smem, do_smem, stats, *barriers = ring
+        ring = (q_smem, do_smem, stats.at[0], stats.at[1], *barriers)
+        if not seg:
+            return self.open(refs, *ring, seg_ref=seg_ref), ring, (None, None, None)
+        seg_smem, seg_ready = seg
+        ring_seg = seg_smem.at[pl.ds(0, self.stages)]
+        opened = self.open(refs, *ring, ring_seg, seg_ready, seg_ref=seg_ref)
+        return opened, ring, (seg_smem, ring_seg, seg_ready)
 
     def head_rows(self, kv_head, first, per_head, j):
         """(query head, query rows) of step j."""
@@ -1085,8 +1099,7 @@ def _dkdv(
         _smem((TILE, d), dtype),  # the tile's keys, warpgroup w's rows at 64 w
         _smem((COMPUTE_WGS, bk, d), dtype),
         _barriers(COMPUTE_WGS),
-        *([_smem((COMPUTE_WGS, bk), jnp.int32, swizzled=False)] if segments else []),  # the keys' segments
-        *queries.scratch(d, dtype),
+        *queries.scratch(d, dtype),  # with segments, the keys' segment ids too
     ]
     if with_dq:
         scratch += [
@@ -1115,13 +1128,12 @@ def _dkdv(
             *outs, dq_ref = outs
         dk_ref, dv_ref = outs
         k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
-        kseg_smem = ring_scratch.pop(0) if segments else None
         ds_ready = keys_read = None
         if with_dq and not split_keys:
             *ring_scratch, ds_ready, keys_read = ring_scratch
         if with_dq:
             *ring_scratch, ds_smem, dq_smem, dq_full, dq_empty = ring_scratch
-        opened, ring_refs, (qseg_smem, qseg_ready) = queries.open_scratch(
+        opened, ring_refs, (seg_smem, qseg_smem, qseg_ready) = queries.open_scratch(
             (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref
         )
         tile, bi, head, wg, ring, first, per_head = opened
@@ -1133,13 +1145,14 @@ def _dkdv(
             key0 = tile * TILE + wg * bk
             keys = pl.ds(key0, bk)
             my_k, my_v = k_smem.at[pl.ds(wg * bk, bk)], v_smem.at[wg]
+            my_kseg = queries.key_segments(seg_smem, wg, bk) if segments else None
             _copy_in(
                 own_ready.at[wg],
                 (k_ref.at[bi, keys, kv_head], my_k),
                 (v_ref.at[bi, keys, kv_head], my_v),
-                *([(ks_ref.at[bi, keys], kseg_smem.at[wg])] if segments else []),
+                *([(ks_ref.at[bi, keys], my_kseg)] if segments else []),
             )
-            my_segments = regs.vector(kseg_smem.at[wg], 1) if segments else None  # one a row of S^T
+            my_segments = regs.vector(my_kseg, 1) if segments else None  # one a row of S^T
             cols = pl.ds(0 if half == d else wg * half, half)
 
             def share_ds(j, ds_t):
@@ -1360,12 +1373,11 @@ def _dkdv_wide(
         _smem((COMPUTE_WGS, WIDE_KEYS, half), dtype, swizzle=swizzle),
         _smem((COMPUTE_WGS, WIDE_KEYS, half), dtype, swizzle=swizzle),
         _barriers(COMPUTE_WGS),
-        *([_smem((COMPUTE_WGS, bk), jnp.int32, swizzled=False)] if segments else []),  # the keys' segments
         _smem((2, bq, WIDE_KEYS), dtype, swizzle=swizzle),  # P by the step's parity, warpgroup w's at columns bk w
         _smem((2, bq, WIDE_KEYS), dtype, swizzle=swizzle),  # dS alike
         _barriers(2, COMPUTE_WGS),  # both warpgroups' P and dS of a parity are in
         _barriers(1, COMPUTE_WGS),  # both warpgroups are done with the keys and values
-        *queries.scratch(d, dtype, swizzle=swizzle),
+        *queries.scratch(d, dtype, swizzle=swizzle),  # with segments, the keys' segment ids too
     ]
 
     def body(*refs):
@@ -1376,9 +1388,8 @@ def _dkdv_wide(
         qs_ref, ks_ref = (outs.pop(0), outs.pop(0)) if segments else (None, None)
         dk_ref, dv_ref = outs
         k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
-        kseg_smem = ring_scratch.pop(0) if segments else None
         p_smem, ds_smem, shared, done, *ring_scratch = ring_scratch
-        opened, ring_refs, (qseg_smem, qseg_ready) = queries.open_scratch(
+        opened, ring_refs, (seg_smem, qseg_smem, qseg_ready) = queries.open_scratch(
             (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref
         )
         tile, bi, head, wg, ring, first, per_head = opened
@@ -1390,14 +1401,15 @@ def _dkdv_wide(
             tile_keys = pl.ds(tile * WIDE_KEYS, WIDE_KEYS)
             key0 = tile * WIDE_KEYS + wg * bk
             mine, keys = pl.ds(wg * bk, bk), pl.ds(key0, bk)
+            my_kseg = queries.key_segments(seg_smem, wg, bk) if segments else None
             halves = [pl.ds(i * half, half) for i in range(COMPUTE_WGS)]
             _copy_in(
                 own_ready.at[wg],
                 *[(k_ref.at[bi, keys, kv_head, cs], k_smem.at[i, mine]) for i, cs in enumerate(halves)],
                 *[(v_ref.at[bi, keys, kv_head, cs], v_smem.at[i, mine]) for i, cs in enumerate(halves)],
-                *([(ks_ref.at[bi, keys], kseg_smem.at[wg])] if segments else []),
+                *([(ks_ref.at[bi, keys], my_kseg)] if segments else []),
             )
-            my_segments = regs.vector(kseg_smem.at[wg], 0) if segments else None  # one a column of S
+            my_segments = regs.vector(my_kseg, 0) if segments else None  # one a column of S
             cols = halves[wg]
 
             def scores(rows_ref, keys_smem, during):
