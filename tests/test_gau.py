@@ -402,7 +402,10 @@ def test_impl_choices_and_what_the_kernels_refuse(key):
     assert (
         rel_err(model.apply({"params": params}, tokens), blockwise.apply({"params": params}, tokens)) < 1e-5
     )
-    assert tree_rel_err(jax.grad(loss, 1)(model, params), jax.grad(loss, 1)(blockwise, params)) < 1e-5
+    # floor 1e-2: sin_scale's gradient is a sum whose terms mostly cancel (seed 1252119659: 1.9e-3
+    # of the gradient's norm, the two paths 6e-8 apart, 3e-5 of itself: float32 rounding)
+    grads = jax.grad(loss, 1)(model, params), jax.grad(loss, 1)(blockwise, params)
+    assert tree_rel_err(*grads, floor=1e-2) < 1e-5
 
 
 def test_unrolled_flash_stack_computes_the_same_function(key):
