@@ -99,7 +99,7 @@ def select_impl(
             for keys, most, dims, masks in LEADS
         )
         and attention_hopper.is_hopper()
-        and attention_hopper.supported(q, k, segment_ids=segment_ids, backward=True) is None
+        and attention_hopper.supported(q, k, backward=True) is None
     ):
         return "pallas"
     if cudnn_unsupported_reason(q, k, causal=causal, segment_ids=segment_ids) is None:

@@ -587,7 +587,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         pad_q, pad_k = -sq % max(bq, bq_b), -sk % max(bk, bk_b)
     dp = max(16, _pow2(d)) - d
     why_not = {
-        part: attention_hopper.supported(q, k, segment_ids=segment_ids, backward=part == "backward")
+        part: attention_hopper.supported(q, k, backward=part == "backward")
         for part in ("forward", "backward")
     }
     for part, reason in why_not.items():

@@ -128,7 +128,7 @@ def check_dq_split(split: str | None, head_dim: int | None = None, setting: str 
             raise ValueError(f"{setting} {split!r} at head_dim {head_dim}; allowed there: None, {', '.join(allowed)}")
 
 
-def supported(q: Array, k: Array, *, segment_ids=None, backward: bool = False) -> str | None:
+def supported(q: Array, k: Array, *, backward: bool = False) -> str | None:
     """None when the Hopper forward (backward=True: also the backward) can take these inputs,
     else the reason it cannot (segment ids they take: every block masked by segment, none
     skipped for it). The backward takes head_dims up to 128 (each compute warpgroup holds
@@ -550,8 +550,8 @@ def _launch(
     return pl.kernel(entry, out_type=out_type, mesh=mesh, name=name, **common)
 
 
-def _check(q: Array, k: Array, causal: bool, backward: bool = False, segment_ids=None, **blocks) -> None:
-    reason = supported(q, k, segment_ids=segment_ids, backward=backward)
+def _check(q: Array, k: Array, causal: bool, backward: bool = False, **blocks) -> None:
+    reason = supported(q, k, backward=backward)
     if reason:
         raise ValueError(f"the Hopper flash kernels cannot take {reason}")
     if causal and q.shape[1] != k.shape[1]:
@@ -1546,7 +1546,7 @@ def backward(
     and longer CTAs, which at 4K tokens with 32/4 heads are 128 for an H200's 132 SMs (0.78x
     expand's speed there, 0.96x at 64K; docs/notes/attention_kernels.md). expand writes the
     per-head dK and dV (two arrays shaped like q, in its dtype) before the sum."""
-    _check(q, k, causal, backward=True, segment_ids=q_seg)
+    _check(q, k, causal, backward=True)
     wide_dq_stages = WIDE_DQ_STAGES if stages is None else min(stages, WIDE_DQ_STAGES)
     stages = default_stages(q.shape[-1], backward=True) if stages is None else stages
     if fused_dq and q.shape[-1] > MAX_FUSED_HEAD_DIM:
