@@ -412,13 +412,20 @@ def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, head
 
 @pytest.mark.parametrize(
     "schedule, causal, head_dim",
-    [("overlap", True, 64), ("pingpong", True, 64), ("overlap_pingpong", True, 64), ("overlap", False, 256)],
+    [
+        ("overlap", True, 64),
+        ("pingpong", True, 64),
+        ("overlap_pingpong", True, 64),
+        ("overlap", False, 256),
+        ("overlap", True, 256),
+    ],
 )
 def test_hopper_forward_schedules_in_the_mosaic_gpu_interpreter(key, schedule, causal, head_dim):
     """The forward's pipelined and ping-pong schedules keep their barriers in step: 64-key
     blocks, so that under the causal mask the first warpgroup passes over a block the second
-    one sees (and, ping-pong, still meets it there); non-causal at head_dim 256, what the
-    default schedule runs overlapped; against float32 attention."""
+    one sees (and, ping-pong, still meets it there), and the pipelined schedules take the
+    blocks the diagonal crosses after their pipeline; at head_dim 256 what the default
+    schedule runs overlapped, causal or not; against float32 attention."""
     q, k, v, _ = inputs(key, 1, 384, 1, 1, head_dim, jnp.bfloat16)
     out, lse = flash_attention_with_lse(
         q, k, v, causal=causal, forward="hopper", hopper_block_k=64, hopper_schedule=schedule
@@ -432,14 +439,16 @@ def test_hopper_forward_schedules_in_the_mosaic_gpu_interpreter(key, schedule, c
 
 
 def test_hopper_forward_default_schedule_by_shape():
-    """With no schedule asked the forward overlaps where no block is masked (non-causal, no
-    segment ids) at head_dim 128 and 256, and ping-pongs elsewhere: the kernel it lowers to
-    for CUDA is the named schedule's."""
+    """With no schedule asked the forward overlaps at head_dim 256, and at 128 where no block
+    is masked (non-causal, no segment ids); it ping-pongs elsewhere and with segment ids: the
+    kernel it lowers to for CUDA is the named schedule's."""
     assert attention_hopper.default_schedule(False, 128) == "overlap"
     assert attention_hopper.default_schedule(False, 256) == "overlap"
+    assert attention_hopper.default_schedule(True, 256) == "overlap"
     assert attention_hopper.default_schedule(True, 128) == "pingpong"
     assert attention_hopper.default_schedule(False, 64) == "pingpong"
     assert attention_hopper.default_schedule(False, 128, segments=True) == "pingpong"
+    assert attention_hopper.default_schedule(True, 256, segments=True) == "pingpong"
 
     def lowered(causal, d, schedule):
         x = jax.ShapeDtypeStruct((1, 256, 1, d), jnp.bfloat16)
@@ -448,7 +457,7 @@ def test_hopper_forward_default_schedule_by_shape():
         )
         return jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
 
-    for causal, d in ((False, 256), (False, 128), (True, 128)):
+    for causal, d in ((False, 256), (True, 256), (False, 128), (True, 128)):
         default = lowered(causal, d, None)
         assert default == lowered(causal, d, attention_hopper.default_schedule(causal, d))
     assert lowered(False, 128, None) != lowered(False, 128, "pingpong")

@@ -59,6 +59,8 @@ Array = jax.Array
 # H200 on 2026-12-01 with 8 heads: causal 1.02x at 4K, 1.07x at 16K, 1.06x at 64K, 1.09x at
 # batch 8 of 2K, GQA 16/8 at 16K 1.07x; non-causal 1.09-1.10x at 4K-64K (the last row: causal
 # or not, up to one 64K sequence of 8 heads' work; the backward has no float32 dQ buffer there).
+# Since its causal forward is pipelined too (2026-12-02): causal 1.05x at 4K, 1.10x at 16K, 1.08x
+# at 64K.
 # Non-causal at head_dim 128, since the forward pipelines each warpgroup's matmuls and softmax
 # there (attention_hopper.default_schedule), on an H200 on 2026-12-02 with 16 heads: 1.04x at
 # 4K, 1.02-1.03x at 16K, 1.01x at 64K (the fifth row: up to one 64K sequence of 16 heads').

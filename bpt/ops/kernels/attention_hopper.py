@@ -587,11 +587,15 @@ SCHEDULES = ("serial", "pingpong", "overlap", "overlap_pingpong")
 
 
 def default_schedule(causal: bool, head_dim: int, segments: bool = False) -> str:
-    """The forward's schedule where none is asked: "overlap" where no block is masked
-    (non-causal, no segment ids) at head_dim 128 and up, "pingpong" elsewhere. On an H200
-    (docs/notes/attention_kernels.md, 2026-12-02) overlap ran the non-causal forward 3.6-5.2%
-    faster at head_dim 128 and 12% at 256, but 3.7% slower at 64 and 9-11% slower causal."""
-    return "overlap" if not causal and not segments and head_dim >= 128 else "pingpong"
+    """The forward's schedule where none is asked: "overlap" at head_dim 256, and at 128 where
+    no block is masked (non-causal, no segment ids); "pingpong" elsewhere (and with segment
+    ids, under which every block is masked). On an H200 (docs/notes/attention_kernels.md,
+    2026-12-02) overlap ran the forward 3.6-5.2% faster than ping-pong non-causal at head_dim
+    128 and 10-12% at 256, causal or not; causal at 128 1.4-1.9% faster forward, but forward +
+    backward within 1.5% either way; at 64 3.7% slower."""
+    if segments:
+        return "pingpong"
+    return "overlap" if head_dim >= 256 or (head_dim >= 128 and not causal) else "pingpong"
 
 
 def check_schedule(schedule: str | None, setting: str = "schedule") -> None:
@@ -623,15 +627,17 @@ def forward(
     schedule, how a compute warpgroup orders its matmuls and its softmax:
     - "serial": per key block, S = Q K^T, then its softmax, then O += P V, each waited for.
     - "overlap": software-pipelined within the warpgroup: block j's S and block j-1's P V are
-      issued together, and block j's softmax runs while P V is still on the tensor cores.
+      issued together, and block j's softmax runs while P V is still on the tensor cores;
+      under a causal mask the blocks the diagonal crosses run after the pipeline, serially.
     - "pingpong" / "overlap_pingpong": either, with the two compute warpgroups taking turns
       (a two-arrival barrier they meet at twice a block, the second warpgroup one meeting
       behind), so that one's matmuls run while the other computes its softmax.
-    None (the default): default_schedule(), overlap where no block is masked at head_dim 128
-    and up, else pingpong. On an H100 at d=128, causal (docs/notes/attention_kernels.md),
-    pingpong was 5-10% faster than serial; overlap 5% slower (4K) to 2% faster (64K) than
-    serial; overlap_pingpong about 20% slower. On an H200 overlap ran 9-11% behind pingpong
-    causal and 3.6-12% ahead of it non-causal at head_dim 128 and 256.
+    None (the default): default_schedule(), overlap at head_dim 256 and at 128 where no block
+    is masked, else pingpong. On an H100 at d=128, causal (docs/notes/attention_kernels.md),
+    pingpong was 5-10% faster than serial. On an H200 (2026-12-02) overlap ran the forward
+    3.6-5.2% ahead of pingpong non-causal at 128, 9-14% causal at 256, 0-2% causal at 128
+    (forward + backward there within 1.5% either way); overlap_pingpong 4-5% behind pingpong
+    causal at 128.
 
     tile_group: the order in which the CTAs launch (_Grid): runs of up to this many tiles of
     one (batch, head) (None, the default: all of them), so that the CTAs that run at once
@@ -773,25 +779,28 @@ def forward(
             else:
                 steps, clear = _visible_keys(ring, **sweep)
                 # block 0's S and softmax (masked if the diagonal may cross it: masking a block
-                # it does not cross changes nothing), then the pipeline, then the last P V
+                # it does not cross changes nothing), then the pipeline and its last P V
                 segs = arrived(0)
                 s = _scores(my_q, k_smem.at[0], interpret, issued=meet)
                 plgpu.barrier_arrive(k_free.at[0])
                 p, m, denom, _ = softmax(0, s, m0, denom0, masked=causal, segs=segs)
                 meet()
                 carry = (regs.zeros((bq, d)), m, denom, p)
+                # The pipeline runs over the blocks below the diagonal; the blocks it crosses
+                # come after it, one at a time. With them in the pipeline as well the causal
+                # forward ran 9-11% slower at every length (docs/notes/attention_kernels.md,
+                # 2026-12-02, 13:10 UTC).
                 first_masked = jnp.maximum(clear, 1)
                 carry = lax.fori_loop(1, first_masked, functools.partial(pipelined, masked=False), carry)
-                if causal:
-                    carry = lax.fori_loop(
-                        first_masked, steps, functools.partial(pipelined, masked=True), carry
-                    )
                 acc, m, denom, p = carry
-                last = ring.slot(steps - 1)
+                last = ring.slot(first_masked - 1)
                 plgpu.barrier_wait(v_ready.at[last])
                 acc = _accumulate(acc, p, v_smem.at[last], interpret)
                 plgpu.barrier_arrive(v_free.at[last])
-                if causal:  # meetings first: the partner's may come before these blocks arrive
+                if causal:
+                    masked = functools.partial(serial, masked=True)
+                    acc, m, denom = lax.fori_loop(first_masked, steps, masked, (acc, m, denom))
+                    # meetings first: the partner's may come before these blocks arrive
                     ring.skip(steps, ring.steps, each=meet_twice)
             if wg == 0:
                 meet()
