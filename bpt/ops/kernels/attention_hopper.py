@@ -734,8 +734,9 @@ def forward(
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m, denom
 
-            def pipelined(j, carry, masked: bool):
-                """Block j's S with block j-1's P V in flight; the softmax of j overlaps P V."""
+            def pipelined(j, carry):
+                """Block j's S with block j-1's P V in flight; the softmax of j overlaps P V.
+                Block j is one the diagonal does not cross (its segment ids still apply)."""
                 acc, m, denom, p_prev = carry
                 slot, prev = ring.slot(j), ring.slot(j - 1)
                 segs = arrived(slot)
@@ -743,7 +744,7 @@ def forward(
                 if interpret:  # the same order of barriers, with plain dots
                     s = _scores(my_q, k_smem.at[slot], interpret, issued=meet)
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, m, denom, alpha = softmax(j, s, m, denom, masked, segs)
+                    p, m, denom, alpha = softmax(j, s, m, denom, False, segs)
                     meet()
                     acc = _accumulate(acc, p_prev, v_smem.at[prev], interpret)
                 else:
@@ -755,7 +756,7 @@ def forward(
                         meet()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S done, P V may run on
                         plgpu.barrier_arrive(k_free.at[slot])
-                        out = softmax(j, s, m, denom, masked, segs)
+                        out = softmax(j, s, m, denom, False, segs)
                         meet()
                         return (o_ref[...], *out)
 
@@ -791,7 +792,7 @@ def forward(
                 # forward ran 9-11% slower at every length (docs/notes/attention_kernels.md,
                 # 2026-12-02, 13:10 UTC).
                 first_masked = jnp.maximum(clear, 1)
-                carry = lax.fori_loop(1, first_masked, functools.partial(pipelined, masked=False), carry)
+                carry = lax.fori_loop(1, first_masked, pipelined, carry)
                 acc, m, denom, p = carry
                 last = ring.slot(first_masked - 1)
                 plgpu.barrier_wait(v_ready.at[last])
