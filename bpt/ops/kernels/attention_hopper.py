@@ -590,9 +590,9 @@ def default_schedule(causal: bool, head_dim: int, segments: bool = False) -> str
     """The forward's schedule where none is asked: "overlap" at head_dim 256, and at 128 where
     no block is masked (non-causal, no segment ids); "pingpong" elsewhere (and with segment
     ids, under which every block is masked). On an H200 (docs/notes/attention_kernels.md,
-    2026-12-02) overlap ran the forward 3.6-5.2% faster than ping-pong non-causal at head_dim
-    128 and 10-12% at 256, causal or not; causal at 128 1.4-1.9% faster forward, but forward +
-    backward within 1.5% either way; at 64 3.7% slower."""
+    2026-12-02) overlap ran the forward faster than ping-pong: non-causal 3.6-5.2% at head_dim
+    128 and 12% at 256, causal 9-14% at 256 and 0-2% at 128 (forward + backward there within
+    1.5% either way, so ping-pong stays); at 64 non-causal 3.7% slower."""
     if segments:
         return "pingpong"
     return "overlap" if head_dim >= 256 or (head_dim >= 128 and not causal) else "pingpong"
@@ -636,8 +636,8 @@ def forward(
     is masked, else pingpong. On an H100 at d=128, causal (docs/notes/attention_kernels.md),
     pingpong was 5-10% faster than serial. On an H200 (2026-12-02) overlap ran the forward
     3.6-5.2% ahead of pingpong non-causal at 128, 9-14% causal at 256, 0-2% causal at 128
-    (forward + backward there within 1.5% either way); overlap_pingpong 4-5% behind pingpong
-    causal at 128.
+    (forward + backward there within 1.5% either way); overlap_pingpong 3.6-5% behind
+    pingpong causal at 128.
 
     tile_group: the order in which the CTAs launch (_Grid): runs of up to this many tiles of
     one (batch, head) (None, the default: all of them), so that the CTAs that run at once
