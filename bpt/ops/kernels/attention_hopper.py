@@ -422,14 +422,24 @@ def _visible_keys(ring: _Ring, *, row0, bq: int, bk: int, causal: bool):
     return pl.cdiv(row0 + bq, bk), row0 // bk
 
 
-def _sweep_keys(step, carry, ring: _Ring, *, row0, bq: int, bk: int, causal: bool, skipped=lambda: None):
+def _sweep_keys(
+    step, carry, ring: _Ring, *, row0, bq: int, bk: int, causal: bool, skipped=lambda: None, unmasked=None
+):
     """Runs step(j, carry, masked) over the key blocks that rows [row0, row0 + bq) see: blocks
     below the diagonal unmasked, those it crosses masked; passes over the rest of the ring
-    (blocks loaded for the other warpgroup), running skipped() at each."""
+    (blocks loaded for the other warpgroup), running skipped() at each.
+
+    unmasked(clear, carry) -> (carry, next), if given, runs the blocks from 0 below the
+    diagonal (`clear` of them) its own way (the forward's pipeline) in place of step; step
+    takes the blocks from `next` on."""
     steps, clear = _visible_keys(ring, row0=row0, bq=bq, bk=bk, causal=causal)
-    carry = lax.fori_loop(0, clear, functools.partial(step, masked=False), carry)
+    if unmasked is None:
+        carry = lax.fori_loop(0, clear, functools.partial(step, masked=False), carry)
+        start = clear
+    else:
+        carry, start = unmasked(clear, carry)
     if causal:
-        carry = lax.fori_loop(clear, steps, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(start, steps, functools.partial(step, masked=True), carry)
         ring.skip(steps, ring.steps, each=skipped)
     return carry
 
@@ -770,39 +780,32 @@ def forward(
                 meet()
                 meet()
 
-            m0, denom0 = regs.zeros((bq,), -jnp.inf), regs.zeros((bq,))
-            sweep = dict(row0=row0, bq=bq, bk=bk, causal=causal)
-            if wg == 1:  # the second warpgroup runs one meeting behind
-                meet()
-            if not overlap:
-                carry = (regs.zeros((bq, d)), m0, denom0)
-                acc, m, denom = _sweep_keys(serial, carry, ring, skipped=meet_twice, **sweep)
-            else:
-                steps, clear = _visible_keys(ring, **sweep)
-                # block 0's S and softmax (masked if the diagonal may cross it: masking a block
-                # it does not cross changes nothing), then the pipeline and its last P V
+            def overlapped(clear, carry):
+                """Block 0's S and softmax (masked if the diagonal may cross it: masking a block
+                it does not cross changes nothing), then the pipeline over the blocks below the
+                diagonal and its last P V; the blocks the diagonal crosses are left to the
+                serial step. With them in the pipeline as well the causal forward ran 9-11%
+                slower at every length (docs/notes/attention_kernels.md, 2026-12-02, 13:10 UTC)."""
+                acc, m, denom = carry
                 segs = arrived(0)
                 s = _scores(my_q, k_smem.at[0], interpret, issued=meet)
                 plgpu.barrier_arrive(k_free.at[0])
-                p, m, denom, _ = softmax(0, s, m0, denom0, masked=causal, segs=segs)
+                p, m, denom, _ = softmax(0, s, m, denom, masked=causal, segs=segs)
                 meet()
-                carry = (regs.zeros((bq, d)), m, denom, p)
-                # The pipeline runs over the blocks below the diagonal; the blocks it crosses
-                # come after it, one at a time. With them in the pipeline as well the causal
-                # forward ran 9-11% slower at every length (docs/notes/attention_kernels.md,
-                # 2026-12-02, 13:10 UTC).
-                first_masked = jnp.maximum(clear, 1)
-                carry = lax.fori_loop(1, first_masked, pipelined, carry)
-                acc, m, denom, p = carry
-                last = ring.slot(first_masked - 1)
+                end = jnp.maximum(clear, 1)
+                acc, m, denom, p = lax.fori_loop(1, end, pipelined, (acc, m, denom, p))
+                last = ring.slot(end - 1)
                 plgpu.barrier_wait(v_ready.at[last])
                 acc = _accumulate(acc, p, v_smem.at[last], interpret)
                 plgpu.barrier_arrive(v_free.at[last])
-                if causal:
-                    masked = functools.partial(serial, masked=True)
-                    acc, m, denom = lax.fori_loop(first_masked, steps, masked, (acc, m, denom))
-                    # meetings first: the partner's may come before these blocks arrive
-                    ring.skip(steps, ring.steps, each=meet_twice)
+                return (acc, m, denom), end
+
+            sweep = dict(row0=row0, bq=bq, bk=bk, causal=causal, skipped=meet_twice)
+            if wg == 1:  # the second warpgroup runs one meeting behind
+                meet()
+            carry = (regs.zeros((bq, d)), regs.zeros((bq,), -jnp.inf), regs.zeros((bq,)))
+            unmasked = overlapped if overlap else None
+            acc, m, denom = _sweep_keys(serial, carry, ring, unmasked=unmasked, **sweep)
             if wg == 0:
                 meet()
             if segments:  # a row that saw no key: 0, and a logsumexp of +inf
