@@ -150,8 +150,9 @@ def prepare(
 ) -> tuple[dict, list, tuple]:
     """(the row's description, [(name, jitted function, its FLOPs)], inputs) of one
     implementation at one shape. kv_heads: the keys' and values' heads (GQA; default: heads).
-    segments: that many packed documents a sequence (segment ids; the FLOPs still count the
-    whole causal square)."""
+    segments: that many packed documents a sequence (segment ids; the FLOPs count only each
+    document's own square, or triangle causal: the work a kernel that skips the blocks
+    between documents still has to do)."""
     kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seq + head_dim), 4)
     shape, kv_shape = (batch, seq, heads, head_dim), (batch, seq, kv_heads or heads, head_dim)
     q, do = jax.random.normal(kq, shape, dtype), jax.random.normal(kd, shape, dtype)
@@ -164,6 +165,9 @@ def prepare(
         return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 
     flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+    if segments > 1:  # the documents' own squares: sum over documents of length^2
+        pairs = jnp.sum(jax.nn.one_hot(kw["segment_ids"], segments, dtype=jnp.float32).sum(1) ** 2)
+        flops = 4 * heads * float(pairs) * head_dim / (2 if causal else 1)
     row = dict(impl=impl, seq=seq, heads=heads, head_dim=head_dim, causal=causal, batch=batch)
     row |= {name: value for name, value in kw.items() if name != "segment_ids"}
     if segments > 1:

@@ -333,6 +333,10 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
         "bpt-triton", seq=128, heads=2, head_dim=16, causal=True, batch=1, dtype=jnp.float32, segments=2
     )
     assert packed["segments"] == 2 and "fwd_bwd_tflops" in packed and "segment_ids" not in packed
+    # the FLOPs are the documents' own causal triangles (1 ms a call here), not the whole one
+    lengths = jnp.bincount(bench.packed_segments(1, 128, 2)[0], length=2)
+    flops = 4 * 2 * float(jnp.sum(lengths.astype(jnp.float32) ** 2)) * 16 / 2
+    assert packed["fwd_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
     rows = [
         packed | {"shape": "docs"},
         dict(packed, impl="bpt-pallas-hopper", shape="docs", fwd_bwd_tflops=3.0),

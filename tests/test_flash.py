@@ -318,6 +318,58 @@ def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
 
+def _visible_blocks(row_seg, col_seg, rows, cols, causal, rows_are_keys):
+    """[b, row blocks, column blocks]: where a block pair holds a row and a column of one
+    segment (causal: the key at or before the query), element by element."""
+    n, m = row_seg.shape[1], col_seg.shape[1]
+    same = row_seg[:, :, None] == col_seg[:, None, :]
+    if causal:
+        i, j = np.arange(n)[:, None], np.arange(m)[None, :]
+        same &= (i <= j) if rows_are_keys else (j <= i)
+    return same.reshape(-1, n // rows, rows, m // cols, cols).any(axis=(2, 4))
+
+
+def test_segment_spans_cover_every_block_a_row_block_sees_and_no_more_for_packed_documents():
+    """attention_hopper.segment_spans, what the Hopper kernels stream per tile with segment
+    ids: against every (row, column) pair, the span holds every column block that shares a
+    segment with the row block (under the causal mask, either side the keys), at least
+    min_blocks; for packed documents (sorted ids, self-attention) nothing more; where the ids
+    are not sorted, every block the causal mask leaves."""
+    rng = np.random.default_rng(0)
+    checked = tight = 0
+    for trial in range(60):
+        n, rows, cols = 256, int(rng.choice([64, 128])), int(rng.choice([32, 64, 128]))
+        cuts = np.sort(rng.choice(np.arange(1, n), int(rng.integers(0, 12)), replace=False))
+        ids = np.searchsorted(cuts, np.arange(n), side="right").astype(np.int32)
+        row_seg = np.stack([ids, rng.permutation(ids) if trial % 3 == 0 else ids])  # row 1 unsorted
+        cross = trial % 4 == 1  # the columns' ids shifted: rows whose segment no column has
+        col_seg = np.sort(np.clip(row_seg + rng.integers(-1, 2), 0, None), axis=1) if cross else row_seg
+        col_seg = col_seg.astype(np.int32)
+        causal, keys_first = bool(trial % 2), trial % 5 == 0
+        least = 2 if keys_first else 1
+        spans = attention_hopper.segment_spans(
+            jnp.asarray(row_seg), jnp.asarray(col_seg), rows=rows, cols=cols, causal=causal,
+            rows_are_keys=keys_first, min_blocks=least,
+        )
+        spans = np.asarray(spans)
+        seen = _visible_blocks(row_seg, col_seg, rows, cols, causal, keys_first)
+        assert spans.shape == (2, n // rows, 2) and spans.dtype == np.int32
+        for b in range(2):
+            in_order = (np.diff(row_seg[b]) >= 0).all() and (np.diff(col_seg[b]) >= 0).all()
+            for r, (first, stop) in enumerate(spans[b]):
+                assert 0 <= first and first + least <= stop <= n // cols
+                blocks = np.nonzero(seen[b, r])[0]
+                if len(blocks):
+                    checked += 1
+                    assert first <= blocks.min() and blocks.max() < stop
+                    if in_order and not cross:
+                        tight += 1
+                        assert stop - first == max(least, blocks.max() - blocks.min() + 1)
+                if not in_order and not causal:
+                    assert (first, stop) == (0, n // cols)
+    assert checked > 300 and tight > 150
+
+
 def test_head_dim_256_runs_the_hopper_kernels(key, monkeypatch):
     """At head_dim 256 the Hopper forward takes key blocks of 64 (two 128-key blocks of keys
     and values beside the query tile overflow shared memory: the CUDA lowering, checked here
@@ -724,19 +776,24 @@ def test_head_dim_256_on_gpu(key, causal, segments):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
 @pytest.mark.parametrize(
-    "head_dim, causal, kv_heads, schedule",
+    "head_dim, causal, kv_heads, schedule, docs",
     [
-        (128, True, 2, "pingpong"),
-        (128, True, 2, "overlap"),
-        (128, False, 8, "pingpong"),
-        (64, True, 1, "pingpong"),
+        (128, True, 2, "pingpong", 5),
+        (128, True, 2, "overlap", 5),
+        (128, False, 8, "pingpong", 5),
+        (64, True, 1, "pingpong", 5),
+        (128, True, 2, "pingpong", 40),  # documents shorter than a tile: most blocks skipped
+        (128, False, 2, "overlap", -5),  # the ids shuffled (not sorted): no block skipped
     ],
 )
-def test_hopper_kernels_take_segment_ids_on_gpu(key, head_dim, causal, kv_heads, schedule):
+def test_hopper_kernels_take_segment_ids_on_gpu(key, head_dim, causal, kv_heads, schedule, docs):
     """Packed documents in the wgmma/TMA kernels at real sizes: forward under two schedules,
-    the fused backward and the two-pass one."""
+    the fused backward and the two-pass one; with segment ids in any order (docs < 0) as well,
+    where the kernels cannot skip the blocks between documents."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, jnp.bfloat16)
-    seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=5)
+    seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=abs(docs))
+    if docs < 0:
+        seg = jax.random.permutation(jax.random.fold_in(key, 2), seg, axis=1, independent=True)
     hopper = dict(forward="hopper", backward="hopper", hopper_schedule=schedule)
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 

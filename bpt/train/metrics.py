@@ -4,7 +4,9 @@ Model FLOPs count the matrix multiplications a forward and backward pass need (t
 the forward's), never what rematerialization recomputes: 6 * N_matmul per token for the
 dense layers and the LM head, plus 6 * layers * heads * head_dim * seq for causal
 attention (12 * ... without the causal mask, halved because a query sees half the keys on
-average).
+average). With packed documents (data.segment_ids) that is still the whole window's
+attention, though each query sees only its document (and bpt's Hopper kernels skip the
+rest): MFU then overstates the work, and tokens/s is what compares.
 """
 
 from __future__ import annotations

@@ -30,8 +30,11 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   releases the slots it skips, so the ring keeps turning (the fused backward's warpgroups
   take the same blocks, the partner's first one fully masked, since dQ needs both halves).
 - segment ids (packed documents): each block's other side brings its segment ids through
-  the ring (the keys' in the forward and dQ, the queries' in dK/dV), and every block is
-  masked by them; none is skipped for its segments.
+  the ring (the keys' in the forward and dQ, the queries' in dK/dV), and every block it
+  streams is masked by them. Where the ids are sorted along the sequence (packed documents)
+  a tile streams only the span of blocks that hold its documents (segment_spans, computed
+  by XLA before the kernel and read by each CTA): the blocks between documents are skipped,
+  so that the work follows the documents' own squares, not the window's.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
 multiple of 64 up to 256 for the forward (above 128 in key blocks of 64) and up to 128, or
@@ -130,8 +133,8 @@ def check_dq_split(split: str | None, head_dim: int | None = None, setting: str 
 
 def supported(q: Array, k: Array, *, backward: bool = False) -> str | None:
     """None when the Hopper forward (backward=True: also the backward) can take these inputs,
-    else the reason it cannot (segment ids they take: every block masked by segment, none
-    skipped for it). The backward takes head_dims up to 128 (each compute warpgroup holds
+    else the reason it cannot (segment ids they take: each block masked by segment, those
+    outside a tile's documents skipped). The backward takes head_dims up to 128 (each compute warpgroup holds
     its keys' dK and dV in float32 registers) and 256, where those would be 2 x 64 x 256 / 128
     = 256 a thread, more than a thread has (REGISTERS), and the warpgroups split the columns
     instead (_dkdv_wide), half a head each: 192's halves would be 96 columns, not whole
@@ -288,19 +291,21 @@ def _cols(x: Array, shape) -> Array:
 
 
 class _Ring:
-    """`stages` shared-memory slots that the memory warpgroup fills, one step at a time, and
-    the compute warpgroups release.
+    """`stages` shared-memory slots that the memory warpgroup fills, one step at a time (steps
+    start to steps - 1), and the compute warpgroups release.
 
     groups: [(free barrier, [(smem [stages, ...], ready barrier, src)...])], where src(j) is
     the HBM ref of step j. A slot of a group is refilled once both compute warpgroups have
     arrived on its free barrier; each buffer signals its own ready barrier.
     """
 
-    def __init__(self, groups, stages: int, steps, eager: bool = False):
+    def __init__(self, groups, stages: int, steps, eager: bool = False, start=0):
         self.groups, self.stages, self.steps, self.eager = groups, stages, steps, eager
+        self.start = start  # the first step (segment spans: a traced scalar; else 0)
+        self.bounded = not isinstance(start, int)  # its steps come from segment spans
 
     def slot(self, j):
-        return lax.rem(j, self.stages)
+        return j % self.stages if isinstance(j, int) else lax.rem(j, self.stages)
 
     def produce(self, released=None):
         """The memory warpgroup's loop. released(j), if given, runs once both compute
@@ -322,16 +327,17 @@ class _Ring:
                 for smem, ready, src in buffers:
                     plgpu.copy_gmem_to_smem(src(j), smem.at[slot], ready.at[slot])
 
-        for j in range(self.stages):  # fill the ring
-            pl.when(j < self.steps)(functools.partial(load, j, j, False))
+        for i in range(self.stages):  # fill the ring
+            j = self.start + i
+            pl.when(j < self.steps)(functools.partial(load, j, self.slot(j), False))
 
-        @pl.loop(self.stages, self.steps)
+        @pl.loop(self.start + self.stages, self.steps)
         def _stream(j):
             load(j, self.slot(j), True)  # step j - stages has been released
             if released is not None:
                 released(j - self.stages)
 
-        @pl.loop(jnp.maximum(self.steps - self.stages, 0), self.steps)
+        @pl.loop(jnp.maximum(self.steps - self.stages, self.start), self.steps)
         def _drain(j):  # see the last slots released, so every barrier phase is observed
             for free, _ in self.groups:
                 plgpu.barrier_wait(free.at[self.slot(j)])
@@ -385,12 +391,25 @@ class _KeyStream:
         return ring
 
     def open(
-        self, k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, *seg_scratch, seg_ref=None
+        self,
+        k_ref,
+        v_ref,
+        k_smem,
+        v_smem,
+        k_ready,
+        v_ready,
+        k_free,
+        v_free,
+        *seg_scratch,
+        seg_ref=None,
+        spans_ref=None,
     ):
         """(tile, batch, head, warpgroup, ring, key segments) of this CTA. With segments
         (seg_scratch: the smem and ready barriers scratch() added; seg_ref: the keys' segment
         ids [b, sk]), key_segments(slot, regs) waits for the slot's segment ids and loads
-        them, one per column of a [queries, keys] block; else it is None."""
+        them, one per column of a [queries, keys] block; else it is None. spans_ref
+        (segment_spans of the query tiles over the key blocks): the ring streams only the
+        tile's span."""
         tile, head, bi = self.grid.here()
         tile = self.grid.tiles - 1 - tile if self.causal else tile
         wg = lax.axis_index("wg")
@@ -399,7 +418,9 @@ class _KeyStream:
         def rows(ref):
             return lambda j: ref.at[bi, pl.ds(j * bk, bk), head // self.group]
 
-        steps = pl.cdiv((tile + 1) * TILE, bk) if self.causal else self.num_k
+        start, steps = 0, (pl.cdiv((tile + 1) * TILE, bk) if self.causal else self.num_k)
+        if spans_ref is not None:
+            start, steps = spans_ref[bi, tile, 0], spans_ref[bi, tile, 1]
         keys = [(k_smem, k_ready, rows(k_ref))]
         key_segments = None
         if self.segments:
@@ -411,15 +432,20 @@ class _KeyStream:
                 return regs.vector(seg_smem.at[slot], 0)
 
         groups = [(k_free, keys), (v_free, [(v_smem, v_ready, rows(v_ref))])]
-        return tile, bi, head, wg, _Ring(groups, self.stages, steps, self.eager), key_segments
+        ring = _Ring(groups, self.stages, steps, self.eager, start=start)
+        return tile, bi, head, wg, ring, key_segments
 
 
 def _visible_keys(ring: _Ring, *, row0, bq: int, bk: int, causal: bool):
-    """(steps, clear): rows [row0, row0 + bq) see the ring's first `steps` key blocks, the
-    first `clear` of them wholly (unmasked)."""
+    """(steps, clear): rows [row0, row0 + bq) see the ring's key blocks from its start to
+    `steps` - 1, those before `clear` wholly (no causal mask)."""
     if not causal:
         return ring.steps, ring.steps
-    return pl.cdiv(row0 + bq, bk), row0 // bk
+    steps, clear = pl.cdiv(row0 + bq, bk), row0 // bk
+    if ring.bounded:  # the ring's span may start after the rows' first blocks, or stop before their last
+        steps = jnp.minimum(jnp.maximum(steps, ring.start), ring.steps)
+        clear = jnp.minimum(jnp.maximum(clear, ring.start), steps)
+    return steps, clear
 
 
 def _sweep_keys(
@@ -429,15 +455,17 @@ def _sweep_keys(
     below the diagonal unmasked, those it crosses masked; passes over the rest of the ring
     (blocks loaded for the other warpgroup), running skipped() at each.
 
-    unmasked(clear, carry) -> (carry, next), if given, runs the blocks from 0 below the
-    diagonal (`clear` of them) its own way (the forward's pipeline) in place of step; step
-    takes the blocks from `next` on."""
+    unmasked(clear, carry) -> (carry, next), if given, runs the blocks from the ring's start
+    below the diagonal (up to `clear`; at least the first block, masked) its own way (the
+    forward's pipeline) in place of step; step takes the blocks from `next` on."""
     steps, clear = _visible_keys(ring, row0=row0, bq=bq, bk=bk, causal=causal)
     if unmasked is None:
-        carry = lax.fori_loop(0, clear, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(ring.start, clear, functools.partial(step, masked=False), carry)
         start = clear
     else:
         carry, start = unmasked(clear, carry)
+        if ring.bounded:  # rows that see none of the span still took its first block
+            steps = jnp.maximum(steps, start)
     if causal:
         carry = lax.fori_loop(start, steps, functools.partial(step, masked=True), carry)
         ring.skip(steps, ring.steps, each=skipped)
@@ -590,6 +618,52 @@ def _check_segments(q: Array, k: Array, q_seg, kv_seg) -> bool:
     return True
 
 
+def segment_spans(
+    row_seg: Array,
+    col_seg: Array,
+    *,
+    rows: int,
+    cols: int,
+    causal: bool,
+    rows_are_keys: bool = False,
+    min_blocks: int = 1,
+) -> Array:
+    """[b, row blocks, 2] int32: for each block of `rows` rows, the first and the stop block of
+    the `cols`-column blocks that a kernel streams for it: every column block holding a
+    column of the same segment as one of its rows (where both rows of ids are sorted, as
+    packed documents are; all blocks where either is not), within the causal mask (columns
+    up to the block's last row, or, rows_are_keys, from its first), and at least min_blocks
+    (blocks added where fewer are seen are wholly masked). Blocks outside a span would be
+    all masked: the kernels skip them."""
+    n_rows, n_cols = row_seg.shape[1] // rows, col_seg.shape[1] // cols
+    def ascending(ids):
+        return jnp.all(ids[:, 1:] >= ids[:, :-1], axis=1)
+
+    in_order = ascending(row_seg) & ascending(col_seg)
+    # each row block's least and greatest id, where sorted
+    low, high = row_seg[:, ::rows], row_seg[:, rows - 1 :: rows]
+    first = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(col_seg, low) // cols
+    stop = -(-jax.vmap(functools.partial(jnp.searchsorted, side="right"))(col_seg, high) // cols)
+    first = jnp.where(in_order[:, None], first, 0)
+    stop = jnp.where(in_order[:, None], stop, n_cols)
+    if causal:
+        block = jnp.arange(n_rows)
+        if rows_are_keys:
+            first = jnp.maximum(first, block * rows // cols)
+        else:
+            stop = jnp.minimum(stop, -(-(block + 1) * rows // cols))
+    first = jnp.minimum(first, n_cols - min_blocks)
+    stop = jnp.maximum(stop, first + min_blocks)
+    return jnp.stack([first, stop], axis=-1).astype(jnp.int32)
+
+
+def key_spans(q_seg: Array, kv_seg: Array, keys: int, causal: bool) -> Array:
+    """The dK/dV passes' segment_spans: per tile of `keys` keys, its span of query blocks (at
+    least two: the fused backward's warpgroups each take a step of dQ, DQ_SPLITS' "steps")."""
+    bq = TILE // COMPUTE_WGS
+    return segment_spans(kv_seg, q_seg, rows=keys, cols=bq, causal=causal, rows_are_keys=True, min_blocks=2)
+
+
 # --- forward ---------------------------------------------------------------------------------
 
 
@@ -599,7 +673,7 @@ SCHEDULES = ("serial", "pingpong", "overlap", "overlap_pingpong")
 def default_schedule(causal: bool, head_dim: int, segments: bool = False) -> str:
     """The forward's schedule where none is asked: "overlap" at head_dim 256, and at 128 where
     no block is masked (non-causal, no segment ids); "pingpong" elsewhere (and with segment
-    ids, under which every block is masked). On an H200 (docs/notes/attention_kernels.md,
+    ids, under which every block streamed is masked). On an H200 (docs/notes/attention_kernels.md,
     2026-12-02) overlap ran the forward faster than ping-pong: non-causal 3.6-5.2% at head_dim
     128 and 12% at 256, causal 9-14% at 256 and 0-2% at 128 (forward + backward there within
     1.5% either way, so ping-pong stays); at 64 non-causal 3.7% slower."""
@@ -631,8 +705,9 @@ def forward(
     """(out [b, s, h, d], logsumexp [b, h, s] float32); see supported() for what it takes.
 
     q_seg, kv_seg: segment ids ([b, sq], [b, sk] int32), or None: a query sees only the keys
-    of its segment (every block is then masked; none is skipped for its segments). A row
-    that sees no key gets 0 and a logsumexp of +inf, as the Triton kernels' do.
+    of its segment (every block streamed is then masked; where the ids are sorted, the
+    blocks outside the tile's documents are skipped: segment_spans). A row that sees no key
+    gets 0 and a logsumexp of +inf, as the Triton kernels' do.
 
     schedule, how a compute warpgroup orders its matmuls and its softmax:
     - "serial": per key block, S = Q K^T, then its softmax, then O += P V, each waited for.
@@ -675,14 +750,17 @@ def forward(
     c = scale * LOG2E
     grid = _Grid(num_tiles, h, b, tile_group)
     keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, eager=overlap, segments=segments)
+    spans = segment_spans(q_seg, kv_seg, rows=TILE, cols=bk, causal=causal) if segments else None
 
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
-        qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if segments else (None, None)
+        qs_ref, ks_ref, spans_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if segments else (None,) * 3
         o_ref, lse_ref, q_smem, lse_smem, q_ready, turn, *scratch = refs
         qseg_smem = scratch.pop(0) if segments else None
         k_smem, v_smem, k_ready, v_ready, k_free, v_free = (ring_scratch := scratch)[:6]
-        tile, bi, head, wg, ring, key_segments = keys.open(k_ref, v_ref, *ring_scratch, seg_ref=ks_ref)
+        tile, bi, head, wg, ring, key_segments = keys.open(
+            k_ref, v_ref, *ring_scratch, seg_ref=ks_ref, spans_ref=spans_ref
+        )
 
         turn = turn.at[0]
 
@@ -787,13 +865,14 @@ def forward(
                 serial step. With them in the pipeline as well the causal forward ran 9-11%
                 slower at every length (docs/notes/attention_kernels.md, 2026-12-02, 13:10 UTC)."""
                 acc, m, denom = carry
-                segs = arrived(0)
-                s = _scores(my_q, k_smem.at[0], interpret, issued=meet)
-                plgpu.barrier_arrive(k_free.at[0])
-                p, m, denom, _ = softmax(0, s, m, denom, masked=causal, segs=segs)
+                first = ring.slot(ring.start)
+                segs = arrived(first)
+                s = _scores(my_q, k_smem.at[first], interpret, issued=meet)
+                plgpu.barrier_arrive(k_free.at[first])
+                p, m, denom, _ = softmax(ring.start, s, m, denom, masked=causal, segs=segs)
                 meet()
-                end = jnp.maximum(clear, 1)
-                acc, m, denom, p = lax.fori_loop(1, end, pipelined, (acc, m, denom, p))
+                end = jnp.maximum(clear, ring.start + 1)
+                acc, m, denom, p = lax.fori_loop(ring.start + 1, end, pipelined, (acc, m, denom, p))
                 last = ring.slot(end - 1)
                 plgpu.barrier_wait(v_ready.at[last])
                 acc = _accumulate(acc, p, v_smem.at[last], interpret)
@@ -838,7 +917,7 @@ def forward(
         grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_fwd",
-    )(q, k, v, *((q_seg, kv_seg) if segments else ()))
+    )(q, k, v, *((q_seg, kv_seg, spans) if segments else ()))
 
 
 # --- backward --------------------------------------------------------------------------------
@@ -872,14 +951,17 @@ def _dq(
     grid = _Grid(num_tiles, h, b, tile_group)
     segments = q_seg is not None
     keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, segments=segments)
+    spans = segment_spans(q_seg, kv_seg, rows=TILE, cols=bk, causal=causal) if segments else None
 
     def body(*refs):
         q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
-        qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if segments else (None, None)
+        qs_ref, ks_ref, spans_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if segments else (None,) * 3
         dq_ref, q_smem, do_smem, lse_smem, delta_smem, rows_ready, *scratch = refs
         qseg_smem = scratch.pop(0) if segments else None
         k_smem, v_smem, k_ready, v_ready, k_free, v_free = (ring_scratch := scratch)[:6]
-        tile, bi, head, wg, ring, key_segments = keys.open(k_ref, v_ref, *ring_scratch, seg_ref=ks_ref)
+        tile, bi, head, wg, ring, key_segments = keys.open(
+            k_ref, v_ref, *ring_scratch, seg_ref=ks_ref, spans_ref=spans_ref
+        )
 
         def _compute(wg):
             plgpu.set_max_registers(REGISTERS[0], action="increase")
@@ -944,7 +1026,7 @@ def _dq(
         grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_dq",
-    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if segments else ()))
+    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg, spans) if segments else ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1003,17 +1085,23 @@ class _QueryStream:
         free,
         *seg_scratch,
         seg_ref=None,
+        spans_ref=None,
     ):
-        """(tile, batch, kv head, warpgroup, ring, first, per_head) of this CTA: step j of the
-        ring holds query block first + j % per_head of the group's query head j // per_head.
-        With segments (seg_scratch: the smem and ready barriers scratch() added; seg_ref: the
-        queries' segment ids [b, sq]) the step's query segment ids come too, in the smem
-        seg_scratch[0] on the barriers seg_scratch[1]."""
+        """(tile, batch, kv head, warpgroup, ring, (first, stop, per_head)) of this CTA: the
+        query blocks first to stop - 1 see the tile, and step j of the ring holds query block
+        first + j % per_head of the group's query head j // per_head. With segments
+        (seg_scratch: the smem and ready barriers scratch() added; seg_ref: the queries'
+        segment ids [b, sq]) the step's query segment ids come too, in the smem
+        seg_scratch[0] on the barriers seg_scratch[1]; spans_ref (segment_spans of the key
+        tiles over the query blocks) gives first and stop (traced; else stop is num_q)."""
         q_ref, do_ref, lse2_ref, delta_ref = refs
         tile, kv_head, bi = self.grid.here()
         wg = lax.axis_index("wg")
         first = tile * self.keys // self.bq if self.causal else 0  # the first query block that sees the tile
-        per_head = self.num_q - first
+        stop = self.num_q
+        if spans_ref is not None:
+            first, stop = spans_ref[bi, tile, 0], spans_ref[bi, tile, 1]
+        per_head = stop - first
 
         head_rows = functools.partial(self.head_rows, kv_head, first, per_head)
 
@@ -1032,9 +1120,9 @@ class _QueryStream:
         if self.segments:
             buffers.append((*seg_scratch, lambda j: seg_ref.at[bi, head_rows(j)[1]]))
         ring = _Ring([(free, buffers)], self.stages, self.group * per_head)
-        return tile, bi, kv_head, wg, ring, first, per_head
+        return tile, bi, kv_head, wg, ring, (first, stop, per_head)
 
-    def open_scratch(self, refs, scratch, seg_ref=None):
+    def open_scratch(self, refs, scratch, seg_ref=None, spans_ref=None):
         """open() on scratch()'s refs as they come: (open()'s tuple, the ring's refs (Q, dO,
         logsumexp and delta smem, their ready barriers, the free barriers), the segment ids'
         (the whole int32 buffer, the ring's part of it, its ready barriers), all None without
@@ -1046,7 +1134,7 @@ class _QueryStream:
             return self.open(refs, *ring, seg_ref=seg_ref), ring, (None, None, None)
         seg_smem, seg_ready = seg
         ring_seg = seg_smem.at[pl.ds(0, self.stages)]
-        opened = self.open(refs, *ring, ring_seg, seg_ready, seg_ref=seg_ref)
+        opened = self.open(refs, *ring, ring_seg, seg_ready, seg_ref=seg_ref, spans_ref=spans_ref)
         return opened, ring, (seg_smem, ring_seg, seg_ready)
 
     def head_rows(self, kv_head, first, per_head, j):
@@ -1133,7 +1221,7 @@ def _dkdv(
             refs[: -len(scratch)],
             refs[-len(scratch) :],
         )
-        qs_ref, ks_ref = (outs.pop(0), outs.pop(0)) if segments else (None, None)
+        qs_ref, ks_ref, spans_ref = (outs.pop(0), outs.pop(0), outs.pop(0)) if segments else (None,) * 3
         dq_ref = None
         if dq_acc is not None:  # mutable arrays come before the outputs
             dq_ref, *outs = outs
@@ -1147,9 +1235,9 @@ def _dkdv(
         if with_dq:
             *ring_scratch, ds_smem, dq_smem, dq_full, dq_empty = ring_scratch
         opened, ring_refs, (seg_smem, qseg_smem, qseg_ready) = queries.open_scratch(
-            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref
+            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref, spans_ref=spans_ref
         )
-        tile, bi, head, wg, ring, first, per_head = opened
+        tile, bi, head, wg, ring, (first, stop, per_head) = opened
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_refs
         kv_head = lax.div(head, group) if expand else head  # the keys' head (`head`: the grid's)
 
@@ -1253,6 +1341,9 @@ def _dkdv(
                 base = g * per_head - first  # step of query block i is base + i
                 if causal:
                     mine, clear = key0 // bq, pl.cdiv(key0 + bk - 1, bq)  # first visible, first unmasked
+                    if segments:  # the span may start after my first block, or stop before it
+                        mine = jnp.minimum(jnp.maximum(mine, first), stop)
+                        clear = jnp.minimum(jnp.maximum(clear, mine), stop)
                     if with_dq:  # both warpgroups take every step: dQ needs both halves of dS
                         mine = first
                     else:
@@ -1261,9 +1352,9 @@ def _dkdv(
                         base + mine, base + clear, functools.partial(step, masked=True), carry
                     )
                     return lax.fori_loop(
-                        base + clear, base + num_q, functools.partial(step, masked=False), carry
+                        base + clear, base + stop, functools.partial(step, masked=False), carry
                     )
-                return lax.fori_loop(base, base + num_q, functools.partial(step, masked=False), carry)
+                return lax.fori_loop(base + first, base + stop, functools.partial(step, masked=False), carry)
 
             dk, dv = lax.fori_loop(0, walked, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
             if with_dq:  # the last step's dQ is sent; unless split by keys the partner still reads my keys
@@ -1332,7 +1423,7 @@ def _dkdv(
         d_out,
         lse2,
         delta,
-        *((q_seg, kv_seg) if segments else ()),
+        *((q_seg, kv_seg, key_spans(q_seg, kv_seg, TILE, causal)) if segments else ()),
         *([dq_acc] if dq_acc is not None else []),
     )
 
@@ -1377,6 +1468,7 @@ def _dkdv_wide(
     queries = _QueryStream(
         grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments, keys=WIDE_KEYS
     )
+    spans = key_spans(q_seg, kv_seg, WIDE_KEYS, causal) if segments else None
     # Every operand in 64-byte swizzled tiles: a warpgroup's half of P is 32 columns, 64
     # bytes, and wgmma takes both its operands in one swizzle.
     swizzle = 64
@@ -1398,14 +1490,14 @@ def _dkdv_wide(
             refs[: -len(scratch)],
             refs[-len(scratch) :],
         )
-        qs_ref, ks_ref = (outs.pop(0), outs.pop(0)) if segments else (None, None)
+        qs_ref, ks_ref, spans_ref = (outs.pop(0), outs.pop(0), outs.pop(0)) if segments else (None,) * 3
         dk_ref, dv_ref = outs
         k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
         p_smem, ds_smem, shared, done, *ring_scratch = ring_scratch
         opened, ring_refs, (seg_smem, qseg_smem, qseg_ready) = queries.open_scratch(
-            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref
+            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref, spans_ref=spans_ref
         )
-        tile, bi, head, wg, ring, first, per_head = opened
+        tile, bi, head, wg, ring, (first, stop, per_head) = opened
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_refs
         kv_head = lax.div(head, group) if expand else head  # the keys' head (`head`: the grid's)
 
@@ -1471,12 +1563,17 @@ def _dkdv_wide(
 
             def head_loop(g, carry):
                 base = g * per_head - first  # step of query block i is base + i
-                if causal:  # the tile's first query block holds the diagonal; the rest see every key
+                if causal and segments:  # the block the diagonal crosses, if the span holds it
+                    clear = jnp.minimum(jnp.maximum(tile * WIDE_KEYS // bq + 1, first), stop)
+                    masked = functools.partial(step, masked=True)
+                    carry = lax.fori_loop(base + first, base + clear, masked, carry)
+                    start = base + clear
+                elif causal:  # the tile's first query block holds the diagonal; the rest see every key
                     carry = step(base + first, carry, masked=True)
                     start = base + first + 1
                 else:
-                    start = base
-                return lax.fori_loop(start, base + num_q, functools.partial(step, masked=False), carry)
+                    start = base + first
+                return lax.fori_loop(start, base + stop, functools.partial(step, masked=False), carry)
 
             zeros = regs.zeros((WIDE_KEYS, half))
             dk, dv = lax.fori_loop(0, walked, head_loop, (zeros, zeros))
@@ -1504,7 +1601,7 @@ def _dkdv_wide(
         grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_dkdv_wide",
-    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if segments else ()))
+    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg, spans) if segments else ()))
 
 
 def _dq_accumulator(q: Array, d_out: Array) -> Array:
@@ -1600,10 +1697,15 @@ def backward(
         return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
     if interpret:
         dk, dv, parts = _dkdv(q, k, v, d_out, lse2, delta, dq_parts=True, expand=expand, dq_split=dq_split, **kw)
-        if causal:  # part p holds keys of tile t = p // per_tile: it wrote the query rows from 128 t on
-            per_tile = parts.shape[0] // (k.shape[1] // TILE)
-            rows = TILE * (jnp.arange(parts.shape[0]) // per_tile)
-            seen = jnp.arange(q.shape[1])[None, :] >= rows[:, None]
+        per_tile = parts.shape[0] // (k.shape[1] // TILE)  # part p holds keys of tile p // per_tile
+        tiles, positions = jnp.arange(parts.shape[0]) // per_tile, jnp.arange(q.shape[1])
+        if q_seg is not None:  # it wrote the query blocks of its tile's span
+            bq = TILE // COMPUTE_WGS
+            span = key_spans(q_seg, kv_seg, TILE, causal)[:, tiles] * bq  # [b, parts, 2] rows
+            seen = (positions >= span[..., :1]) & (positions < span[..., 1:])  # [b, parts, sq]
+            parts = jnp.where(jnp.swapaxes(seen, 0, 1)[..., None, None], parts, 0.0)
+        elif causal:  # it wrote the query rows from 128 t on
+            seen = positions[None, :] >= TILE * tiles[:, None]
             parts = jnp.where(seen[:, None, :, None, None], parts, 0.0)
         dq = parts.sum(0)
     else:
