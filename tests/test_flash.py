@@ -7,6 +7,7 @@ the Triton-lowered kernels at real sizes (scripts run them on a GPU machine, not
 import functools
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -368,6 +369,63 @@ def test_segment_spans_cover_every_block_a_row_block_sees_and_no_more_for_packed
                 if not in_order and not causal:
                     assert (first, stop) == (0, n // cols)
     assert checked > 300 and tight > 150
+
+
+@pytest.mark.parametrize("kernel", ["triton", "hopper"])
+def test_packed_documents_never_read_the_blocks_between_them(key, kernel):
+    """With sorted segment ids the kernels skip the blocks no row of a block's documents sees
+    (segment_spans): not-a-number in those blocks, which a masked block would still carry
+    into its matmuls (0 x NaN), leaves the results finite and exact. The forward, with the
+    keys and values of a document no query has poisoned; dK and dV (the fused Hopper
+    backward and the Triton dK/dV pass), with the queries and dO of a document no key has."""
+    blocks = dict(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, hopper_block_k=64)
+    fn = functools.partial(flash_attention_with_lse, forward=kernel, backward=kernel, **blocks)
+    q, k, v, d_out = inputs(key, 1, 384, 1, 1, 64, jnp.bfloat16)
+    ids = lambda *runs: jnp.concatenate([jnp.full((1, n), i, jnp.int32) for i, n in runs], axis=1)  # noqa: E731
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    nan = jnp.array(jnp.nan, jnp.bfloat16)
+
+    # keys 128-255 are document 1's, which no query is in
+    q_ids, kv_ids = ids((0, 128), (2, 256)), ids((0, 128), (1, 128), (2, 128))
+    alien = (kv_ids == 1)[..., None, None]
+    out, _ = fn(q, jnp.where(alien, nan, k), jnp.where(alien, nan, v), segment_ids=(q_ids, kv_ids))
+    truth = reference_attention(up(q), up(k), up(v), segment_ids=(q_ids, kv_ids))
+    assert bool(jnp.all(jnp.isfinite(up(out)))) and rel_err(out, truth) < 1e-2
+
+    # queries 128-255 are document 1's, which no key is in: they see nothing, and no key tile
+    # reads them
+    q_ids, kv_ids = ids((0, 128), (1, 128), (2, 128)), ids((0, 128), (2, 256))
+    alien = (q_ids == 1)[..., None, None]
+    poisoned_q, poisoned_do = jnp.where(alien, nan, q), jnp.where(alien, nan, d_out)
+
+    def loss(k, v, q, d_out, attend):
+        return jnp.sum(up(attend(q, k, v)) * up(d_out))
+
+    kernel_loss = functools.partial(loss, attend=lambda q, k, v: fn(q, k, v, segment_ids=(q_ids, kv_ids))[0])
+    dk, dv = jax.grad(kernel_loss, argnums=(0, 1))(k, v, poisoned_q, poisoned_do)
+    truth_loss = functools.partial(
+        loss, attend=lambda q, k, v: reference_attention(q, k, v, segment_ids=(q_ids, kv_ids))
+    )
+    clean_q, clean_do = jnp.where(alien, 0.0, up(q)), jnp.where(alien, 0.0, up(d_out))
+    tk, tv = jax.grad(truth_loss, argnums=(0, 1))(up(k), up(v), clean_q, clean_do)
+    for g, t in ((dk, tk), (dv, tv)):
+        assert bool(jnp.all(jnp.isfinite(up(g)))) and rel_err(g, t) < 1e-2
+
+
+def test_triton_kernels_with_segment_spans_lower_for_cuda():
+    """The Triton kernels read each block's segment span (two int32 scalars) and still lower
+    for CUDA (checked without a GPU): the forward, the dK/dV pass and the dQ pass, causal or not."""
+    x = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+    for causal in (True, False):
+        attend = functools.partial(
+            flash_attention, causal=causal, forward="triton", backward="triton", interpret=False
+        )
+        grad = jax.grad(lambda q, s: jnp.sum(attend(q, q, q, segment_ids=s).astype(jnp.float32)))
+        text = jax.jit(grad).trace(x, ids).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+        assert len(calls) == 3, calls
+        assert all(re.search(r"tensor<1x\d+x2xi32>", c) for c in calls), calls  # [batch, blocks, 2] spans
 
 
 def test_head_dim_256_runs_the_hopper_kernels(key, monkeypatch):

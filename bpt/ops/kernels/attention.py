@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bpt.ops.kernels import attention_hopper
+from bpt.ops.kernels.segments import segment_spans
 from bpt.ops.reference import check_qkv, split_segment_ids
 from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT, kept_results
 
@@ -140,6 +141,19 @@ def _kv_ranges(cfg: FlashConfig, q_block: int | Array, block_q: int, block_k: in
     return [(0, whole, False, False)] + ([(whole, real, False, True)] if real > whole else [])
 
 
+def _within(ranges, spans_ref):
+    """The ranges (lo, hi, ...) cut to the block's segment span (spans_ref: its [first, stop]
+    from segment_spans; None: as they are). The ranges follow one another, and so do the cut ones."""
+    if spans_ref is None:
+        return ranges
+    first, stop = spans_ref[0], spans_ref[1]
+    cut = []
+    for lo, hi, *how in ranges:
+        lo = jnp.minimum(jnp.maximum(lo, first), stop)
+        cut.append((lo, jnp.minimum(jnp.maximum(hi, lo), stop), *how))
+    return cut
+
+
 def _q_ranges(cfg: FlashConfig, k_block, block_q: int, block_k: int, num_q: int):
     """[(lo, hi, diagonal)]: the query blocks that see key block k_block, and which need the causal mask."""
     if not cfg.causal:
@@ -155,7 +169,7 @@ def _q_ranges(cfg: FlashConfig, k_block, block_q: int, block_k: int, num_q: int)
 
 def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
     refs = list(refs)
-    qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+    qs_ref, ks_ref, spans_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if has_seg else (None,) * 3
     q_scale_ref, k_scale_ref, v_scale_ref = (refs.pop(0) for _ in range(3)) if cfg.fp8 else (None,) * 3
     o_ref, lse_ref = refs
     block_q, block_k = cfg.block_q, cfg.block_k
@@ -193,7 +207,7 @@ def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros(q.shape, jnp.float32),
     )
-    for lo, hi, diagonal, tail in _kv_ranges(cfg, i, block_q, block_k, num_k):
+    for lo, hi, diagonal, tail in _within(_kv_ranges(cfg, i, block_q, block_k, num_k), spans_ref):
         carry = lax.fori_loop(lo, hi, visit(diagonal, tail), carry)
     m, row_sum, acc = carry
     seen = row_sum > 0.0
@@ -214,13 +228,15 @@ def _compiler_params(cfg: FlashConfig):
 
 def _query_grid_specs(block_q: int, seq_k: int, head_dim: int, group: int) -> dict:
     """BlockSpecs on a (batch, head, query block) grid: the query block [bq, d], the whole K/V
-    of the head's KV head, a row of per-query statistics [bq], and the two segment-id rows."""
+    of the head's KV head, a row of per-query statistics [bq], the two segment-id rows, and
+    the query block's segment span (segment_spans)."""
     return dict(
         rows=pl.BlockSpec((None, block_q, None, head_dim), lambda b, h, i: (b, i, h, 0)),
         kv=pl.BlockSpec((None, seq_k, None, head_dim), lambda b, h, i: (b, 0, h // group, 0)),
         stats=pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i)),
         q_seg=pl.BlockSpec((None, block_q), lambda b, h, i: (b, i)),
         kv_seg=pl.BlockSpec((None, seq_k), lambda b, h, i: (b, 0)),
+        spans=pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),
     )
 
 
@@ -245,7 +261,10 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
     group = h // hk
     has_seg = q_seg is not None
     spec = _query_grid_specs(cfg.block_q, sk, d, group)
-    seg_specs, seg_args = ([spec["q_seg"], spec["kv_seg"]], [q_seg, kv_seg]) if has_seg else ([], [])
+    seg_specs, seg_args = [], []
+    if has_seg:  # the ids, and each query block's span of key blocks
+        spans = segment_spans(q_seg, kv_seg, rows=cfg.block_q, cols=cfg.block_k, causal=cfg.causal)
+        seg_specs, seg_args = [spec["q_seg"], spec["kv_seg"], spec["spans"]], [q_seg, kv_seg, spans]
     out_dtype, scale_specs, scale_args = q.dtype, [], []
     if cfg.fp8:
         # per token and head for q and k ([b, s, h, 1]), per channel for v ([b, 1, hk, d])
@@ -287,9 +306,9 @@ def _dkdv_kernel(
     cfg: FlashConfig, has_seg: bool, group: int, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs
 ):
     if has_seg:
-        qs_ref, ks_ref, dk_ref, dv_ref = refs
+        qs_ref, ks_ref, spans_ref, dk_ref, dv_ref = refs
     else:
-        dk_ref, dv_ref = refs
+        (dk_ref, dv_ref), spans_ref = refs, None
     block_q, block_k = cfg.block_q_bwd, cfg.block_k_bwd
     j = pl.program_id(2)
     # Query blocks of padding only add nothing (their dO is 0): stop at the last real one.
@@ -319,7 +338,7 @@ def _dkdv_kernel(
 
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for g in range(group):
-        for lo, hi, diagonal in _q_ranges(cfg, j, block_q, block_k, num_q):
+        for lo, hi, diagonal in _within(_q_ranges(cfg, j, block_q, block_k, num_q), spans_ref):
             carry = lax.fori_loop(lo, hi, visit(g, diagonal), carry)
     dk, dv = carry
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
@@ -328,9 +347,9 @@ def _dkdv_kernel(
 
 def _dq_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs):
     if has_seg:
-        qs_ref, ks_ref, dq_ref = refs
+        qs_ref, ks_ref, spans_ref, dq_ref = refs
     else:
-        (dq_ref,) = refs
+        (dq_ref,), spans_ref = refs, None
     block_q, block_k = cfg.block_q_bwd, cfg.block_k_bwd
     i = pl.program_id(2)
     num_k = k_ref.shape[0] // block_k
@@ -353,7 +372,7 @@ def _dq_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, do_ref, lse
         return body
 
     dq = jnp.zeros(q.shape, jnp.float32)
-    for lo, hi, diagonal, tail in _kv_ranges(cfg, i, block_q, block_k, num_k):
+    for lo, hi, diagonal, tail in _within(_kv_ranges(cfg, i, block_q, block_k, num_k), spans_ref):
         dq = lax.fori_loop(lo, hi, visit(diagonal, tail), dq)
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
@@ -397,11 +416,13 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
         pl.BlockSpec((None, group, sq), lambda b_, g_, j: (b_, g_, 0)),  # lse
         pl.BlockSpec((None, group, sq), lambda b_, g_, j: (b_, g_, 0)),  # delta
     ]
-    if has_seg:
+    if has_seg:  # the ids, and each key block's span of query blocks
         dkdv_specs += [
             pl.BlockSpec((None, sq), lambda b_, g_, j: (b_, 0)),
             pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j)),
+            pl.BlockSpec((None, None, 2), lambda b_, g_, j: (b_, j, 0)),
         ]
+        key_spans = segment_spans(kv_seg, q_seg, rows=bk, cols=bq, causal=cfg.causal, rows_are_keys=True)
     kv_out_spec = pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg, has_seg, group),
@@ -412,13 +433,15 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="bpt_flash_bwd_dkdv",
-    )(q, k, v, d_out, lse, delta, *seg_args)
+    )(q, k, v, d_out, lse, delta, *seg_args, *([key_spans] if has_seg else []))
 
     # dQ: one program per (batch, head, query block), like the forward.
     spec = _query_grid_specs(bq, sk, d, group)
     dq_specs = [spec["rows"], spec["kv"], spec["kv"], spec["rows"], spec["stats"], spec["stats"]]
+    dq_seg = []
     if has_seg:
-        dq_specs += [spec["q_seg"], spec["kv_seg"]]
+        dq_specs += [spec["q_seg"], spec["kv_seg"], spec["spans"]]
+        dq_seg = [q_seg, kv_seg, segment_spans(q_seg, kv_seg, rows=bq, cols=bk, causal=cfg.causal)]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg, has_seg),
         grid=(b, h, sq // bq),
@@ -428,7 +451,7 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="bpt_flash_bwd_dq",
-    )(q, k, v, d_out, lse, delta, *seg_args)
+    )(q, k, v, d_out, lse, delta, *dq_seg)
     return dq, dk, dv
 
 
@@ -634,8 +657,11 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         k = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, dp)))
         v = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, dp)))
     if q_seg is not None:  # int32 for every kernel; padded queries and keys get segments of their own
-        q_seg = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, pad_q)), constant_values=-1)
-        kv_seg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, pad_k)), constant_values=-2)
+        q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+        # above every real id, so that sorted ids stay sorted (segment_spans skips blocks then)
+        top = jnp.maximum(q_seg.max(axis=1, keepdims=True), kv_seg.max(axis=1, keepdims=True))
+        q_seg = jnp.concatenate([q_seg, jnp.broadcast_to(top + 1, (b, pad_q))], axis=1)
+        kv_seg = jnp.concatenate([kv_seg, jnp.broadcast_to(top + 2, (b, pad_k))], axis=1)
     return cfg, (q, k, v, q_seg, kv_seg)
 
 

@@ -57,6 +57,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from bpt.ops.kernels.segments import segment_spans
+
 Array = jax.Array
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -616,45 +618,6 @@ def _check_segments(q: Array, k: Array, q_seg, kv_seg) -> bool:
             f" {kv_seg.dtype}{kv_seg.shape}"
         )
     return True
-
-
-def segment_spans(
-    row_seg: Array,
-    col_seg: Array,
-    *,
-    rows: int,
-    cols: int,
-    causal: bool,
-    rows_are_keys: bool = False,
-    min_blocks: int = 1,
-) -> Array:
-    """[b, row blocks, 2] int32: for each block of `rows` rows, the first and the stop block of
-    the `cols`-column blocks that a kernel streams for it: every column block holding a
-    column of the same segment as one of its rows (where both rows of ids are sorted, as
-    packed documents are; all blocks where either is not), within the causal mask (columns
-    up to the block's last row, or, rows_are_keys, from its first), and at least min_blocks
-    (blocks added where fewer are seen are wholly masked). Blocks outside a span would be
-    all masked: the kernels skip them."""
-    n_rows, n_cols = row_seg.shape[1] // rows, col_seg.shape[1] // cols
-    def ascending(ids):
-        return jnp.all(ids[:, 1:] >= ids[:, :-1], axis=1)
-
-    in_order = ascending(row_seg) & ascending(col_seg)
-    # each row block's least and greatest id, where sorted
-    low, high = row_seg[:, ::rows], row_seg[:, rows - 1 :: rows]
-    first = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(col_seg, low) // cols
-    stop = -(-jax.vmap(functools.partial(jnp.searchsorted, side="right"))(col_seg, high) // cols)
-    first = jnp.where(in_order[:, None], first, 0)
-    stop = jnp.where(in_order[:, None], stop, n_cols)
-    if causal:
-        block = jnp.arange(n_rows)
-        if rows_are_keys:
-            first = jnp.maximum(first, block * rows // cols)
-        else:
-            stop = jnp.minimum(stop, -(-(block + 1) * rows // cols))
-    first = jnp.minimum(first, n_cols - min_blocks)
-    stop = jnp.maximum(stop, first + min_blocks)
-    return jnp.stack([first, stop], axis=-1).astype(jnp.int32)
 
 
 def key_spans(q_seg: Array, kv_seg: Array, keys: int, causal: bool) -> Array:

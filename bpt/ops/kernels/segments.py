@@ -1,0 +1,51 @@
+"""The spans of blocks that packed documents need: what the flash kernels stream per block of
+rows when they take segment ids, so that they skip the blocks between documents."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def segment_spans(
+    row_seg: Array,
+    col_seg: Array,
+    *,
+    rows: int,
+    cols: int,
+    causal: bool,
+    rows_are_keys: bool = False,
+    min_blocks: int = 1,
+) -> Array:
+    """[b, row blocks, 2] int32: for each block of `rows` rows, the first and the stop block of
+    the `cols`-column blocks that a kernel streams for it: every column block holding a
+    column of the same segment as one of its rows (where both rows of ids are sorted, as
+    packed documents are; all blocks where either is not), within the causal mask (columns
+    up to the block's last row, or, rows_are_keys, from its first), and at least min_blocks
+    (blocks added where fewer are seen are wholly masked). Blocks outside a span would be
+    all masked: the kernels skip them."""
+    n_rows, n_cols = row_seg.shape[1] // rows, col_seg.shape[1] // cols
+
+    def ascending(ids):
+        return jnp.all(ids[:, 1:] >= ids[:, :-1], axis=1)
+
+    in_order = ascending(row_seg) & ascending(col_seg)
+    # each row block's least and greatest id, where sorted
+    low, high = row_seg[:, ::rows], row_seg[:, rows - 1 :: rows]
+    first = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(col_seg, low) // cols
+    stop = -(-jax.vmap(functools.partial(jnp.searchsorted, side="right"))(col_seg, high) // cols)
+    first = jnp.where(in_order[:, None], first, 0)
+    stop = jnp.where(in_order[:, None], stop, n_cols)
+    if causal:
+        block = jnp.arange(n_rows)
+        if rows_are_keys:
+            first = jnp.maximum(first, block * rows // cols)
+        else:
+            stop = jnp.minimum(stop, -(-(block + 1) * rows // cols))
+    first = jnp.minimum(first, n_cols - min_blocks)
+    stop = jnp.maximum(stop, first + min_blocks)
+    return jnp.stack([first, stop], axis=-1).astype(jnp.int32)
