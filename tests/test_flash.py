@@ -381,7 +381,10 @@ def test_packed_documents_never_read_the_blocks_between_them(key, kernel):
     blocks = dict(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, hopper_block_k=64)
     fn = functools.partial(flash_attention_with_lse, forward=kernel, backward=kernel, **blocks)
     q, k, v, d_out = inputs(key, 1, 384, 1, 1, 64, jnp.bfloat16)
-    ids = lambda *runs: jnp.concatenate([jnp.full((1, n), i, jnp.int32) for i, n in runs], axis=1)  # noqa: E731
+
+    def ids(*runs):  # (segment, length) runs back to back
+        return jnp.concatenate([jnp.full((1, n), i, jnp.int32) for i, n in runs], axis=1)
+
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     nan = jnp.array(jnp.nan, jnp.bfloat16)
 
