@@ -621,6 +621,9 @@ def test_family_config_and_counts():
     assert train_flops_per_token(cfg, 128) == train_flops_per_token(cfg, 4096) == cfg.train_flops_per_token(1)
     quad = FLASHConfig(vocab_size=50, num_layers=2, d_model=32, attention="quadratic")
     assert train_flops_per_token(quad, 4096) > train_flops_per_token(quad, 128)
+    # packed documents (keys_seen: the keys a query sees) count in quadratic attention, not in chunks
+    assert train_flops_per_token(quad, 4096, keys_seen=64.0) == train_flops_per_token(quad, 128)
+    assert train_flops_per_token(cfg, 4096, keys_seen=8.0) == train_flops_per_token(cfg, 4096)
     assert isinstance(model_config(base_config("tiny").model, vocab_size=50, seq_len=128), GPTConfig)
     c.model.family = "rnn"
     with pytest.raises(ValueError, match="unknown model.family 'rnn'; allowed: gpt, flash"):

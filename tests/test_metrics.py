@@ -3,13 +3,16 @@
 import json
 import types
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from test_train import copy_config
 
 from bpt.cli.plot import plot_runs, read_metrics
+from bpt.config import model_config
 from bpt.models.gpt import GPTConfig
 from bpt.train.loop import train
-from bpt.train.metrics import MetricsWriter, peak_flops_per_device, train_flops_per_token
+from bpt.train.metrics import MetricsWriter, keys_seen, peak_flops_per_device, train_flops_per_token
 
 
 def test_flops_per_token_counts_matmuls_and_causal_attention():
@@ -19,6 +22,39 @@ def test_flops_per_token_counts_matmuls_and_causal_attention():
     attention = 12 * 2 * 4 * 16 * 512
     assert train_flops_per_token(cfg, 512, causal=False) == 6 * matmul_params + attention
     assert train_flops_per_token(cfg, 512) == 6 * matmul_params + attention / 2
+    # packed documents: attention over the keys a query sees, keys_seen of the batch's ids
+    assert train_flops_per_token(cfg, 512, keys_seen=100.0) == 6 * matmul_params + 12 * 2 * 4 * 16 * 100
+    ids = jnp.array([[0, 0, 0, 0, 1, 1, 2, 2], [5] * 8], jnp.int32)  # documents of 4, 2, 2; one of 8
+    assert float(keys_seen(ids[:1])) == pytest.approx((16 + 4 + 4) / 2 / 8)
+    assert float(keys_seen(ids[1:])) == pytest.approx(8 / 2)  # one document: the causal count's seq / 2
+    assert float(keys_seen(ids)) == pytest.approx((1.5 + 4) / 2)
+
+
+def test_mfu_of_packed_documents_counts_the_keys_their_queries_see(tmp_path):
+    """With data.segment_ids each logged row counts attention over the keys a query sees in
+    its document (keys_seen, the mean of the row's steps), not the whole window's."""
+    rng = np.random.default_rng(0)
+    words = ["thou", "art", "more", "lovely", "and", "temperate", "rough", "winds", "do", "shake"]
+    docs = [" ".join(rng.choice(words, size=rng.integers(3, 12))) for _ in range(40)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    c = copy_config(steps=4)
+    c.train.log_every, c.train.peak_flops = 2, 1e12
+    c.data.update(
+        name="hf", path=str(tmp_path / "docs.jsonl"), seq_len=64, segment_ids=True, val_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    train(c, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        assert 1.0 < r["keys_seen"] < 64 / 2  # documents of tens of bytes in windows of 64
+        assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_sec"] / 1e12)
+    # the FLOPs grow by attention's per key for every key seen (the matmuls' part is the rest)
+    cfg = model_config(c.model, vocab_size=9, seq_len=64)
+    per_key = train_flops_per_token(cfg, 64, keys_seen=1.0) - train_flops_per_token(cfg, 64, keys_seen=0.0)
+    (f1, k1), (f2, k2) = ((r["flops_per_token"], r["keys_seen"]) for r in records)
+    assert k1 != k2 and (f1 - f2) / (k1 - k2) == pytest.approx(per_key)
+    assert per_key == 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head
 
 
 def test_peak_flops_by_device_kind():

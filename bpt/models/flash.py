@@ -201,14 +201,20 @@ class FLASHConfig(LMConfig):
         """What kind of model this is, in a few words (the training log's first line)."""
         return f"FLASH, attention={self.attention}, chunk_size={self.chunk_size}, attention_impl={self.attention_impl}"
 
-    def train_flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+    def train_flops_per_token(
+        self, seq_len: int, *, causal: bool = True, keys_seen: float | None = None
+    ) -> float:
         """Model FLOPs of a forward and backward pass per token (3x the forward's): the
         matmuls of the layers and the LM head, the relu^2 scores and their values (causal:
         half of a chunk on average, or half the sequence for quadratic; causal=False counts
-        all of it), and the linear part's k v^T and q S (2 s e multiply-adds each)."""
+        all of it), and the linear part's k v^T and q S (2 s e multiply-adds each).
+        keys_seen: the mean number of keys a query sees (packed documents), in place of half
+        the sequence for quadratic attention; mixed_chunk counts its chunks as they are."""
         d, e, s = self.d_model, self.hidden_dim, self.qk_dim
         dense = self.num_layers * (3 * d * e + d * s) + d * self.vocab_size
         window = (self.chunk_size if self.attention == "mixed_chunk" else seq_len) * (1 if causal else 2)
+        if keys_seen is not None and self.attention != "mixed_chunk":
+            window = 2 * keys_seen
         attention = window * (s + e) + (4 * s * e if self.attention == "mixed_chunk" else 0)
         return 6.0 * dense + 3.0 * self.num_layers * attention
 

@@ -213,17 +213,21 @@ class GPTConfig(LMConfig):
         """What kind of model this is, in a few words (the training log's first line)."""
         return f"attention_mode={self.attention_mode}, attention_impl={self.attention_impl}"
 
-    def train_flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+    def train_flops_per_token(
+        self, seq_len: int, *, causal: bool = True, keys_seen: float | None = None
+    ) -> float:
         """Model FLOPs of a forward and backward pass per token (3x the forward's): 6 per
         matmul weight (the layers' and the LM head's) and the attention's QK^T and PV over
-        seq_len keys (half of them, causal)."""
+        seq_len keys (half of them, causal), or over keys_seen keys where given (the mean a
+        query sees: packed documents' queries see only their own document's)."""
         d, h, kv, hd, f = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head, self.mlp_dim
         matmul_params = (
             self.num_layers * (2 * d * h * hd + 2 * d * kv * hd + self.ffn_matrices * d * f)
             + d * self.vocab_size
         )
-        attention = 12 * self.num_layers * h * hd * seq_len * (0.5 if causal else 1.0)
-        return 6.0 * matmul_params + attention
+        if keys_seen is None:
+            keys_seen = seq_len * (0.5 if causal else 1.0)
+        return 6.0 * matmul_params + 12 * self.num_layers * h * hd * keys_seen
 
 
 # ----------------------------------------------------------------------------- pure math

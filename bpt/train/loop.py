@@ -73,6 +73,7 @@ class Reporter:
         self.schedule = learning_rate_schedule(config.train)
         self.eval_fn = eval_fn
         self.perplexity = model.language_model
+        self.model_config = model.config
         self.flops_per_token = train_flops_per_token(model.config, config.data.seq_len)
         self.device = jax.local_devices()[0]
         self.num_devices = 1 if model.parallel is None else model.parallel.mesh.size
@@ -117,6 +118,11 @@ class Reporter:
             tokens_per_sec = self.tokens_per_step / step_seconds
         finite = self.finite(fetched, step)
         loss = float(np.mean([m["loss"] for m in finite]))
+        flops_per_token, seen = self.flops_per_token, None
+        if "keys_seen" in fetched[0]:  # packed documents: attention over each query's document
+            seen = float(np.mean([m["keys_seen"] for m in fetched]))
+            seq_len = self.config.data.seq_len
+            flops_per_token = train_flops_per_token(self.model_config, seq_len, keys_seen=seen)
         record = {
             "step": step,
             "loss": loss,
@@ -125,12 +131,14 @@ class Reporter:
             "learning_rate": float(self.schedule(step - 1)),
             "tokens_per_sec": tokens_per_sec,
             "step_seconds": step_seconds,
-            "flops_per_token": self.flops_per_token,
+            "flops_per_token": flops_per_token,
         }
+        if seen is not None:
+            record["keys_seen"] = seen
         if stopped:
             record["stopped"] = True
         if tokens_per_sec and self.peak_flops:
-            record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
+            record["mfu"] = flops_per_token * tokens_per_sec / self.peak_flops
         peak_memory = peak_memory_bytes(self.device)
         if peak_memory is not None:
             record["peak_memory_gib"] = peak_memory / 2**30

@@ -4,9 +4,9 @@ Model FLOPs count the matrix multiplications a forward and backward pass need (t
 the forward's), never what rematerialization recomputes: 6 * N_matmul per token for the
 dense layers and the LM head, plus 6 * layers * heads * head_dim * seq for causal
 attention (12 * ... without the causal mask, halved because a query sees half the keys on
-average). With packed documents (data.segment_ids) that is still the whole window's
-attention, though each query sees only its document (and bpt's Hopper kernels skip the
-rest): MFU then overstates the work, and tokens/s is what compares.
+average). With packed documents (data.segment_ids) a query sees only its own document's
+keys (and bpt's kernels skip the rest): the attention term then counts the mean number of
+keys a query sees in the step's batch (keys_seen), not the window's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from bpt.models import FLASHConfig, GPTConfig
 
@@ -34,9 +36,26 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def train_flops_per_token(cfg: GPTConfig | FLASHConfig, seq_len: int, *, causal: bool = True) -> float:
-    """Model FLOPs of a training step per token, as the model's family counts them."""
-    return cfg.train_flops_per_token(seq_len, causal=causal)
+def train_flops_per_token(
+    cfg: GPTConfig | FLASHConfig, seq_len: int, *, causal: bool = True, keys_seen: float | None = None
+) -> float:
+    """Model FLOPs of a training step per token, as the model's family counts them; keys_seen:
+    the mean number of keys a query sees (packed documents, keys_seen()), else half of seq_len
+    (causal) or all of it."""
+    return cfg.train_flops_per_token(seq_len, causal=causal, keys_seen=keys_seen)
+
+
+def keys_seen(segment_ids):
+    """The mean number of keys a query sees under a causal mask inside its document ([batch,
+    seq] ids, documents as runs of equal ids): sum over documents of length^2 / 2, over the
+    tokens (seq / 2 for one document a row, as train_flops_per_token counts it)."""
+    seq = segment_ids.shape[1]
+    position = jnp.arange(seq, dtype=jnp.int32)
+    opens = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    start = lax.cummax(jnp.where(opens, position, 0), axis=1)  # where each token's document opens
+    return jnp.mean((position - start).astype(jnp.float32) + 0.5)
 
 
 def peak_flops_per_device(device: jax.Device, override: float = 0.0) -> float | None:

@@ -11,6 +11,7 @@ import optax
 from flax.training.train_state import TrainState
 
 from bpt.ops.chunked import Loss
+from bpt.train.metrics import keys_seen
 from bpt.train.optimizer import skipped_steps
 
 
@@ -95,6 +96,8 @@ def make_train_step(
             "finite": finite,
             "skipped_steps": skipped_steps(new_state.opt_state),
         }
+        if "segment_ids" in batch:  # packed documents: what attention's FLOPs count (Reporter)
+            metrics["keys_seen"] = keys_seen(batch["segment_ids"])
         return new_state, metrics
 
     return train_step
