@@ -126,6 +126,11 @@ def test_a_key_range_without_the_diagonal_merges_with_its_gradient(key, impl, pa
     out_a, lse_a = pair.forward(q, k[:, first], v[:, first], causal=False, q_offset=0, segment_ids=seg, **settings)
     out_b, lse_b = pair.forward(q, k[:, second], v[:, second], causal=True, q_offset=-1, segment_ids=seg_b, **settings)
     assert (lse_b[:, :, 0] == jnp.inf).all()  # the first query sees no key of the second range
+    if packed == "documents":  # the moved queries' ids stay sorted: the kernels skip between documents
+        from bpt.ops.attention import _queries_up
+
+        _, (moved, _) = _queries_up(q, k[:, second], seg_b, -1)
+        assert (jnp.diff(moved, axis=1) >= 0).all() and (moved[:, -1] == 2).all()
     out, lse = logsumexp_merge(out_a, no_key_is_minus_inf(lse_a), out_b, no_key_is_minus_inf(lse_b))
     assert rel_err(out, out_r) < TOL and rel_err(lse, lse_r) < TOL
 

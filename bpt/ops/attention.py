@@ -213,11 +213,16 @@ def _queries_up(q, k, segment_ids, q_offset: int):
     move one row up, so row r holds query r + 1 and sees keys j <= r; the last row holds
     query 0, which sees no key, and its result is dropped. The keys stay where they are, so
     kernels with only the causal mask (cuDNN's, bpt's Hopper kernels without segment ids) run
-    such a hop. Returns (q, segment_ids)."""
+    such a hop. The last row's segment id is one above every id, so that it sees no key and
+    sorted ids stay sorted (the kernels then skip the blocks between documents). Returns (q,
+    segment_ids)."""
     if q_offset != -1:
         raise ValueError(f"the kernels take q_offset 0 or -1; got {q_offset}")
     q_seg, kv_seg = split_segment_ids(segment_ids, q.shape[1], k.shape[1])
-    segments = None if q_seg is None else (jnp.roll(q_seg, -1, axis=1), kv_seg)
+    segments = None
+    if q_seg is not None:
+        above = jnp.maximum(q_seg.max(axis=1), kv_seg.max(axis=1)) + 1
+        segments = (_set_row(jnp.roll(q_seg, -1, axis=1), -1, above), kv_seg)
     return jnp.roll(q, -1, axis=1), segments
 
 
