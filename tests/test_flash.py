@@ -17,7 +17,7 @@ from conftest import load_script, rel_err, saved_and_grads
 from jax import lax
 
 from bpt.ops import attention, reference_attention
-from bpt.ops.kernels import attention_hopper, flash_attention, flash_attention_with_lse
+from bpt.ops.kernels import attention_hopper, flash_attention, flash_attention_with_lse, segments
 from bpt.ops.remat import remat
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -331,24 +331,25 @@ def _visible_blocks(row_seg, col_seg, rows, cols, causal, rows_are_keys):
 
 
 def test_segment_spans_cover_every_block_a_row_block_sees_and_no_more_for_packed_documents():
-    """attention_hopper.segment_spans, what the Hopper kernels stream per tile with segment
-    ids: against every (row, column) pair, the span holds every column block that shares a
+    """segments.segment_spans, what the flash kernels stream per block with segment ids:
+    against every (row, column) pair, the span holds every column block that shares a
     segment with the row block (under the causal mask, either side the keys), at least
-    min_blocks; for packed documents (sorted ids, self-attention) nothing more; where the ids
-    are not sorted, every block the causal mask leaves."""
+    min_blocks; for packed documents (sorted ids, self-attention) nothing more; where the
+    columns' ids are not sorted, every block the causal mask leaves (rows in any order with
+    sorted columns still narrow it)."""
     rng = np.random.default_rng(0)
-    checked = tight = 0
+    checked = tight = narrowed = 0
     for trial in range(60):
         n, rows, cols = 256, int(rng.choice([64, 128])), int(rng.choice([32, 64, 128]))
         cuts = np.sort(rng.choice(np.arange(1, n), int(rng.integers(0, 12)), replace=False))
         ids = np.searchsorted(cuts, np.arange(n), side="right").astype(np.int32)
         row_seg = np.stack([ids, rng.permutation(ids) if trial % 3 == 0 else ids])  # row 1 unsorted
-        cross = trial % 4 == 1  # the columns' ids shifted: rows whose segment no column has
+        cross = trial % 4 == 1  # the columns' ids shifted and sorted: rows whose segment no column has
         col_seg = np.sort(np.clip(row_seg + rng.integers(-1, 2), 0, None), axis=1) if cross else row_seg
         col_seg = col_seg.astype(np.int32)
         causal, keys_first = bool(trial % 2), trial % 5 == 0
         least = 2 if keys_first else 1
-        spans = attention_hopper.segment_spans(
+        spans = segments.segment_spans(
             jnp.asarray(row_seg), jnp.asarray(col_seg), rows=rows, cols=cols, causal=causal,
             rows_are_keys=keys_first, min_blocks=least,
         )
@@ -356,19 +357,20 @@ def test_segment_spans_cover_every_block_a_row_block_sees_and_no_more_for_packed
         seen = _visible_blocks(row_seg, col_seg, rows, cols, causal, keys_first)
         assert spans.shape == (2, n // rows, 2) and spans.dtype == np.int32
         for b in range(2):
-            in_order = (np.diff(row_seg[b]) >= 0).all() and (np.diff(col_seg[b]) >= 0).all()
+            rows_sorted, cols_sorted = ((np.diff(x[b]) >= 0).all() for x in (row_seg, col_seg))
             for r, (first, stop) in enumerate(spans[b]):
                 assert 0 <= first and first + least <= stop <= n // cols
                 blocks = np.nonzero(seen[b, r])[0]
                 if len(blocks):
                     checked += 1
                     assert first <= blocks.min() and blocks.max() < stop
-                    if in_order and not cross:
+                    if rows_sorted and cols_sorted and not cross:
                         tight += 1
                         assert stop - first == max(least, blocks.max() - blocks.min() + 1)
-                if not in_order and not causal:
+                if not cols_sorted and not causal:
                     assert (first, stop) == (0, n // cols)
-    assert checked > 300 and tight > 150
+                narrowed += bool(not rows_sorted and cols_sorted and stop - first < n // cols)
+    assert checked > 300 and tight > 150 and narrowed > 0
 
 
 @pytest.mark.parametrize("kernel", ["triton", "hopper"])

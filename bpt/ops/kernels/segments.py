@@ -23,19 +23,16 @@ def segment_spans(
 ) -> Array:
     """[b, row blocks, 2] int32: for each block of `rows` rows, the first and the stop block of
     the `cols`-column blocks that a kernel streams for it: every column block holding a
-    column of the same segment as one of its rows (where both rows of ids are sorted, as
-    packed documents are; all blocks where either is not), within the causal mask (columns
-    up to the block's last row, or, rows_are_keys, from its first), and at least min_blocks
-    (blocks added where fewer are seen are wholly masked). Blocks outside a span would be
-    all masked: the kernels skip them."""
-    n_rows, n_cols = row_seg.shape[1] // rows, col_seg.shape[1] // cols
-
-    def ascending(ids):
-        return jnp.all(ids[:, 1:] >= ids[:, :-1], axis=1)
-
-    in_order = ascending(row_seg) & ascending(col_seg)
-    # each row block's least and greatest id, where sorted
-    low, high = row_seg[:, ::rows], row_seg[:, rows - 1 :: rows]
+    column whose id lies between the least and the greatest id of the block's rows (where
+    the columns' ids are sorted, as packed documents' are: then those columns are one run,
+    and every column of a row's segment is in it; all blocks where they are not), within
+    the causal mask (columns up to the block's last row, or, rows_are_keys, from its first),
+    and at least min_blocks (blocks added where fewer are seen are wholly masked). Blocks
+    outside a span would be all masked: the kernels skip them."""
+    b, n_rows, n_cols = row_seg.shape[0], row_seg.shape[1] // rows, col_seg.shape[1] // cols
+    in_order = jnp.all(col_seg[:, 1:] >= col_seg[:, :-1], axis=1)
+    blocks = row_seg[:, : n_rows * rows].reshape(b, n_rows, rows)
+    low, high = blocks.min(axis=2), blocks.max(axis=2)  # each row block's least and greatest id
     first = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(col_seg, low) // cols
     stop = -(-jax.vmap(functools.partial(jnp.searchsorted, side="right"))(col_seg, high) // cols)
     first = jnp.where(in_order[:, None], first, 0)
