@@ -162,6 +162,41 @@ def test_causal_skipping_shows_in_cost_analysis():
     assert 0.5 <= ratio < 0.6, ratio
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_visits_only_the_chunks_of_a_query_chunks_documents(key, causal):
+    """With segment ids whose keys' are sorted (packed documents) a query chunk's scan visits
+    only the key/value chunks that hold its documents: not-a-number in the keys and values of
+    a document no query has (whole chunks), which a visited chunk would carry into P V even
+    masked (0 x NaN), leaves the output and dK/dV finite and exact; so does NaN in the queries
+    and dO of a document no key has."""
+    q, k, v, d_out = (jax.random.normal(x, (1, 96, 2, 16)) for x in jax.random.split(key, 4))
+    chunks = dict(q_chunk_size=32, kv_chunk_size=32)
+
+    def ids(*runs):  # (segment, length) runs back to back
+        return jnp.concatenate([jnp.full((1, n), i, jnp.int32) for i, n in runs], axis=1)
+
+    q_ids, kv_ids = ids((0, 32), (2, 64)), ids((0, 32), (1, 32), (2, 32))  # keys 32-63: no query's
+    alien = (kv_ids == 1)[..., None, None]
+    out = blockwise_attention(q, jnp.where(alien, jnp.nan, k), jnp.where(alien, jnp.nan, v), causal=causal,
+                              segment_ids=(q_ids, kv_ids), **chunks)  # fmt: skip
+    truth = reference_attention(q, k, v, causal=causal, segment_ids=(q_ids, kv_ids))
+    assert bool(jnp.all(jnp.isfinite(out))) and rel_err(out, truth) < TOL
+
+    q_ids, kv_ids = ids((0, 32), (1, 32), (2, 32)), ids((0, 32), (2, 64))  # queries 32-63: no key's
+    alien = (q_ids == 1)[..., None, None]
+
+    def grads(attend, q, d_out):
+        return jax.grad(lambda k, v: jnp.sum(attend(q, k, v) * d_out), argnums=(0, 1))(k, v)
+
+    seg = (q_ids, kv_ids)
+    blk = lambda q, k, v: blockwise_attention(q, k, v, causal=causal, segment_ids=seg, **chunks)  # noqa: E731
+    ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg)  # noqa: E731
+    got = grads(blk, jnp.where(alien, jnp.nan, q), jnp.where(alien, jnp.nan, d_out))
+    want = grads(ref, jnp.where(alien, 0.0, q), jnp.where(alien, 0.0, d_out))
+    for g, w in zip(got, want):
+        assert bool(jnp.all(jnp.isfinite(g))) and rel_err(g, w) < TOL
+
+
 def fwd_bwd_temp_bytes(fn, seq_len, heads=4, head_dim=64):
     x = jax.ShapeDtypeStruct((1, seq_len, heads, head_dim), jnp.float32)
     grad = jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))

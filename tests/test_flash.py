@@ -16,8 +16,8 @@ import pytest
 from conftest import load_script, rel_err, saved_and_grads
 from jax import lax
 
-from bpt.ops import attention, reference_attention
-from bpt.ops.kernels import attention_hopper, flash_attention, flash_attention_with_lse, segments
+from bpt.ops import attention, reference_attention, segments
+from bpt.ops.kernels import attention_hopper, flash_attention, flash_attention_with_lse
 from bpt.ops.remat import remat
 
 ON_GPU = jax.default_backend() == "gpu"

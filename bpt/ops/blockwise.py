@@ -6,7 +6,9 @@ with an online softmax (running max m, row sum of exponentials and unnormalized 
 backward is FlashAttention-2's: it recomputes each score block from the saved logsumexp
 instead of storing probabilities, so forward and backward memory are both linear in seq.
 
-Causal: a query chunk visits key/value chunks only up to the diagonal. When the chunk's
+Packed documents (segment ids, the keys' sorted): a query chunk visits only the key/value
+chunks that hold its documents. Causal: a query chunk visits key/value chunks only up to
+the diagonal. When the chunk's
 offset is a Python int (the unrolled loop) the bounds are static and XLA's cost analysis
 sees the skipped FLOPs; inside lax.scan the offset is traced and the loop over key/value
 chunks has a dynamic trip count, which skips the same work at run time.
@@ -26,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from bpt.ops.chunked import from_chunks, resolve_chunk_size, to_chunks
 from bpt.ops.reference import SegmentIds, attention_mask, check_qkv, group_heads, split_segment_ids
 from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT
+from bpt.ops.segments import segment_spans
 
 Array = jax.Array
 
@@ -40,8 +43,20 @@ class _ChunkSpec(NamedTuple):
     unroll: bool
 
 
-def _kv_chunk_bounds(spec: _ChunkSpec, q_start, q_chunk_size: int, kv_len: int):
-    """[lo, hi) of the key/value chunks a query chunk must visit."""
+def _kv_chunk_bounds(spec: _ChunkSpec, q_start, q_chunk_size: int, kv_len: int, q_seg=None, kv_seg=None):
+    """[lo, hi) of the key/value chunks a query chunk must visit: up to the diagonal (causal),
+    and, with segment ids whose keys' are sorted (packed documents), only the chunks that
+    hold its documents (segment_spans; over the batch, the union of its rows')."""
+    lo, hi = _causal_chunk_bounds(spec, q_start, q_chunk_size, kv_len)
+    if q_seg is None:
+        return lo, hi
+    chunk = spec.kv_chunk_size
+    spans = segment_spans(q_seg, kv_seg, rows=q_seg.shape[1], cols=chunk, causal=False, min_blocks=0)
+    lo = jnp.maximum(lo, spans[:, 0, 0].min())
+    return lo, jnp.maximum(jnp.minimum(hi, spans[:, 0, 1].max()), lo)
+
+
+def _causal_chunk_bounds(spec: _ChunkSpec, q_start, q_chunk_size: int, kv_len: int):
     num_kv_chunks = kv_len // spec.kv_chunk_size
     if not spec.causal:
         return 0, num_kv_chunks
@@ -99,7 +114,7 @@ def _chunk_forward(spec, q, k, v, q_seg, kv_seg, q_start):
         jnp.zeros(stats_shape, jnp.float32),
         jnp.zeros(stats_shape + (d,), jnp.float32),
     )
-    lo, hi = _kv_chunk_bounds(spec, q_start, cq, k.shape[1])
+    lo, hi = _kv_chunk_bounds(spec, q_start, cq, k.shape[1], q_seg, kv_seg)
     m, row_sum, acc = _fori(spec, lo, hi, body, init)
     seen = row_sum > 0
     out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
@@ -166,7 +181,7 @@ def _chunk_backward(spec, q, k, v, q_seg, kv_seg, start, out, lse, d_out, d_lse)
         jnp.zeros(k.shape, jnp.float32),
         jnp.zeros(v.shape, jnp.float32),
     )
-    lo, hi = _kv_chunk_bounds(spec, start, cq, k.shape[1])
+    lo, hi = _kv_chunk_bounds(spec, start, cq, k.shape[1], q_seg, kv_seg)
     dq, dk, dv = _fori(spec, lo, hi, body, init)
     scale = 1.0 / math.sqrt(d)
     return (dq * scale).reshape(q.shape), dk * scale, dv

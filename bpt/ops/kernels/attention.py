@@ -35,9 +35,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bpt.ops.kernels import attention_hopper
-from bpt.ops.kernels.segments import segment_spans
 from bpt.ops.reference import check_qkv, split_segment_ids
 from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT, kept_results
+from bpt.ops.segments import segment_spans
 
 Array = jax.Array
 LOG2E = math.log2(math.e)

@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from bpt.ops.kernels.segments import segment_spans
+from bpt.ops.segments import segment_spans
 
 Array = jax.Array
 LOG2E = math.log2(math.e)

@@ -1,5 +1,6 @@
 """The spans of blocks that packed documents need: what the flash kernels stream per block of
-rows when they take segment ids, so that they skip the blocks between documents."""
+rows, and the blockwise scan visits per query chunk, when they take segment ids, so that
+they skip the blocks between documents."""
 
 from __future__ import annotations
 
