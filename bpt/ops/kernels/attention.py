@@ -13,8 +13,12 @@ units, [batch, heads, seq], +inf on rows that see no key (so exp(s - lse) is exa
   loops over the query blocks (and over the query heads of a GQA group, so K/V are never
   repeated and no atomics are needed); then a dQ kernel parallel over query blocks, as the
   forward. Both recompute the probabilities from the logsumexp.
+- Segment ids (packed documents): every block visited is masked by them; where the keys'
+  ids are sorted, each program visits only the span of blocks that hold its documents
+  (bpt.ops.segments.segment_spans, two int32 scalars a program), skipping the rest.
 - Sequence lengths that are not a multiple of the block are padded and the padded keys
-  masked; head_dim is padded to a power of two (80 -> 128), as the lowering needs.
+  masked (padded tokens take segment ids above every real one, so sorted ids stay sorted);
+  head_dim is padded to a power of two (80 -> 128), as the lowering needs.
 
 On GPUs the kernels lower through Triton; elsewhere they run in Pallas interpret mode (slow,
 for tests). On H100-class GPUs the Mosaic GPU kernels of attention_hopper.py (wgmma, TMA, warp
