@@ -373,16 +373,19 @@ def test_segment_spans_cover_every_block_a_row_block_sees_and_no_more_for_packed
     assert checked > 300 and tight > 150 and narrowed > 0
 
 
-@pytest.mark.parametrize("kernel", ["triton", "hopper"])
-def test_packed_documents_never_read_the_blocks_between_them(key, kernel):
+@pytest.mark.parametrize("kernel, length", [("triton", 384), ("hopper", 384), ("triton", 360)])
+def test_packed_documents_never_read_the_blocks_between_them(key, kernel, length):
     """With sorted segment ids the kernels skip the blocks no row of a block's documents sees
     (segment_spans): not-a-number in those blocks, which a masked block would still carry
     into its matmuls (0 x NaN), leaves the results finite and exact. The forward, with the
     keys and values of a document no query has poisoned; dK and dV (the fused Hopper
-    backward and the Triton dK/dV pass), with the queries and dO of a document no key has."""
+    backward and the Triton dK/dV pass), with the queries and dO of a document no key has.
+    At 360 tokens the Triton kernels pad to 384, the padded tokens' ids above the real ones
+    (below them, the ids would no longer be sorted, and every block would be read)."""
     blocks = dict(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, hopper_block_k=64)
     fn = functools.partial(flash_attention_with_lse, forward=kernel, backward=kernel, **blocks)
-    q, k, v, d_out = inputs(key, 1, 384, 1, 1, 64, jnp.bfloat16)
+    q, k, v, d_out = inputs(key, 1, length, 1, 1, 64, jnp.bfloat16)
+    last = length - 256  # the third document's length
 
     def ids(*runs):  # (segment, length) runs back to back
         return jnp.concatenate([jnp.full((1, n), i, jnp.int32) for i, n in runs], axis=1)
@@ -391,7 +394,7 @@ def test_packed_documents_never_read_the_blocks_between_them(key, kernel):
     nan = jnp.array(jnp.nan, jnp.bfloat16)
 
     # keys 128-255 are document 1's, which no query is in
-    q_ids, kv_ids = ids((0, 128), (2, 256)), ids((0, 128), (1, 128), (2, 128))
+    q_ids, kv_ids = ids((0, 128), (2, 128 + last)), ids((0, 128), (1, 128), (2, last))
     alien = (kv_ids == 1)[..., None, None]
     out, _ = fn(q, jnp.where(alien, nan, k), jnp.where(alien, nan, v), segment_ids=(q_ids, kv_ids))
     truth = reference_attention(up(q), up(k), up(v), segment_ids=(q_ids, kv_ids))
@@ -399,7 +402,7 @@ def test_packed_documents_never_read_the_blocks_between_them(key, kernel):
 
     # queries 128-255 are document 1's, which no key is in: they see nothing, and no key tile
     # reads them
-    q_ids, kv_ids = ids((0, 128), (1, 128), (2, 128)), ids((0, 128), (2, 256))
+    q_ids, kv_ids = ids((0, 128), (1, 128), (2, last)), ids((0, 128), (2, 128 + last))
     alien = (q_ids == 1)[..., None, None]
     poisoned_q, poisoned_do = jnp.where(alien, nan, q), jnp.where(alien, nan, d_out)
 
