@@ -28,15 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib  # noqa: E402
 import python_corpus  # noqa: E402
+from check_gpus import device_name, jax_version, read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def console(name: str) -> list[str]:
-    """A console script of bpt beside this Python (python -m bpt.cli.<module> if absent)."""
-    script = Path(sys.executable).parent / name
-    module = {"bpt-train": "train", "bpt-prepare-data": "prepare_data"}[name]
-    return [str(script)] if script.exists() else [sys.executable, "-m", f"bpt.cli.{module}"]
 
 
 def prepared_corpus(out: Path, max_bytes: float, max_file_bytes: float) -> Path:
@@ -48,7 +42,7 @@ def prepared_corpus(out: Path, max_bytes: float, max_file_bytes: float) -> Path:
     if not source.is_dir() or not any(source.iterdir()):
         limits = ["--max_bytes", str(max_bytes), "--max_file_bytes", str(max_file_bytes)]
         python_corpus.main([str(source), *limits])
-    argv = [*console("bpt-prepare-data"), "--source", str(source), "--tokenizer", "byte"]
+    argv = [*benchlib.console_script("bpt-prepare-data"), "--source", str(source), "--tokenizer", "byte"]
     argv += ["--val_documents", "20", "--out", str(data)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
@@ -59,7 +53,7 @@ def prepared_corpus(out: Path, max_bytes: float, max_file_bytes: float) -> Path:
 def train_argv(config: str, workdir: Path, data: Path, seq_len: int, packed: bool, steps: int, sets: list):
     """The bpt-train command of one run: a few steps, logged twice (the last row is timed after
     the first steps), no evaluation, checkpoint or sample."""
-    argv = [*console("bpt-train"), "--config", config, "--workdir", str(workdir)]
+    argv = [*benchlib.console_script("bpt-train"), "--config", config, "--workdir", str(workdir)]
     settings = {
         "data.name": "prepared",
         "data.path": str(data),
@@ -84,10 +78,7 @@ def run(argv: list[str], workdir: Path, timeout: int) -> dict:
         output, code = f"timed out after {expired.timeout} s", None
     workdir.parent.mkdir(parents=True, exist_ok=True)
     (workdir.parent / f"{workdir.name}.log").write_text(output)
-    metrics = workdir / "metrics.jsonl"
-    rows = []
-    if metrics.is_file():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_metrics(workdir / "metrics.jsonl")
     if code != 0 or not rows:
         errors = [line for line in output.splitlines() if "error" in line.lower()] or output.splitlines()[-3:]
         return {"ok": False, "error": " | ".join(errors)[-300:]}
@@ -143,31 +134,17 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resumed one
             command = train_argv(args.config, workdir, data, seq_len, packed, args.steps, args.set)
             result = run(command, workdir, args.timeout) | dict(seq_len=seq_len, packed=packed)
-            result["command"] = " ".join(["bpt-train", *command[len(console("bpt-train")) :]])
+            result["command"] = " ".join(["bpt-train", *command[len(benchlib.console_script("bpt-train")) :]])
             results.append(result)
             shown = {k: result.get(k) for k in ("ok", "tokens_per_sec", "mfu", "keys_seen", "error")}
             print(f"{seq_len} segment_ids={packed}: {json.dumps(shown)}", flush=True)
     text = table(results)
-    benchlib.write_results(out, dict(meta=meta(args), results=results), table=text)
+    meta = dict(
+        date=datetime.date.today().isoformat(),
+        device=device_name(shutil.which("nvidia-smi") is not None),  # this process leaves the GPUs alone
+        jax=jax_version(),
+        command="python " + " ".join(sys.argv),
+    )
+    benchlib.write_results(out, dict(meta=meta, results=results), table=text)
     print(text)
 
-
-def meta(args) -> dict:
-    """What the runs were measured on. The GPU is named by nvidia-smi: this process leaves the
-    devices alone (JAX here would take most of a GPU's memory from the runs)."""
-    try:
-        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        device = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip() or "cpu"
-    except (OSError, subprocess.TimeoutExpired):
-        device = "cpu"
-    return dict(
-        date=datetime.date.today().isoformat(),
-        device=device,
-        command="python " + " ".join(sys.argv),
-        config=args.config,
-        steps=args.steps,
-    )
-
-
-if __name__ == "__main__":
-    main()

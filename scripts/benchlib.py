@@ -108,6 +108,14 @@ def report(result: dict) -> None:
     print(RESULT + json.dumps(result), flush=True)
 
 
+def console_script(name: str) -> list[str]:
+    """The argv of one of bpt's console scripts (bpt-train, bpt-prepare-data, ...) beside this
+    Python, or python -m bpt.cli.<module> where it is not installed there."""
+    script = Path(sys.executable).parent / name
+    module = name.removeprefix("bpt-").replace("-", "_")
+    return [str(script)] if script.exists() else [sys.executable, "-m", f"bpt.cli.{module}"]
+
+
 def run_in_subprocess(argv: Sequence[str], *, env: dict | None = None) -> dict:
     """Runs argv (a process that calls report) and returns its last result. A process that
     died without one (the OOM killer, a crash in the runtime) gives {"ok": False, "error"}.

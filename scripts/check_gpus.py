@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 from bench_scaleout import gpu_count, gpu_names
-from benchlib import compile_records, human_tokens, script_parser
+from benchlib import compile_records, console_script, human_tokens, script_parser
 
 from bpt.train.loop import STEP_REUSED
 from bpt.train.probe import CHOICE_NOTES
@@ -179,8 +179,7 @@ def environment(n: int, on_gpu: bool, group: str) -> dict:
 
 def bpt_train() -> list[str]:
     """The bpt-train console script beside this Python (python -m bpt.cli.train if absent)."""
-    script = Path(sys.executable).parent / "bpt-train"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "bpt.cli.train"]
+    return console_script("bpt-train")
 
 
 def longest(row: Row, n: int, env: dict, out: Path, timeout: int, small: bool) -> tuple[int, str]:

@@ -304,7 +304,11 @@ class _Ring:
     def __init__(self, groups, stages: int, steps, eager: bool = False, start=0):
         self.groups, self.stages, self.steps, self.eager = groups, stages, steps, eager
         self.start = start  # the first step (segment spans: a traced scalar; else 0)
-        self.bounded = not isinstance(start, int)  # its steps come from segment spans
+
+    @property
+    def bounded(self) -> bool:
+        """Whether its steps come from segment spans (a traced start)."""
+        return not isinstance(self.start, int)
 
     def slot(self, j):
         return j % self.stages if isinstance(j, int) else lax.rem(j, self.stages)
