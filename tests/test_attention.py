@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_script, rel_err
+from conftest import load_script, rel_err, tree_rel_err
 
 from bpt.ops import attend_query_chunk, attention, blockwise_attention, reference_attention
 
@@ -44,9 +44,12 @@ def assert_matches_reference(key, q, k, v, **kwargs):
     out_r, grads_r = outputs_and_grads(ref, q, k, v, cot)
     out_b, grads_b = outputs_and_grads(blk, q, k, v, cot)
     assert rel_err(out_b, out_r) < TOL
-    for name, g_b, g_r in zip("qkv", grads_b, grads_r):
+    # A gradient that is exactly zero (each query sees at most one key, so softmax cancels dQ
+    # and dK) is measured against a tenth of the three gradients' norm: its float32 rounding
+    # (1e-7 an element) is no error.
+    for name, g_b in zip("qkv", grads_b):
         assert np.isfinite(np.asarray(g_b)).all(), f"d{name} has NaN/inf"
-        assert rel_err(g_b, g_r) < TOL, f"d{name}"
+    assert tree_rel_err(grads_b, grads_r, floor=0.1) < TOL
 
 
 @pytest.mark.parametrize("causal", [False, True])
