@@ -336,9 +336,11 @@ def test_segment_spans_cover_every_block_a_row_block_sees_and_no_more_for_packed
     segment with the row block (under the causal mask, either side the keys), at least
     min_blocks; for packed documents (sorted ids, self-attention) nothing more; where the
     columns' ids are not sorted, every block the causal mask leaves (rows in any order with
-    sorted columns still narrow it)."""
+    sorted columns still narrow it). With dense, the span's blocks that need no segment
+    mask: exactly those where every pair is of one segment, for rows of one segment and
+    sorted columns; none otherwise."""
     rng = np.random.default_rng(0)
-    checked = tight = narrowed = 0
+    checked = tight = narrowed = dense = 0
     for trial in range(60):
         n, rows, cols = 256, int(rng.choice([64, 128])), int(rng.choice([32, 64, 128]))
         cuts = np.sort(rng.choice(np.arange(1, n), int(rng.integers(0, 12)), replace=False))
@@ -349,16 +351,27 @@ def test_segment_spans_cover_every_block_a_row_block_sees_and_no_more_for_packed
         col_seg = col_seg.astype(np.int32)
         causal, keys_first = bool(trial % 2), trial % 5 == 0
         least = 2 if keys_first else 1
-        spans = segments.segment_spans(
-            jnp.asarray(row_seg), jnp.asarray(col_seg), rows=rows, cols=cols, causal=causal,
-            rows_are_keys=keys_first, min_blocks=least,
+        spans_of = functools.partial(
+            segments.segment_spans, jnp.asarray(row_seg), jnp.asarray(col_seg), rows=rows, cols=cols,
+            causal=causal, rows_are_keys=keys_first, min_blocks=least,
         )
-        spans = np.asarray(spans)
+        spans, with_dense = np.asarray(spans_of()), np.asarray(spans_of(dense=True))
         seen = _visible_blocks(row_seg, col_seg, rows, cols, causal, keys_first)
+        same = (row_seg[:, :, None] == col_seg[:, None, :]).reshape(2, n // rows, rows, n // cols, cols)
+        same = same.all(axis=(2, 4))  # block pairs that need no segment mask
         assert spans.shape == (2, n // rows, 2) and spans.dtype == np.int32
+        assert with_dense.shape == (2, n // rows, 4) and (with_dense[..., :2] == spans).all()
         for b in range(2):
             rows_sorted, cols_sorted = ((np.diff(x[b]) >= 0).all() for x in (row_seg, col_seg))
             for r, (first, stop) in enumerate(spans[b]):
+                dense_first, dense_stop = with_dense[b, r, 2:]
+                assert first <= dense_first <= dense_stop <= stop
+                unmasked = np.nonzero(same[b, r, first:stop])[0] + first
+                if cols_sorted and len(np.unique(row_seg[b, r * rows : (r + 1) * rows])) == 1:
+                    dense += len(unmasked)
+                    assert list(unmasked) == list(range(dense_first, dense_stop))
+                else:
+                    assert dense_first == dense_stop
                 assert 0 <= first and first + least <= stop <= n // cols
                 blocks = np.nonzero(seen[b, r])[0]
                 if len(blocks):
@@ -370,7 +383,35 @@ def test_segment_spans_cover_every_block_a_row_block_sees_and_no_more_for_packed
                 if not cols_sorted and not causal:
                     assert (first, stop) == (0, n // cols)
                 narrowed += bool(not rows_sorted and cols_sorted and stop - first < n // cols)
-    assert checked > 300 and tight > 150 and narrowed > 0
+    assert checked > 300 and tight > 150 and narrowed > 0 and dense > 100
+
+
+@pytest.mark.parametrize(
+    "kernel, causal, schedule",
+    [("triton", True, None), ("triton", False, None), ("hopper", True, "overlap"), ("hopper", False, None)],
+)
+def test_documents_interior_blocks_run_without_the_segment_mask(key, kernel, causal, schedule):
+    """A block of rows of one document runs the blocks wholly inside that document without
+    the segment mask (segment_spans(dense=True)), and masks only the document's edges (and
+    the diagonal): two documents of 150 and 234 tokens, so that some row blocks lie in one
+    document (their spans begin with an edge block, then the interior) and one straddles
+    both (every block masked). Outputs and gradients against float32 attention, in the
+    forward's ping-pong and overlapped schedules (the pipeline takes the interior)."""
+    q, k, v, d_out = inputs(key, 1, 384, 1, 1, 64, jnp.bfloat16)
+    ids = jnp.concatenate([jnp.zeros((1, 150), jnp.int32), jnp.ones((1, 234), jnp.int32)], axis=1)
+    blocks = dict(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)
+    if kernel == "hopper":
+        blocks = dict(hopper_block_k=64, hopper_schedule=schedule, hopper_dq_split="steps")
+    for rows, cols, keys_first in ((128, 64, False), (64, 64, False), (128, 64, True)):
+        spans = segments.segment_spans(
+            ids, ids, rows=rows, cols=cols, causal=causal, rows_are_keys=keys_first, dense=True
+        )
+        dense = spans[0, :, 3] - spans[0, :, 2]
+        assert int(dense.max()) >= 2 and int(dense.min()) == 0  # interiors, and a block across the two
+        if not keys_first:  # an edge block before an interior
+            assert bool(jnp.any(spans[0, :, 2] > spans[0, :, 0]))
+    kernels = dict(forward=kernel, backward=kernel, **blocks)
+    compare(q, k, v, d_out, causal=causal, segment_ids=ids, tol=1e-2, **kernels)
 
 
 @pytest.mark.parametrize("kernel, length", [("triton", 384), ("hopper", 384), ("triton", 360)])
@@ -421,8 +462,9 @@ def test_packed_documents_never_read_the_blocks_between_them(key, kernel, length
 
 
 def test_triton_kernels_with_segment_spans_lower_for_cuda():
-    """The Triton kernels read each block's segment span (two int32 scalars) and still lower
-    for CUDA (checked without a GPU): the forward, the dK/dV pass and the dQ pass, causal or not."""
+    """The Triton kernels read each block's segment span and its dense run (four int32
+    scalars) and still lower for CUDA (checked without a GPU): the forward, the dK/dV pass
+    and the dQ pass, causal or not."""
     x = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
     for causal in (True, False):
@@ -433,7 +475,7 @@ def test_triton_kernels_with_segment_spans_lower_for_cuda():
         text = jax.jit(grad).trace(x, ids).lower(lowering_platforms=("cuda",)).as_text()
         calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
         assert len(calls) == 3, calls
-        assert all(re.search(r"tensor<1x\d+x2xi32>", c) for c in calls), calls  # [batch, blocks, 2] spans
+        assert all(re.search(r"tensor<1x\d+x4xi32>", c) for c in calls), calls  # [batch, blocks, 4] spans
 
 
 def test_head_dim_256_runs_the_hopper_kernels(key, monkeypatch):

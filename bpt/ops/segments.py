@@ -21,6 +21,7 @@ def segment_spans(
     causal: bool,
     rows_are_keys: bool = False,
     min_blocks: int = 1,
+    dense: bool = False,
 ) -> Array:
     """[b, row blocks, 2] int32: for each block of `rows` rows, the first and the stop block of
     the `cols`-column blocks that a kernel streams for it: every column block holding a
@@ -29,13 +30,20 @@ def segment_spans(
     and every column of a row's segment is in it; all blocks where they are not), within
     the causal mask (columns up to the block's last row, or, rows_are_keys, from its first),
     and at least min_blocks (blocks added where fewer are seen are wholly masked). Blocks
-    outside a span would be all masked: the kernels skip them."""
+    outside a span would be all masked: the kernels skip them.
+
+    dense: [b, row blocks, 4], with the span's run of column blocks that need no segment mask
+    after first and stop: where all the block's rows are of one segment and the columns'
+    ids are sorted, the column blocks wholly of that segment (first == stop where there are
+    none). A document's interior blocks: the kernels mask only its edges (and the causal
+    diagonal)."""
     b, n_rows, n_cols = row_seg.shape[0], row_seg.shape[1] // rows, col_seg.shape[1] // cols
     in_order = jnp.all(col_seg[:, 1:] >= col_seg[:, :-1], axis=1)
     blocks = row_seg[:, : n_rows * rows].reshape(b, n_rows, rows)
     low, high = blocks.min(axis=2), blocks.max(axis=2)  # each row block's least and greatest id
-    first = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(col_seg, low) // cols
-    stop = -(-jax.vmap(functools.partial(jnp.searchsorted, side="right"))(col_seg, high) // cols)
+    left = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(col_seg, low)
+    right = jax.vmap(functools.partial(jnp.searchsorted, side="right"))(col_seg, high)
+    first, stop = left // cols, -(-right // cols)
     first = jnp.where(in_order[:, None], first, 0)
     stop = jnp.where(in_order[:, None], stop, n_cols)
     if causal:
@@ -46,4 +54,12 @@ def segment_spans(
             stop = jnp.minimum(stop, -(-(block + 1) * rows // cols))
     first = jnp.minimum(first, n_cols - min_blocks)
     stop = jnp.maximum(stop, first + min_blocks)
-    return jnp.stack([first, stop], axis=-1).astype(jnp.int32)
+    if not dense:
+        return jnp.stack([first, stop], axis=-1).astype(jnp.int32)
+    # one segment's columns are [left, right): the blocks wholly inside, cut to the span
+    whole = in_order[:, None] & (low == high)
+    dense_first = jnp.clip(-(-left // cols), first, stop)
+    dense_stop = jnp.clip(right // cols, dense_first, stop)
+    some = whole & (dense_first < dense_stop)
+    dense_first, dense_stop = jnp.where(some, dense_first, first), jnp.where(some, dense_stop, first)
+    return jnp.stack([first, stop, dense_first, dense_stop], axis=-1).astype(jnp.int32)

@@ -13,9 +13,11 @@ units, [batch, heads, seq], +inf on rows that see no key (so exp(s - lse) is exa
   loops over the query blocks (and over the query heads of a GQA group, so K/V are never
   repeated and no atomics are needed); then a dQ kernel parallel over query blocks, as the
   forward. Both recompute the probabilities from the logsumexp.
-- Segment ids (packed documents): every block visited is masked by them; where the keys'
-  ids are sorted, each program visits only the span of blocks that hold its documents
-  (bpt.ops.segments.segment_spans, two int32 scalars a program), skipping the rest.
+- Segment ids (packed documents): where the keys' ids are sorted, each program visits only
+  the span of blocks that hold its documents (bpt.ops.segments.segment_spans, four int32
+  scalars a program), skipping the rest, and masks by segment only the blocks at its
+  documents' edges: a block of rows of one document runs that document's interior blocks
+  without the segment mask. Unsorted ids: every block, each masked.
 - Sequence lengths that are not a multiple of the block are padded and the padded keys
   masked (padded tokens take segment ids above every real one, so sorted ids stay sorted);
   head_dim is padded to a power of two (80 -> 128), as the lowering needs.
@@ -146,15 +148,25 @@ def _kv_ranges(cfg: FlashConfig, q_block: int | Array, block_q: int, block_k: in
 
 
 def _within(ranges, spans_ref):
-    """The ranges (lo, hi, ...) cut to the block's segment span (spans_ref: its [first, stop]
-    from segment_spans; None: as they are). The ranges follow one another, and so do the cut ones."""
+    """[(lo, hi, ..., segments)]: the ranges (lo, hi, ...) cut to the block's segment span and
+    split around its dense run (spans_ref: [first, stop, dense first, dense stop] from
+    segment_spans(dense=True); None: the ranges as they are), segments telling whether a
+    range's blocks need the segment mask (the span's blocks outside its dense run: a
+    document's edges). The ranges follow one another, and so do the cut ones."""
     if spans_ref is None:
-        return ranges
-    first, stop = spans_ref[0], spans_ref[1]
+        return [(*r, False) for r in ranges]
+    first, stop, dense_first, dense_stop = (spans_ref[i] for i in range(4))
+
+    def clamp(x, lo, hi):
+        return jnp.minimum(jnp.maximum(x, lo), hi)
+
     cut = []
     for lo, hi, *how in ranges:
-        lo = jnp.minimum(jnp.maximum(lo, first), stop)
-        cut.append((lo, jnp.minimum(jnp.maximum(hi, lo), stop), *how))
+        lo = clamp(lo, first, stop)
+        hi = clamp(hi, lo, stop)
+        a = clamp(dense_first, lo, hi)
+        z = clamp(dense_stop, a, hi)
+        cut += [(lo, a, *how, True), (a, z, *how, False), (z, hi, *how, True)]
     return cut
 
 
@@ -184,17 +196,15 @@ def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
     q_seg = qs_ref[...] if has_seg else None
     q_scale = q_scale_ref[...] * (cfg.scale * LOG2E) if cfg.fp8 else None  # once, not a block
 
-    def visit(diagonal, tail):
+    def visit(diagonal, tail, segments):
         def body(j, carry):
             m, row_sum, acc = carry
             span = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
             k, v = k_ref[span, :], v_ref[span, :]
-            k_seg = ks_ref[span] if has_seg else None
+            seg = (q_seg, ks_ref[span]) if segments else (None, None)
             k_pos = _iota(block_k, j * block_k)
             scales = (q_scale, k_scale_ref[span]) if cfg.fp8 else None
-            s = _masked_scores(
-                cfg, q, k, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail, scales=scales
-            )
+            s = _masked_scores(cfg, q, k, q_pos, k_pos, *seg, diagonal=diagonal, tail=tail, scales=scales)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
             p = jnp.exp2(s - shift[:, None])
@@ -211,8 +221,8 @@ def _fwd_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, *refs):
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros(q.shape, jnp.float32),
     )
-    for lo, hi, diagonal, tail in _within(_kv_ranges(cfg, i, block_q, block_k, num_k), spans_ref):
-        carry = lax.fori_loop(lo, hi, visit(diagonal, tail), carry)
+    for lo, hi, diagonal, tail, segments in _within(_kv_ranges(cfg, i, block_q, block_k, num_k), spans_ref):
+        carry = lax.fori_loop(lo, hi, visit(diagonal, tail, segments), carry)
     m, row_sum, acc = carry
     seen = row_sum > 0.0
     safe = jnp.where(seen, row_sum, 1.0)
@@ -240,7 +250,7 @@ def _query_grid_specs(block_q: int, seq_k: int, head_dim: int, group: int) -> di
         stats=pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i)),
         q_seg=pl.BlockSpec((None, block_q), lambda b, h, i: (b, i)),
         kv_seg=pl.BlockSpec((None, seq_k), lambda b, h, i: (b, 0)),
-        spans=pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),
+        spans=pl.BlockSpec((None, None, 4), lambda b, h, i: (b, i, 0)),
     )
 
 
@@ -267,7 +277,9 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
     spec = _query_grid_specs(cfg.block_q, sk, d, group)
     seg_specs, seg_args = [], []
     if has_seg:  # the ids, and each query block's span of key blocks
-        spans = segment_spans(q_seg, kv_seg, rows=cfg.block_q, cols=cfg.block_k, causal=cfg.causal)
+        spans = segment_spans(
+            q_seg, kv_seg, rows=cfg.block_q, cols=cfg.block_k, causal=cfg.causal, dense=True
+        )
         seg_specs, seg_args = [spec["q_seg"], spec["kv_seg"], spec["spans"]], [q_seg, kv_seg, spans]
     out_dtype, scale_specs, scale_args = q.dtype, [], []
     if cfg.fp8:
@@ -323,15 +335,15 @@ def _dkdv_kernel(
     k_pos = _iota(block_k, j * block_k)
     k_seg = ks_ref[...] if has_seg else None
 
-    def visit(g, diagonal):
+    def visit(g, diagonal, segments):
         def body(i, carry):
             dk, dv = carry
             span = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
             q, do = q_ref[span, g, :], do_ref[span, g, :]
             lse, delta = lse_ref[g, span], dl_ref[g, span]
-            q_seg = qs_ref[span] if has_seg else None
+            seg = (qs_ref[span], k_seg) if segments else (None, None)
             q_pos = _iota(block_q, i * block_q)
-            s = _masked_scores(cfg, q, k, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=False)
+            s = _masked_scores(cfg, q, k, q_pos, k_pos, *seg, diagonal=diagonal, tail=False)
             p = jnp.exp2(s - (lse * LOG2E)[:, None])
             dv = dv + _dot(p.astype(do.dtype), do, ta=True)
             ds = p * (_dot(do, v, tb=True) - delta[:, None])
@@ -342,8 +354,8 @@ def _dkdv_kernel(
 
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for g in range(group):
-        for lo, hi, diagonal in _within(_q_ranges(cfg, j, block_q, block_k, num_q), spans_ref):
-            carry = lax.fori_loop(lo, hi, visit(g, diagonal), carry)
+        for lo, hi, diagonal, segments in _within(_q_ranges(cfg, j, block_q, block_k, num_q), spans_ref):
+            carry = lax.fori_loop(lo, hi, visit(g, diagonal, segments), carry)
     dk, dv = carry
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -362,13 +374,13 @@ def _dq_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, do_ref, lse
     q_pos = _iota(block_q, i * block_q)
     q_seg = qs_ref[...] if has_seg else None
 
-    def visit(diagonal, tail):
+    def visit(diagonal, tail, segments):
         def body(j, dq):
             span = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
             k, v = k_ref[span, :], v_ref[span, :]
-            k_seg = ks_ref[span] if has_seg else None
+            seg = (q_seg, ks_ref[span]) if segments else (None, None)
             k_pos = _iota(block_k, j * block_k)
-            s = _masked_scores(cfg, q, k, q_pos, k_pos, q_seg, k_seg, diagonal=diagonal, tail=tail)
+            s = _masked_scores(cfg, q, k, q_pos, k_pos, *seg, diagonal=diagonal, tail=tail)
             p = jnp.exp2(s - lse2[:, None])
             ds = p * (_dot(do, v, tb=True) - delta[:, None])
             return dq + _dot(ds.astype(k.dtype), k)
@@ -376,8 +388,8 @@ def _dq_kernel(cfg: FlashConfig, has_seg: bool, q_ref, k_ref, v_ref, do_ref, lse
         return body
 
     dq = jnp.zeros(q.shape, jnp.float32)
-    for lo, hi, diagonal, tail in _within(_kv_ranges(cfg, i, block_q, block_k, num_k), spans_ref):
-        dq = lax.fori_loop(lo, hi, visit(diagonal, tail), dq)
+    for lo, hi, diagonal, tail, segments in _within(_kv_ranges(cfg, i, block_q, block_k, num_k), spans_ref):
+        dq = lax.fori_loop(lo, hi, visit(diagonal, tail, segments), dq)
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
@@ -424,9 +436,11 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
         dkdv_specs += [
             pl.BlockSpec((None, sq), lambda b_, g_, j: (b_, 0)),
             pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j)),
-            pl.BlockSpec((None, None, 2), lambda b_, g_, j: (b_, j, 0)),
+            pl.BlockSpec((None, None, 4), lambda b_, g_, j: (b_, j, 0)),
         ]
-        key_spans = segment_spans(kv_seg, q_seg, rows=bk, cols=bq, causal=cfg.causal, rows_are_keys=True)
+        key_spans = segment_spans(
+            kv_seg, q_seg, rows=bk, cols=bq, causal=cfg.causal, rows_are_keys=True, dense=True
+        )
     kv_out_spec = pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg, has_seg, group),
@@ -445,7 +459,8 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
     dq_seg = []
     if has_seg:
         dq_specs += [spec["q_seg"], spec["kv_seg"], spec["spans"]]
-        dq_seg = [q_seg, kv_seg, segment_spans(q_seg, kv_seg, rows=bq, cols=bk, causal=cfg.causal)]
+        spans = segment_spans(q_seg, kv_seg, rows=bq, cols=bk, causal=cfg.causal, dense=True)
+        dq_seg = [q_seg, kv_seg, spans]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg, has_seg),
         grid=(b, h, sq // bq),

@@ -30,11 +30,13 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   releases the slots it skips, so the ring keeps turning (the fused backward's warpgroups
   take the same blocks, the partner's first one fully masked, since dQ needs both halves).
 - segment ids (packed documents): each block's other side brings its segment ids through
-  the ring (the keys' in the forward and dQ, the queries' in dK/dV), and every block it
-  streams is masked by them. Where the ids are sorted along the sequence (packed documents)
-  a tile streams only the span of blocks that hold its documents (segment_spans, computed
-  by XLA before the kernel and read by each CTA): the blocks between documents are skipped,
-  so that the work follows the documents' own squares, not the window's.
+  the ring (the keys' in the forward and dQ, the queries' in dK/dV). Where the ids are
+  sorted along the sequence (packed documents) a tile streams only the span of blocks that
+  hold its documents (segment_spans, computed by XLA before the kernel and read by each
+  CTA): the blocks between documents are skipped, so that the work follows the documents'
+  own squares, not the window's. A tile of one document masks by segment only the span's
+  edge blocks; the blocks wholly inside its document (the span's dense run) run as a
+  segment-free tile's do. With unsorted ids every block is streamed, each masked.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
 multiple of 64 up to 256 for the forward (above 128 in key blocks of 64) and up to 128, or
@@ -301,9 +303,12 @@ class _Ring:
     arrived on its free barrier; each buffer signals its own ready barrier.
     """
 
-    def __init__(self, groups, stages: int, steps, eager: bool = False, start=0):
+    def __init__(self, groups, stages: int, steps, eager: bool = False, start=0, dense=None):
         self.groups, self.stages, self.steps, self.eager = groups, stages, steps, eager
         self.start = start  # the first step (segment spans: a traced scalar; else 0)
+        # segment spans: the steps [dense[0], dense[1]) need no segment mask (a document's
+        # interior; segment_spans(dense=True)); None without segment ids
+        self.dense = dense
 
     @property
     def bounded(self) -> bool:
@@ -412,10 +417,10 @@ class _KeyStream:
     ):
         """(tile, batch, head, warpgroup, ring, key segments) of this CTA. With segments
         (seg_scratch: the smem and ready barriers scratch() added; seg_ref: the keys' segment
-        ids [b, sk]), key_segments(slot, regs) waits for the slot's segment ids and loads
-        them, one per column of a [queries, keys] block; else it is None. spans_ref
-        (segment_spans of the query tiles over the key blocks): the ring streams only the
-        tile's span."""
+        ids [b, sk]), key_segments(slot, regs, load) waits for the slot's segment ids and
+        (load) loads them, one per column of a [queries, keys] block; else it is None.
+        spans_ref (segment_spans(dense=True) of the query tiles over the key blocks): the
+        ring streams only the tile's span, and knows its dense run."""
         tile, head, bi = self.grid.here()
         tile = self.grid.tiles - 1 - tile if self.causal else tile
         wg = lax.axis_index("wg")
@@ -425,54 +430,69 @@ class _KeyStream:
             return lambda j: ref.at[bi, pl.ds(j * bk, bk), head // self.group]
 
         start, steps = 0, (pl.cdiv((tile + 1) * TILE, bk) if self.causal else self.num_k)
+        dense = None
         if spans_ref is not None:
             start, steps = spans_ref[bi, tile, 0], spans_ref[bi, tile, 1]
+            dense = (spans_ref[bi, tile, 2], spans_ref[bi, tile, 3])
         keys = [(k_smem, k_ready, rows(k_ref))]
         key_segments = None
         if self.segments:
             seg_smem, seg_ready = seg_scratch
             keys.append((seg_smem, seg_ready, lambda j: seg_ref.at[bi, pl.ds(j * bk, bk)]))
 
-            def key_segments(slot, regs):
+            def key_segments(slot, regs, load: bool = True):
                 plgpu.barrier_wait(seg_ready.at[slot])
-                return regs.vector(seg_smem.at[slot], 0)
+                return regs.vector(seg_smem.at[slot], 0) if load else None
 
         groups = [(k_free, keys), (v_free, [(v_smem, v_ready, rows(v_ref))])]
-        ring = _Ring(groups, self.stages, steps, self.eager, start=start)
+        ring = _Ring(groups, self.stages, steps, self.eager, start=start, dense=dense)
         return tile, bi, head, wg, ring, key_segments
 
 
+def _clamp(x, lo, hi):
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
 def _visible_keys(ring: _Ring, *, row0, bq: int, bk: int, causal: bool):
-    """(steps, clear): rows [row0, row0 + bq) see the ring's key blocks from its start to
-    `steps` - 1, those before `clear` wholly (no causal mask)."""
-    if not causal:
-        return ring.steps, ring.steps
-    steps, clear = pl.cdiv(row0 + bq, bk), row0 // bk
-    if ring.bounded:  # the ring's span may start after the rows' first blocks, or stop before their last
-        steps = jnp.minimum(jnp.maximum(steps, ring.start), ring.steps)
-        clear = jnp.minimum(jnp.maximum(clear, ring.start), steps)
-    return steps, clear
+    """(steps, lo, hi): rows [row0, row0 + bq) see the ring's key blocks from its start to
+    `steps` - 1; of those, [lo, hi) need no mask (below the causal diagonal and, with
+    segment ids, in the dense run of the tile's document), the others are masked."""
+    if causal:
+        steps, clear = pl.cdiv(row0 + bq, bk), row0 // bk
+        if ring.bounded:  # the ring's span may start after the rows' first blocks, or stop before their last
+            steps = _clamp(steps, ring.start, ring.steps)
+            clear = _clamp(clear, ring.start, steps)
+    else:
+        steps = clear = ring.steps
+    if ring.dense is None:
+        return steps, ring.start, clear
+    lo = _clamp(ring.dense[0], ring.start, steps)
+    return steps, lo, _clamp(jnp.minimum(clear, ring.dense[1]), lo, steps)
 
 
 def _sweep_keys(
     step, carry, ring: _Ring, *, row0, bq: int, bk: int, causal: bool, skipped=lambda: None, unmasked=None
 ):
-    """Runs step(j, carry, masked) over the key blocks that rows [row0, row0 + bq) see: blocks
-    below the diagonal unmasked, those it crosses masked; passes over the rest of the ring
-    (blocks loaded for the other warpgroup), running skipped() at each.
+    """Runs step(j, carry, masked) over the key blocks that rows [row0, row0 + bq) see: those
+    below the diagonal (and, with segment ids, in the ring's dense run) unmasked, the others
+    masked; passes over the rest of the ring (blocks loaded for the other warpgroup),
+    running skipped() at each.
 
-    unmasked(clear, carry) -> (carry, next), if given, runs the blocks from the ring's start
-    below the diagonal (up to `clear`; at least the first block, masked) its own way (the
-    forward's pipeline) in place of step; step takes the blocks from `next` on."""
-    steps, clear = _visible_keys(ring, row0=row0, bq=bq, bk=bk, causal=causal)
+    unmasked(lo, hi, carry) -> (carry, next), if given, runs the unmasked blocks [lo, hi)
+    its own way (the forward's pipeline) in place of step: at least block lo, masked;
+    step takes the blocks from `next` on."""
+    steps, lo, hi = _visible_keys(ring, row0=row0, bq=bq, bk=bk, causal=causal)
+    segments = ring.dense is not None
+    if segments:  # a document's edge before its interior
+        carry = lax.fori_loop(ring.start, lo, functools.partial(step, masked=True), carry)
     if unmasked is None:
-        carry = lax.fori_loop(ring.start, clear, functools.partial(step, masked=False), carry)
-        start = clear
+        carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+        start = hi
     else:
-        carry, start = unmasked(clear, carry)
-        if ring.bounded:  # rows that see none of the span still took its first block
+        carry, start = unmasked(lo, hi, carry)
+        if ring.bounded:  # rows that see none of the span still took a block
             steps = jnp.maximum(steps, start)
-    if causal:
+    if causal or segments:
         carry = lax.fori_loop(start, steps, functools.partial(step, masked=True), carry)
         ring.skip(steps, ring.steps, each=skipped)
     return carry
@@ -626,9 +646,12 @@ def _check_segments(q: Array, k: Array, q_seg, kv_seg) -> bool:
 
 def key_spans(q_seg: Array, kv_seg: Array, keys: int, causal: bool) -> Array:
     """The dK/dV passes' segment_spans: per tile of `keys` keys, its span of query blocks (at
-    least two: the fused backward's warpgroups each take a step of dQ, DQ_SPLITS' "steps")."""
+    least two: the fused backward's warpgroups each take a step of dQ, DQ_SPLITS' "steps")
+    and the span's dense run."""
     bq = TILE // COMPUTE_WGS
-    return segment_spans(kv_seg, q_seg, rows=keys, cols=bq, causal=causal, rows_are_keys=True, min_blocks=2)
+    return segment_spans(
+        kv_seg, q_seg, rows=keys, cols=bq, causal=causal, rows_are_keys=True, min_blocks=2, dense=True
+    )
 
 
 # --- forward ---------------------------------------------------------------------------------
@@ -640,10 +663,11 @@ SCHEDULES = ("serial", "pingpong", "overlap", "overlap_pingpong")
 def default_schedule(causal: bool, head_dim: int, segments: bool = False) -> str:
     """The forward's schedule where none is asked: "overlap" at head_dim 256, and at 128 where
     no block is masked (non-causal, no segment ids); "pingpong" elsewhere (and with segment
-    ids, under which every block streamed is masked). On an H200 (docs/notes/attention_kernels.md,
-    2026-12-02) overlap ran the forward faster than ping-pong: non-causal 3.6-5.2% at head_dim
-    128 and 12% at 256, causal 9-14% at 256 and 0-2% at 128 (forward + backward there within
-    1.5% either way, so ping-pong stays); at 64 non-causal 3.7% slower."""
+    ids, as measured when every block they streamed was masked). On an H200
+    (docs/notes/attention_kernels.md, 2026-12-02) overlap ran the forward faster than
+    ping-pong: non-causal 3.6-5.2% at head_dim 128 and 12% at 256, causal 9-14% at 256 and
+    0-2% at 128 (forward + backward there within 1.5% either way, so ping-pong stays); at 64
+    non-causal 3.7% slower."""
     if segments:
         return "pingpong"
     return "overlap" if head_dim >= 256 or (head_dim >= 128 and not causal) else "pingpong"
@@ -672,9 +696,10 @@ def forward(
     """(out [b, s, h, d], logsumexp [b, h, s] float32); see supported() for what it takes.
 
     q_seg, kv_seg: segment ids ([b, sq], [b, sk] int32), or None: a query sees only the keys
-    of its segment (every block streamed is then masked; where the ids are sorted, the
-    blocks outside the tile's documents are skipped: segment_spans). A row that sees no key
-    gets 0 and a logsumexp of +inf, as the Triton kernels' do.
+    of its segment (where the ids are sorted, the blocks outside the tile's documents are
+    skipped and those wholly inside its one document run unmasked: segment_spans; else
+    every block is streamed and masked). A row that sees no key gets 0 and a logsumexp of
+    +inf, as the Triton kernels' do.
 
     schedule, how a compute warpgroup orders its matmuls and its softmax:
     - "serial": per key block, S = Q K^T, then its softmax, then O += P V, each waited for.
@@ -717,7 +742,7 @@ def forward(
     c = scale * LOG2E
     grid = _Grid(num_tiles, h, b, tile_group)
     keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, eager=overlap, segments=segments)
-    spans = segment_spans(q_seg, kv_seg, rows=TILE, cols=bk, causal=causal) if segments else None
+    spans = segment_spans(q_seg, kv_seg, rows=TILE, cols=bk, causal=causal, dense=True) if segments else None
 
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
@@ -751,11 +776,12 @@ def forward(
 
             def softmax(j, s, m, denom, masked: bool, segs=None):
                 """Block j's probabilities (in the inputs' dtype), the new running max and
-                denominator, and the factor that rescales what was summed before. segs: the
-                block's key segment ids, with segments."""
-                if masked:
+                denominator, and the factor that rescales what was summed before. masked:
+                the causal mask (causal) and the segment mask (segments; segs: the block's key
+                segment ids) apply."""
+                if masked and causal:
                     s = jnp.where(regs.visible(s.shape, row0, j * bk), s, -jnp.inf)
-                if segments:
+                if masked and segments:
                     s = jnp.where(_same_segment(my_segments, segs, s.shape), s, -jnp.inf)
                 # The running max is kept in base-2 units (c > 0 commutes with max), so that
                 # the scale goes into each exponential's argument: one FFMA an element where
@@ -767,15 +793,16 @@ def forward(
                 p = jnp.exp2(s * c - _rows(shift, s.shape))
                 return p.astype(dtype), m_new, denom * alpha + p.sum(axis=1), alpha
 
-            def arrived(slot):
-                """Wait for the slot's keys (and their segment ids: None without)."""
+            def arrived(slot, masked: bool = True):
+                """Wait for the slot's keys and segment ids; the ids of a masked block (None
+                without segments or mask)."""
                 plgpu.barrier_wait(k_ready.at[slot])
-                return key_segments(slot, regs) if segments else None
+                return key_segments(slot, regs, load=masked) if segments else None
 
             def serial(j, carry, masked: bool):
                 acc, m, denom = carry
                 slot = ring.slot(j)
-                segs = arrived(slot)
+                segs = arrived(slot, masked)
                 s = _scores(my_q, k_smem.at[slot], interpret, issued=meet)
                 plgpu.barrier_arrive(k_free.at[slot])
                 p, m, denom, alpha = softmax(j, s, m, denom, masked, segs)
@@ -791,10 +818,11 @@ def forward(
 
             def pipelined(j, carry):
                 """Block j's S with block j-1's P V in flight; the softmax of j overlaps P V.
-                Block j is one the diagonal does not cross (its segment ids still apply)."""
+                Block j needs no mask (the diagonal does not cross it; with segment ids, it is
+                in the dense run)."""
                 acc, m, denom, p_prev = carry
                 slot, prev = ring.slot(j), ring.slot(j - 1)
-                segs = arrived(slot)
+                segs = arrived(slot, masked=False)
                 plgpu.barrier_wait(v_ready.at[prev])
                 if interpret:  # the same order of barriers, with plain dots
                     s = _scores(my_q, k_smem.at[slot], interpret, issued=meet)
@@ -825,21 +853,24 @@ def forward(
                 meet()
                 meet()
 
-            def overlapped(clear, carry):
-                """Block 0's S and softmax (masked if the diagonal may cross it: masking a block
-                it does not cross changes nothing), then the pipeline over the blocks below the
-                diagonal and its last P V; the blocks the diagonal crosses are left to the
-                serial step. With them in the pipeline as well the causal forward ran 9-11%
-                slower at every length (docs/notes/attention_kernels.md, 2026-12-02, 13:10 UTC)."""
+            def overlapped(lo, hi, carry):
+                """Block lo's S and softmax (masked: masking a block that needs no mask changes
+                nothing), then the pipeline over the unmasked blocks up to hi and its last
+                P V; the blocks the diagonal crosses (and, with segment ids, a document's
+                edges) are left to the serial step. With the diagonal's blocks in the
+                pipeline as well the causal forward ran 9-11% slower at every length
+                (docs/notes/attention_kernels.md, 2026-12-02, 13:10 UTC)."""
                 acc, m, denom = carry
-                first = ring.slot(ring.start)
+                first = ring.slot(lo)
                 segs = arrived(first)
                 s = _scores(my_q, k_smem.at[first], interpret, issued=meet)
                 plgpu.barrier_arrive(k_free.at[first])
-                p, m, denom, _ = softmax(ring.start, s, m, denom, masked=causal, segs=segs)
+                p, m, denom, alpha = softmax(lo, s, m, denom, masked=causal or segments, segs=segs)
+                if segments:  # the edge blocks before lo are summed in acc already
+                    acc = acc * _rows(alpha, acc.shape)
                 meet()
-                end = jnp.maximum(clear, ring.start + 1)
-                acc, m, denom, p = lax.fori_loop(ring.start + 1, end, pipelined, (acc, m, denom, p))
+                end = jnp.maximum(hi, lo + 1)
+                acc, m, denom, p = lax.fori_loop(lo + 1, end, pipelined, (acc, m, denom, p))
                 last = ring.slot(end - 1)
                 plgpu.barrier_wait(v_ready.at[last])
                 acc = _accumulate(acc, p, v_smem.at[last], interpret)
@@ -918,7 +949,7 @@ def _dq(
     grid = _Grid(num_tiles, h, b, tile_group)
     segments = q_seg is not None
     keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, segments=segments)
-    spans = segment_spans(q_seg, kv_seg, rows=TILE, cols=bk, causal=causal) if segments else None
+    spans = segment_spans(q_seg, kv_seg, rows=TILE, cols=bk, causal=causal, dense=True) if segments else None
 
     def body(*refs):
         q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
@@ -949,15 +980,15 @@ def _dq(
             def step(j, dq, masked: bool):
                 slot = ring.slot(j)
                 plgpu.barrier_wait(k_ready.at[slot])
-                segs = key_segments(slot, regs) if segments else None
+                segs = key_segments(slot, regs, load=masked) if segments else None
                 s = _scores(my_q, k_smem.at[slot], interpret)
                 plgpu.barrier_wait(v_ready.at[slot])
                 dp = _scores(my_do, v_smem.at[slot], interpret)
                 plgpu.barrier_arrive(v_free.at[slot])
                 p = jnp.exp2(s * c - _rows(lse2, s.shape))
-                if masked:
+                if masked and causal:
                     p = jnp.where(regs.visible(s.shape, row0, j * bk), p, 0.0)
-                if segments:
+                if masked and segments:
                     p = jnp.where(_same_segment(my_segments, segs, p.shape), p, 0.0)
                 ds = p * (dp - _rows(delta, dp.shape))
                 dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], interpret)
@@ -1054,20 +1085,22 @@ class _QueryStream:
         seg_ref=None,
         spans_ref=None,
     ):
-        """(tile, batch, kv head, warpgroup, ring, (first, stop, per_head)) of this CTA: the
-        query blocks first to stop - 1 see the tile, and step j of the ring holds query block
-        first + j % per_head of the group's query head j // per_head. With segments
+        """(tile, batch, kv head, warpgroup, ring, (first, stop, per_head, dense)) of this CTA:
+        the query blocks first to stop - 1 see the tile, and step j of the ring holds query
+        block first + j % per_head of the group's query head j // per_head. With segments
         (seg_scratch: the smem and ready barriers scratch() added; seg_ref: the queries'
         segment ids [b, sq]) the step's query segment ids come too, in the smem
-        seg_scratch[0] on the barriers seg_scratch[1]; spans_ref (segment_spans of the key
-        tiles over the query blocks) gives first and stop (traced; else stop is num_q)."""
+        seg_scratch[0] on the barriers seg_scratch[1]; spans_ref (key_spans) gives first and
+        stop (traced; else stop is num_q) and dense, the query blocks [dense[0], dense[1])
+        that need no segment mask (None without segments)."""
         q_ref, do_ref, lse2_ref, delta_ref = refs
         tile, kv_head, bi = self.grid.here()
         wg = lax.axis_index("wg")
         first = tile * self.keys // self.bq if self.causal else 0  # the first query block that sees the tile
-        stop = self.num_q
+        stop, dense = self.num_q, None
         if spans_ref is not None:
             first, stop = spans_ref[bi, tile, 0], spans_ref[bi, tile, 1]
+            dense = (spans_ref[bi, tile, 2], spans_ref[bi, tile, 3])
         per_head = stop - first
 
         head_rows = functools.partial(self.head_rows, kv_head, first, per_head)
@@ -1087,7 +1120,7 @@ class _QueryStream:
         if self.segments:
             buffers.append((*seg_scratch, lambda j: seg_ref.at[bi, head_rows(j)[1]]))
         ring = _Ring([(free, buffers)], self.stages, self.group * per_head)
-        return tile, bi, kv_head, wg, ring, (first, stop, per_head)
+        return tile, bi, kv_head, wg, ring, (first, stop, per_head, dense)
 
     def open_scratch(self, refs, scratch, seg_ref=None, spans_ref=None):
         """open() on scratch()'s refs as they come: (open()'s tuple, the ring's refs (Q, dO,
@@ -1204,7 +1237,7 @@ def _dkdv(
         opened, ring_refs, (seg_smem, qseg_smem, qseg_ready) = queries.open_scratch(
             (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref, spans_ref=spans_ref
         )
-        tile, bi, head, wg, ring, (first, stop, per_head) = opened
+        tile, bi, head, wg, ring, (first, stop, per_head, dense) = opened
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_refs
         kv_head = lax.div(head, group) if expand else head  # the keys' head (`head`: the grid's)
 
@@ -1279,12 +1312,14 @@ def _dkdv(
                     s_t, lse2 = _scores_while(my_k, q_smem.at[slot], interpret, load_lse)
                 with jax.named_scope("P"):
                     p_t = jnp.exp2(s_t * c - _cols(lse2, s_t.shape))
-                    if masked:
+                    if masked and causal:
                         q0 = (first + lax.rem(j, per_head)) * bq
                         p_t = jnp.where(regs.visible(s_t.shape, q0, key0, queries_dim=1), p_t, 0.0)
-                    if segments:
+                    if masked and segments:
                         segs = stat(qseg_ready, qseg_smem)
                         p_t = jnp.where(_same_segment(my_segments, segs, p_t.shape), p_t, 0.0)
+                    elif segments:  # the ids arrived all the same
+                        plgpu.barrier_wait(qseg_ready.at[slot])
                 with jax.named_scope("wait_dO"):
                     plgpu.barrier_wait(do_ready.at[slot])
                 with jax.named_scope("dV"):
@@ -1306,22 +1341,30 @@ def _dkdv(
 
             def head_loop(g, carry):
                 base = g * per_head - first  # step of query block i is base + i
+                masked, unmasked = (functools.partial(step, masked=m) for m in (True, False))
+                if segments:  # masked: the diagonal's blocks and the documents' edges
+                    mine, clear = first, first
+                    if causal:  # the span may start after my first block, or stop before it
+                        mine = _clamp(key0 // bq, first, stop)
+                        clear = _clamp(pl.cdiv(key0 + bk - 1, bq), mine, stop)
+                        if with_dq:  # both warpgroups take every step: dQ needs both halves of dS
+                            mine = first
+                        else:
+                            ring.skip(base + first, base + mine)  # blocks only the partner warpgroup sees
+                    lo = _clamp(jnp.maximum(clear, dense[0]), mine, stop)
+                    hi = _clamp(dense[1], lo, stop)
+                    carry = lax.fori_loop(base + mine, base + lo, masked, carry)
+                    carry = lax.fori_loop(base + lo, base + hi, unmasked, carry)
+                    return lax.fori_loop(base + hi, base + stop, masked, carry)
                 if causal:
                     mine, clear = key0 // bq, pl.cdiv(key0 + bk - 1, bq)  # first visible, first unmasked
-                    if segments:  # the span may start after my first block, or stop before it
-                        mine = jnp.minimum(jnp.maximum(mine, first), stop)
-                        clear = jnp.minimum(jnp.maximum(clear, mine), stop)
                     if with_dq:  # both warpgroups take every step: dQ needs both halves of dS
                         mine = first
                     else:
                         ring.skip(base + first, base + mine)  # blocks only the partner warpgroup sees
-                    carry = lax.fori_loop(
-                        base + mine, base + clear, functools.partial(step, masked=True), carry
-                    )
-                    return lax.fori_loop(
-                        base + clear, base + stop, functools.partial(step, masked=False), carry
-                    )
-                return lax.fori_loop(base + first, base + stop, functools.partial(step, masked=False), carry)
+                    carry = lax.fori_loop(base + mine, base + clear, masked, carry)
+                    return lax.fori_loop(base + clear, base + stop, unmasked, carry)
+                return lax.fori_loop(base + first, base + stop, unmasked, carry)
 
             dk, dv = lax.fori_loop(0, walked, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
             if with_dq:  # the last step's dQ is sent; unless split by keys the partner still reads my keys
@@ -1464,7 +1507,7 @@ def _dkdv_wide(
         opened, ring_refs, (seg_smem, qseg_smem, qseg_ready) = queries.open_scratch(
             (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref, spans_ref=spans_ref
         )
-        tile, bi, head, wg, ring, (first, stop, per_head) = opened
+        tile, bi, head, wg, ring, (first, stop, per_head, dense) = opened
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_refs
         kv_head = lax.div(head, group) if expand else head  # the keys' head (`head`: the grid's)
 
@@ -1504,12 +1547,14 @@ def _dkdv_wide(
                     s, lse2 = scores(q_smem.at[slot], k_smem, load_lse)
                 with jax.named_scope("P"):
                     p = jnp.exp2(s * c - _rows(lse2, s.shape))
-                    if masked:
+                    if masked and causal:
                         q0 = (first + lax.rem(j, per_head)) * bq
                         p = jnp.where(regs.visible(s.shape, q0, key0), p, 0.0)
-                    if segments:
+                    if masked and segments:
                         segs = stat(qseg_ready, qseg_smem)
                         p = jnp.where(_same_segment(segs, my_segments, p.shape), p, 0.0)
+                    elif segments:  # the ids arrived all the same
+                        plgpu.barrier_wait(qseg_ready.at[slot])
                 with jax.named_scope("wait_dO"):
                     plgpu.barrier_wait(do_ready.at[slot])
                 with jax.named_scope("dP"):
@@ -1530,12 +1575,15 @@ def _dkdv_wide(
 
             def head_loop(g, carry):
                 base = g * per_head - first  # step of query block i is base + i
-                if causal and segments:  # the block the diagonal crosses, if the span holds it
-                    clear = jnp.minimum(jnp.maximum(tile * WIDE_KEYS // bq + 1, first), stop)
-                    masked = functools.partial(step, masked=True)
-                    carry = lax.fori_loop(base + first, base + clear, masked, carry)
-                    start = base + clear
-                elif causal:  # the tile's first query block holds the diagonal; the rest see every key
+                if segments:  # masked: the diagonal's block (if the span holds it), the documents' edges
+                    clear = _clamp(tile * WIDE_KEYS // bq + 1, first, stop) if causal else first
+                    lo = _clamp(jnp.maximum(clear, dense[0]), first, stop)
+                    hi = _clamp(dense[1], lo, stop)
+                    masked, unmasked = (functools.partial(step, masked=m) for m in (True, False))
+                    carry = lax.fori_loop(base + first, base + lo, masked, carry)
+                    carry = lax.fori_loop(base + lo, base + hi, unmasked, carry)
+                    return lax.fori_loop(base + hi, base + stop, masked, carry)
+                if causal:  # the tile's first query block holds the diagonal; the rest see every key
                     carry = step(base + first, carry, masked=True)
                     start = base + first + 1
                 else:
@@ -1668,7 +1716,7 @@ def backward(
         tiles, positions = jnp.arange(parts.shape[0]) // per_tile, jnp.arange(q.shape[1])
         if q_seg is not None:  # it wrote the query blocks of its tile's span
             bq = TILE // COMPUTE_WGS
-            span = key_spans(q_seg, kv_seg, TILE, causal)[:, tiles] * bq  # [b, parts, 2] rows
+            span = key_spans(q_seg, kv_seg, TILE, causal)[:, tiles, :2] * bq  # [b, parts, 2] rows
             seen = (positions >= span[..., :1]) & (positions < span[..., 1:])  # [b, parts, sq]
             parts = jnp.where(jnp.swapaxes(seen, 0, 1)[..., None, None], parts, 0.0)
         elif causal:  # it wrote the query rows from 128 t on
