@@ -7,6 +7,7 @@
     python scripts/bench_attention.py --tune backward --seqs 65536
     python scripts/bench_attention.py --shapes training --impls bpt-pallas,cudnn   # one table
     python scripts/bench_attention.py --seqs 16384,65536 --impls bpt-pallas,cudnn --repeats 5
+    python scripts/bench_attention.py --shapes packed --impls bpt-pallas,bpt-pallas-masked,bpt-triton
 
 FLOPs: 4*B*H*S^2*D for the forward (halved when causal); forward+backward counts 3.5x the
 forward. The implementations of a shape are compiled together and timed in turn, --repeats
@@ -18,6 +19,7 @@ measurement as JSON and --png draws TFLOP/s against the sequence length.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -104,6 +106,37 @@ for _schedule in attention_hopper.SCHEDULES:
 # tile of every (batch, head) in turn, the order before tile groups.
 for _group in (1, 2, 4, 16, 32, 64, 128, 256, 512, 1024):
     IMPLS[f"bpt-pallas-group{_group}"] = functools.partial(flash_attention, hopper_tile_group=_group)
+
+
+@contextlib.contextmanager
+def every_block_masked():
+    """While open, the kernels trace with each streamed block masked by segment, as before a
+    document's interior blocks ran unmasked: their segment spans with empty dense runs (an
+    ablation; the spans, and so the blocks skipped between documents, stay the same)."""
+    from bpt.ops import segments
+    from bpt.ops.kernels import attention as triton_kernels
+
+    def edges_everywhere(*args, **kwargs):
+        spans = segments.segment_spans(*args, **kwargs)
+        if kwargs.get("dense"):
+            spans = spans.at[..., 2].set(spans[..., 0]).at[..., 3].set(spans[..., 0])
+        return spans
+
+    modules = (attention_hopper, triton_kernels)
+    saved = [m.segment_spans for m in modules]
+    for m in modules:
+        m.segment_spans = edges_everywhere
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, saved):
+            m.segment_spans = f
+
+
+# bpt's kernels with every streamed block masked by segment (every_block_masked), e.g.
+# bpt-pallas-masked: what masking only the documents' edges is worth.
+MASKED = {f"{impl}-masked": impl for impl in ("bpt-pallas", "bpt-triton", "bpt-pallas-overlap")}
+IMPLS.update({name: IMPLS[impl] for name, impl in MASKED.items()})
 # The Hopper kernels' shared-memory rings N blocks deep (bpt-pallas: attention_hopper.default_stages,
 # 2 but the backward's 4 at head_dim 64).
 for _stages in (1, 3, 4, 6, 8):
@@ -178,7 +211,17 @@ def prepare(
         ("fwd", jax.jit(fn), flops),
         ("fwd_bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 3.5 * flops),
     ]
+    if impl in MASKED:  # traced (at the first call) with every block masked
+        timed = [(name, _every_block_masked_call(f), n) for name, f, n in timed]
     return row, timed, (q, k, v)
+
+
+def _every_block_masked_call(jitted):
+    def call(*args):
+        with every_block_masked():
+            return jitted(*args)
+
+    return call
 
 
 def measure(impl: str, *, repeats: int = 1, **shape) -> dict:

@@ -384,6 +384,42 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
     assert line.endswith(f"| {3.0 / packed['fwd_bwd_tflops']:.2f}x |")
 
 
+def test_bench_attention_masks_every_block_in_its_ablation(monkeypatch):
+    """bpt-triton-masked (and bpt-pallas-masked): bpt's kernels traced with the segment
+    spans' dense runs emptied, so that every streamed block is masked by segment, as before a
+    document's interior blocks ran unmasked; the same results, the kernels' own spans after."""
+    from bpt.ops import segments
+    from bpt.ops.kernels import attention as triton_kernels
+
+    bench = load_script("bench_attention")
+    ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 64)[None]  # two documents of 64
+    def spans_of(**dense):  # as the kernels' module holds it when called
+        return triton_kernels.segment_spans(ids, ids, rows=32, cols=32, causal=True, **dense)
+
+    with bench.every_block_masked():
+        masked = spans_of(dense=True)
+        assert (spans_of() == segments.segment_spans(ids, ids, rows=32, cols=32, causal=True)).all()
+    dense = spans_of(dense=True)
+    assert (masked[..., :2] == dense[..., :2]).all() and (masked[..., 2] == masked[..., 3]).all()
+    assert int((dense[..., 3] - dense[..., 2]).max()) == 2  # the last block of rows: its document's two
+    seen, programs = [], []
+
+    def fake_time(fn, *args):
+        seen.append(fn(*args))
+        programs.append(str(jax.make_jaxpr(fn)(*args)))
+        return 1e-3
+
+    monkeypatch.setattr(bench, "time_fn", fake_time)
+    shape = dict(seq=128, heads=2, head_dim=16, causal=True, batch=1, dtype=jnp.float32, segments=2)
+    rows = bench.measure_together(["bpt-triton", "bpt-triton-masked"], **shape)
+    assert [r["impl"] for r in rows] == ["bpt-triton", "bpt-triton-masked"]
+    # forward and forward+backward traced with the dense runs emptied (their scatters)
+    assert all("scatter" in p for p in programs[2:]) and "scatter" not in programs[0] + programs[1]
+    (out, grads, out_masked, grads_masked) = seen
+    assert rel_err(out_masked, out) < 1e-6
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(grads_masked, grads))
+    assert triton_kernels.segment_spans is segments.segment_spans
+
 def test_every_registry_resolves_auto_once_and_never_replaces_a_named_implementation():
     """The four registries share one form: names with auto last, auto's choice among those
     auto may pick, a named implementation checked against what it takes (an error with its
