@@ -1342,29 +1342,28 @@ def _dkdv(
             def head_loop(g, carry):
                 base = g * per_head - first  # step of query block i is base + i
                 masked, unmasked = (functools.partial(step, masked=m) for m in (True, False))
-                if segments:  # masked: the diagonal's blocks and the documents' edges
-                    mine, clear = first, first
-                    if causal:  # the span may start after my first block, or stop before it
-                        mine = _clamp(key0 // bq, first, stop)
-                        clear = _clamp(pl.cdiv(key0 + bk - 1, bq), mine, stop)
-                        if with_dq:  # both warpgroups take every step: dQ needs both halves of dS
-                            mine = first
-                        else:
-                            ring.skip(base + first, base + mine)  # blocks only the partner warpgroup sees
-                    lo = _clamp(jnp.maximum(clear, dense[0]), mine, stop)
-                    hi = _clamp(dense[1], lo, stop)
-                    carry = lax.fori_loop(base + mine, base + lo, masked, carry)
-                    carry = lax.fori_loop(base + lo, base + hi, unmasked, carry)
-                    return lax.fori_loop(base + hi, base + stop, masked, carry)
+                mine, clear = first, first  # my first visible block, my first off the diagonal
                 if causal:
-                    mine, clear = key0 // bq, pl.cdiv(key0 + bk - 1, bq)  # first visible, first unmasked
+                    mine, clear = key0 // bq, pl.cdiv(key0 + bk - 1, bq)
+                    if segments:  # the span may start after my first block, or stop before it
+                        mine = _clamp(mine, first, stop)
+                        clear = _clamp(clear, mine, stop)
                     if with_dq:  # both warpgroups take every step: dQ needs both halves of dS
                         mine = first
                     else:
                         ring.skip(base + first, base + mine)  # blocks only the partner warpgroup sees
-                    carry = lax.fori_loop(base + mine, base + clear, masked, carry)
-                    return lax.fori_loop(base + clear, base + stop, unmasked, carry)
-                return lax.fori_loop(base + first, base + stop, unmasked, carry)
+                # masked: [mine, lo), the diagonal's blocks and with segment ids a document's
+                # edge before its dense run; [hi, stop), the edge after it
+                lo, hi = clear, stop
+                if segments:
+                    lo = _clamp(jnp.maximum(clear, dense[0]), mine, stop)
+                    hi = _clamp(dense[1], lo, stop)
+                if causal or segments:
+                    carry = lax.fori_loop(base + mine, base + lo, masked, carry)
+                carry = lax.fori_loop(base + lo, base + hi, unmasked, carry)
+                if segments:
+                    carry = lax.fori_loop(base + hi, base + stop, masked, carry)
+                return carry
 
             dk, dv = lax.fori_loop(0, walked, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
             if with_dq:  # the last step's dQ is sent; unless split by keys the partner still reads my keys
