@@ -8,6 +8,7 @@
     python scripts/bench_attention.py --shapes training --impls bpt-pallas,cudnn   # one table
     python scripts/bench_attention.py --seqs 16384,65536 --impls bpt-pallas,cudnn --repeats 5
     python scripts/bench_attention.py --shapes packed --impls bpt-pallas,bpt-pallas-masked,bpt-triton
+    python scripts/bench_attention.py --shapes packed --only S64K,d64 --impls bpt-pallas,bpt-triton
 
 FLOPs: 4*B*H*S^2*D for the forward (halved when causal); forward+backward counts 3.5x the
 forward. The implementations of a shape are compiled together and timed in turn, --repeats
@@ -293,6 +294,19 @@ SHAPES = {
 }
 
 
+def chosen_shapes(parser, name: str, only: str) -> dict:
+    """SHAPES[name], or of it the shapes whose label holds one of --only's words."""
+    if only and not name:
+        parser.error("--only picks shapes of a --shapes set; name the set")
+    shapes = SHAPES.get(name, {})
+    words = [w.strip() for w in only.split(",") if w.strip()]
+    if words:
+        shapes = {label: s for label, s in shapes.items() if any(w in label for w in words)}
+        if not shapes:
+            parser.error(f"--only {only!r} matches no label of --shapes {name}: {', '.join(SHAPES[name])}")
+    return shapes
+
+
 def shapes_table(rows: list[dict], impls: list[str]) -> str:
     """One line a shape (rows carry a "shape" label): each implementation's forward and
     forward+backward TFLOP/s, then the first implementation's forward+backward against
@@ -388,6 +402,11 @@ def main() -> None:
         help="measure a named set of shapes (SHAPES) instead of --seqs/--head_dims/--batch/...",
     )
     parser.add_argument(
+        "--only",
+        default="",
+        help="with --shapes: only the shapes whose label holds one of these, comma-separated ('S64K,d64')",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -396,6 +415,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
+    shapes = chosen_shapes(parser, args.shapes, args.only)
     seqs = [int(s) for s in args.seqs.split(",")]
     dims = [int(d) for d in args.head_dims.split(",")]
     causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
@@ -433,7 +453,7 @@ def main() -> None:
     try:
         if args.shapes:
             impls = args.impls.split(",")
-            for label, shape in SHAPES[args.shapes].items():
+            for label, shape in shapes.items():
                 for row in measure_together(impls, repeats=args.repeats, dtype=dtype, **shape):
                     rows.append(row | {"shape": label})
                     print(json.dumps(rows[-1]), flush=True)

@@ -1,5 +1,6 @@
 """Blockwise attention against the materialized reference: outputs, gradients, memory, cost."""
 
+import argparse
 import json
 
 import jax
@@ -382,6 +383,17 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
     head, _, line = bench.shapes_table(rows, ["bpt-pallas-hopper", "bpt-triton"]).splitlines()
     assert head.endswith("| bpt-pallas-hopper / bpt-triton f+b |")
     assert line.endswith(f"| {3.0 / packed['fwd_bwd_tflops']:.2f}x |")
+
+    # --only: the shapes of a set whose label holds one of its words; a word matching none is
+    # an error that lists the labels
+    parser = argparse.ArgumentParser()
+    chosen = bench.chosen_shapes(parser, "packed", "S64K, d256")
+    assert list(chosen) == ["B1 S64K H16 32 docs", "B1 S16K H8 d256 8 docs"]
+    assert bench.chosen_shapes(parser, "packed", "") == bench.SHAPES["packed"]
+    with pytest.raises(SystemExit):
+        bench.chosen_shapes(parser, "packed", "S1M")
+    with pytest.raises(SystemExit):
+        bench.chosen_shapes(parser, "", "S64K")
 
 
 def test_bench_attention_masks_every_block_in_its_ablation(monkeypatch):
