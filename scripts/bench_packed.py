@@ -148,3 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     benchlib.write_results(out, dict(meta=meta, results=results), table=text)
     print(text)
 
+
+
+if __name__ == "__main__":
+    main()

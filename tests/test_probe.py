@@ -3,6 +3,7 @@ auto) and the benchmark protocol over it (scripts/benchlib.py: real steps, the s
 longest length that fits, the max-context, memory and throughput scripts)."""
 
 import argparse
+import ast
 import copy
 import dataclasses
 import json
@@ -90,6 +91,20 @@ def test_real_steps_train():
     result = benchlib.run_steps(step, steps=3, warmup=1)
     assert result["step_seconds"] > 0 and result["tokens_per_second"] > 0
     assert len(result["losses"]) == 4 and result["losses"][-1] < result["losses"][0]
+
+
+def test_every_script_with_a_main_runs_it_when_run():
+    """A script defining main() calls it under `if __name__ == "__main__":` (python
+    scripts/X.py must do its work, not import its functions and exit quietly)."""
+    silent = []
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            continue
+        guards = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        if not any("main(" in ast.unparse(g) for g in guards):
+            silent.append(path.name)
+    assert not silent, f"scripts that never call their main(): {silent}"
 
 
 def test_max_context_script_end_to_end(tmp_path):
