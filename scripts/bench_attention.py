@@ -7,7 +7,7 @@
     python scripts/bench_attention.py --tune backward --seqs 65536
     python scripts/bench_attention.py --shapes training --impls bpt-pallas,cudnn   # one table
     python scripts/bench_attention.py --seqs 16384,65536 --impls bpt-pallas,cudnn --repeats 5
-    python scripts/bench_attention.py --shapes packed --impls bpt-pallas,bpt-pallas-masked,bpt-triton
+    python scripts/bench_attention.py --shapes packed --impls bpt-pallas,bpt-pallas-masked,bpt-triton,cudnn
     python scripts/bench_attention.py --shapes packed --only S64K,d64 --impls bpt-pallas,bpt-triton
 
 FLOPs: 4*B*H*S^2*D for the forward (halved when causal); forward+backward counts 3.5x the
@@ -30,6 +30,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from benchlib import script_parser, stop_on_sigterm, write_results
 
 from bpt.ops import blockwise_attention, reference_attention
@@ -42,8 +43,46 @@ def jax_pallas(q, k, v, *, causal):
     return ref_kernel.mha(q, k, v, None, sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=causal)
 
 
-def cudnn(q, k, v, *, causal):
+def cudnn(q, k, v, *, causal, segment_ids=None):
+    """cuDNN's fused attention through jax.nn; with segment ids (sorted, each document one
+    run) its packed layout instead, each document a sequence of its own (cudnn_packed)."""
+    if segment_ids is not None:
+        return cudnn_packed(q, k, v, causal=causal, segment_ids=segment_ids)
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def document_offsets(segment_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets [b, m + 1], lengths [b, m]) int32 of the documents in sorted segment ids
+    [b, s] (concrete), m the most documents a row holds: each document's first position and
+    length, the entries a row lacks -1 (the layout of cuDNN's packed sequences in JAX)."""
+    ids = np.asarray(segment_ids)
+    if ids.ndim != 2 or np.any(np.diff(ids, axis=1) < 0):
+        raise ValueError("cuDNN's packed layout needs [batch, seq] segment ids sorted along each row")
+    starts = [np.flatnonzero(np.diff(row, prepend=row[0] - 1)) for row in ids]
+    m = max(len(st) for st in starts)
+    offsets = np.full((ids.shape[0], m + 1), -1, np.int32)
+    lengths = np.full((ids.shape[0], m), -1, np.int32)
+    for i, st in enumerate(starts):
+        offsets[i, : len(st)] = st
+        lengths[i, : len(st)] = np.diff(np.append(st, ids.shape[1]))
+    return offsets, lengths
+
+
+def cudnn_packed(q, k, v, *, causal, segment_ids):
+    """cuDNN's attention over packed documents (its THD layout: a query sees the keys of its
+    own document, causally from the document's start), through JAX's cuDNN module (not
+    jax.nn, which takes no documents)."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+    except ImportError as e:
+        raise RuntimeError(f"this jax has no cuDNN packed-layout attention ({e})") from e
+    offsets, lengths = (jnp.asarray(a) for a in document_offsets(segment_ids))
+    mask = MaskType.PADDING_CAUSAL if causal else MaskType.PADDING
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return dot_product_attention(
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+        scale=scale, mask_type=mask,
+    )  # fmt: skip
 
 
 def tokamax(implementation):
@@ -278,8 +317,8 @@ SHAPES = {
     },
     # GPT-1B's attention in micro-batches of 16K tokens (the throughput table's), by context:
     # where impl="auto" chooses between bpt's kernels and cuDNN's (SMALL in bpt/ops/attention.py).
-    # Packed documents (segment ids): bpt's Hopper kernels against its Triton ones (cuDNN
-    # through jax.nn takes no segment ids).
+    # Packed documents (segment ids): bpt's Hopper kernels against its Triton ones and cuDNN's
+    # packed layout (cudnn_packed: jax.nn's cuDNN call takes no segment ids).
     "packed": {
         "B1 S16K H16 8 docs": dict(batch=1, seq=16384, heads=16, head_dim=128, causal=True, segments=8),
         "B2 S8K H16 4 docs": dict(batch=2, seq=8192, heads=16, head_dim=128, causal=True, segments=4),

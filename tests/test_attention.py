@@ -1,6 +1,7 @@
 """Blockwise attention against the materialized reference: outputs, gradients, memory, cost."""
 
 import argparse
+import functools
 import json
 
 import jax
@@ -394,6 +395,64 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
         bench.chosen_shapes(parser, "packed", "S1M")
     with pytest.raises(SystemExit):
         bench.chosen_shapes(parser, "", "S64K")
+
+
+def test_bench_attention_runs_cudnn_on_packed_documents_as_its_own_sequences(monkeypatch, key):
+    """bench_attention's cuDNN with segment ids: the documents' offsets and lengths in the
+    layout JAX's cuDNN module takes (each row's starts, then -1); here the cuDNN call is
+    replaced by one that reads them back into a mask, which must give the same attention as
+    the segment ids themselves (float32, 1e-5). On a GPU, the real call is tested below."""
+    bench = load_script("bench_attention")
+    seg = jnp.array([[0] * 5 + [1] * 3 + [2] * 8, [4] * 10 + [7] * 6], jnp.int32)
+    offsets, lengths = bench.document_offsets(seg)
+    assert offsets.tolist() == [[0, 5, 8, -1], [0, 10, -1, -1]]
+    assert lengths.tolist() == [[5, 3, 8], [10, 6, -1]]
+    with pytest.raises(ValueError, match="sorted along each row"):
+        bench.document_offsets(seg[:, ::-1])
+
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_module
+
+    def read_back(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type):
+        pos = jnp.arange(q.shape[1])
+        doc = jnp.full(q.shape[:2], -1)
+        for m in range(q_seqlen.shape[1]):  # the position's document, -1 outside all of them
+            start, length = q_offsets[:, m : m + 1], q_seqlen[:, m : m + 1]
+            doc = jnp.where((length >= 0) & (pos >= start) & (pos < start + length), m, doc)
+        visible = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
+        if mask_type == cudnn_module.MaskType.PADDING_CAUSAL:
+            visible &= pos[:, None] >= pos[None, :]
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        p = jax.nn.softmax(jnp.where(visible[:, None], s, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    monkeypatch.setattr(cudnn_module, "dot_product_attention", read_back)
+    q, k, v = (jax.random.normal(kk, (2, 16, 2, 8)) for kk in jax.random.split(key, 3))
+    for causal in (True, False):
+        out = bench.cudnn(q, k, v, causal=causal, segment_ids=seg)
+        assert rel_err(out, reference_attention(q, k, v, causal=causal, segment_ids=seg)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs an NVIDIA GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_packed_documents_equal_attention_by_segment_ids_on_gpu(key, causal):
+    """cuDNN's packed layout (what bench_attention compares bpt's kernels with on packed
+    documents) computes attention within each document: outputs and gradients against the
+    float32 reference with the same segment ids (bf16 inputs, 2e-2)."""
+    bench = load_script("bench_attention")
+    seg = bench.packed_segments(2, 1024, 5)
+    q, k, v = (jax.random.normal(kk, (2, 1024, 4, 128), jnp.bfloat16) for kk in jax.random.split(key, 3))
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
+
+    ours = functools.partial(bench.cudnn, causal=causal, segment_ids=seg)
+    ref = functools.partial(reference_attention, causal=causal, segment_ids=seg)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    assert rel_err(ours(q, k, v), ref(up(q), up(k), up(v))) < 2e-2
+    grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
+    expected = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(up(q), up(k), up(v))
+    assert tree_rel_err(grads, expected) < 2e-2
 
 
 def test_bench_attention_masks_every_block_in_its_ablation(monkeypatch):
