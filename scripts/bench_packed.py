@@ -149,6 +149,5 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
 
 
-
 if __name__ == "__main__":
     main()
