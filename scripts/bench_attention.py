@@ -5,6 +5,7 @@
     python scripts/bench_attention.py --tune triton --seqs 16384   # block sizes of bpt's kernels
     python scripts/bench_attention.py --tune hopper --seqs 16384
     python scripts/bench_attention.py --tune backward --seqs 65536
+    python scripts/bench_attention.py --tune hopper --shapes packed --only d64   # at named shapes
     python scripts/bench_attention.py --shapes training --impls bpt-pallas,cudnn   # one table
     python scripts/bench_attention.py --seqs 16384,65536 --impls bpt-pallas,cudnn --repeats 5
     python scripts/bench_attention.py --shapes packed --impls bpt-pallas,bpt-pallas-masked,bpt-triton,cudnn
@@ -371,6 +372,21 @@ def shapes_table(rows: list[dict], impls: list[str]) -> str:
     return "\n".join(lines)
 
 
+def tune_table(rows: list[dict], setting_keys: list[str]) -> str:
+    """One line a measured setting (--tune): the shape (its label, or length, head_dim and
+    causality), the settings that differ between the rows, forward and forward+backward
+    TFLOP/s (or the error)."""
+    keys = [k for k in dict.fromkeys(setting_keys) if len({str(r.get(k)) for r in rows}) > 1]
+    lines = ["| shape | " + " | ".join([*keys, "fwd", "f+b"]) + " |", "|---" * (3 + len(keys)) + "|"]
+    for r in rows:
+        shape = r.get("shape") or f"S{r['seq']} d{r['head_dim']}{'' if r['causal'] else ' non-causal'}"
+        cells = [str(r.get(k, "")) for k in keys]
+        for name in ("fwd", "fwd_bwd"):
+            cells.append(f"{r[name + '_tflops']:.0f}" if name + "_tflops" in r else r.get(name + "_error", "–")[:40])
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def by_line(rows: list[dict]) -> dict:
     """The rows of each (implementation, head_dim, causal), in the order first seen."""
     lines: dict = {}
@@ -490,7 +506,12 @@ def main() -> None:
         ]
     stop_on_sigterm()  # cut short (timeout, a scheduler), it still prints what it measured
     try:
-        if args.shapes:
+        if args.shapes and args.tune:  # each setting at each shape of the set
+            for (label, shape), kw in itertools.product(shapes.items(), settings):
+                rows.append(measure("bpt-pallas", repeats=args.repeats, dtype=dtype, **shape, **kw))
+                rows[-1]["shape"] = label
+                print(json.dumps(rows[-1]), flush=True)
+        elif args.shapes:
             impls = args.impls.split(",")
             for label, shape in shapes.items():
                 for row in measure_together(impls, repeats=args.repeats, dtype=dtype, **shape):
@@ -520,9 +541,11 @@ def main() -> None:
         write_results(args.out, rows)
     if args.png and not (args.tune or args.shapes):
         plot(rows, args.png)
-    if args.shapes:
+    if args.tune:
+        print(tune_table(rows, [key for kw in settings for key in kw]))
+    elif args.shapes:
         print(shapes_table(rows, args.impls.split(",")))
-    elif not args.tune:
+    else:
         print(table(rows, seqs))
 
 

@@ -396,6 +396,17 @@ def test_bench_attention_measures_named_shapes_into_one_table(monkeypatch):
     with pytest.raises(SystemExit):
         bench.chosen_shapes(parser, "", "S64K")
 
+    # --tune: a line a setting, with only the settings that differ between the rows
+    tuned = [
+        dict(shape="d64", forward="hopper", hopper_block_k=bk, hopper_stages=2, fwd_tflops=100.0 + bk)
+        | ({"fwd_bwd_tflops": 250.0} if bk == 64 else {"fwd_bwd_error": "RuntimeError: out of shared memory"})
+        for bk in (64, 128)
+    ]
+    lines = bench.tune_table(tuned, ["forward", "hopper_block_k", "hopper_stages"]).splitlines()
+    assert lines[0] == "| shape | hopper_block_k | fwd | f+b |"
+    assert lines[2] == "| d64 | 64 | 164 | 250 |"
+    assert lines[3] == "| d64 | 128 | 228 | RuntimeError: out of shared memory |"
+
 
 def test_bench_attention_runs_cudnn_on_packed_documents_as_its_own_sequences(monkeypatch, key):
     """bench_attention's cuDNN with segment ids: the documents' offsets and lengths in the
