@@ -1,19 +1,23 @@
-"""Where the Hopper attention backward's time goes, phase by phase, from inside the kernel.
+"""Where the Hopper attention kernels' time goes, phase by phase, from inside the kernel.
 
     python scripts/profile_kernel.py                          # the fused backward, B1 S2K H16 d128
     python scripts/profile_kernel.py --seq 2048 --causal no --out /tmp/prof
+    python scripts/profile_kernel.py --kernel forward --seq 16384 --segments 8   # packed documents
 
 The kernels of bpt/ops/kernels/attention_hopper.py name their phases (jax.named_scope: the
-backward's wait_Q, S, P, wait_dO, dV, dP, dS, share_dS, dK, dQ_wait_dS, dQ, dQ_store). Under
+backward's wait_Q, S, P, wait_dO, dV, dP, dS, share_dS, dK, dQ_wait_dS, dQ, dQ_store; the
+forward's wait_Q, wait_K, S, softmax, wait_V, PV, pipelined, store). Under
 attention_hopper.profiled() Mosaic GPU records each compute warpgroup's clock at the start and
 end of every phase, in shared memory, and writes a Perfetto trace (open it in
 ui.perfetto.dev). This script runs the kernel once that way, then sums each phase over the
 warpgroups and prints a table: cycles per step, the share of the warpgroups' time, and
 what lies between phases (barrier waits outside any phase, loop overhead). The profiler's
 buffer lives in shared memory, so keep sweeps short (--seq 2048: at most 32 steps a CTA).
-It also times the kernel unprofiled (the median of 20 calls). Registers: run it with
-MOSAIC_GPU_DUMP_PTXAS=1 and Mosaic GPU prints ptxas's report of each kernel (registers and
-spills); MOSAIC_GPU_DUMP_TO=DIR keeps the PTX as well.
+It also times the kernel unprofiled (the median of 20 calls), and prints a warpgroup's
+span (its first phase's start to its last one's end) against the kernel's time a CTA slot
+(the call's cycles x SMs / CTAs): what lies outside is a CTA's launch and teardown.
+Registers: run it with MOSAIC_GPU_DUMP_PTXAS=1 and Mosaic GPU prints ptxas's report of each
+kernel (registers and spills); MOSAIC_GPU_DUMP_TO=DIR keeps the PTX as well.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import glob
 import json
 import math
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -40,7 +46,7 @@ def phases(trace_files: list[str]) -> tuple[dict, dict]:
     Durations are in SM clock cycles (the profiler's timestamps are cycles, shown as
     nanoseconds / 1000)."""
     totals: dict = collections.defaultdict(lambda: [0.0, 0])
-    span, groups = 0.0, 0
+    spans = []
     for path in trace_files:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
@@ -57,9 +63,9 @@ def phases(trace_files: list[str]) -> tuple[dict, dict]:
                     cell = totals[e["name"]]
                     cell[0] += (e["ts"] - open_at.pop(e["name"])) * 1e3
                     cell[1] += 1
-            span += (evs[-1]["ts"] - evs[0]["ts"]) * 1e3
-            groups += 1
-    return dict(totals), {"span": span, "warpgroups": groups}
+            spans.append((evs[-1]["ts"] - evs[0]["ts"]) * 1e3)
+    whole = {"span": sum(spans), "warpgroups": len(spans)}
+    return dict(totals), whole | {"median_span": statistics.median(spans) if spans else 0.0}
 
 
 def table(totals: dict, whole: dict) -> str:
@@ -74,6 +80,20 @@ def table(totals: dict, whole: dict) -> str:
     return "\n".join(lines)
 
 
+def cta_slot(ms: float, ctas: int) -> dict:
+    """The call's time a CTA slot (ms x SMs / CTAs, one CTA an SM at a time) in SM cycles at
+    the GPU's top SM clock (nvidia-smi's clocks.max.sm), or {} where either is unknown."""
+    sms = getattr(jax.devices()[0], "core_count", None)
+    try:
+        query = ["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"]
+        mhz = float(subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return {}
+    if not sms or not ctas:
+        return {}
+    return dict(ctas=ctas, sms=sms, mhz=mhz, slot_cycles=ms * 1e-3 * mhz * 1e6 * sms / ctas)
+
+
 def main() -> tuple[dict, dict]:
     """Runs the profile; returns phases() of the profiled call's traces."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,6 +104,8 @@ def main() -> tuple[dict, dict]:
     ap.add_argument("--head_dim", type=int, default=128)
     ap.add_argument("--causal", choices=["yes", "no"], default="yes")
     ap.add_argument("--fused_dq", choices=["auto", "yes", "no"], default="auto")
+    ap.add_argument("--kernel", choices=["backward", "forward"], default="backward")
+    ap.add_argument("--segments", type=int, default=0, help="packed documents a sequence (segment ids)")
     ap.add_argument("--ranges", type=int, default=400, help="phases a warpgroup may record")
     ap.add_argument("--out", default=None, help="where the traces go (default: a temporary directory)")
     args = ap.parse_args()
@@ -99,21 +121,33 @@ def main() -> tuple[dict, dict]:
     v = jax.random.normal(keys[2], (b, s, hk, d), jnp.bfloat16)
     do = jax.random.normal(keys[3], (b, s, h, d), jnp.bfloat16)
     scale = 1.0 / math.sqrt(d)
-    out, lse = jax.jit(lambda q, k, v: attention_hopper.forward(q, k, v, causal=causal, scale=scale))(q, k, v)
+    seg = {}
+    if args.segments > 1:
+        from bench_attention import packed_segments
+
+        ids = packed_segments(b, s, args.segments)
+        seg = dict(q_seg=ids, kv_seg=ids)
+
+    def fwd(q, k, v):
+        return attention_hopper.forward(q, k, v, causal=causal, scale=scale, **seg)
+
+    out, lse = jax.jit(fwd)(q, k, v)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     fused = {"auto": None, "yes": True, "no": False}[args.fused_dq]
 
     def bwd(q, k, v, do, lse, delta):
-        return attention_hopper.backward(q, k, v, do, lse, delta, causal=causal, scale=scale, fused_dq=fused)
+        return attention_hopper.backward(
+            q, k, v, do, lse, delta, causal=causal, scale=scale, fused_dq=fused, **seg
+        )
 
-    inputs = (q, k, v, do, lse, delta)
-    ms = seconds_per_call(jax.jit(bwd), *inputs, repeats=20) * 1e3
+    run, inputs = (bwd, (q, k, v, do, lse, delta)) if args.kernel == "backward" else (fwd, (q, k, v))
+    ms = seconds_per_call(jax.jit(run), *inputs, repeats=20) * 1e3
 
     directory = args.out or tempfile.mkdtemp(prefix="bpt-kernel-profile-")
     os.makedirs(directory, exist_ok=True)
     before = set(glob.glob(os.path.join(directory, "*-trace.json")))
     with attention_hopper.profiled(directory, args.ranges):
-        profiled = jax.jit(lambda *a: bwd(*a))  # traced anew, so the kernels see profiled()
+        profiled = jax.jit(lambda *a: run(*a))  # traced anew, so the kernels see profiled()
         jax.block_until_ready(profiled(*inputs))
     jax.effects_barrier()  # the traces are written by a host callback
     files = sorted(set(glob.glob(os.path.join(directory, "*-trace.json"))) - before)
@@ -123,10 +157,17 @@ def main() -> tuple[dict, dict]:
     totals, whole = phases(files)
     heads = f"H{h}" + (f"/KV{hk}" if hk != h else "")
     name = f"B{b} S{s} {heads} d{d} {'causal' if causal else 'non-causal'}"
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: the Hopper backward, {name}")
+    name += f" {args.segments} docs" if args.segments > 1 else ""
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: the Hopper {args.kernel}, {name}")
     print(f"unprofiled {ms:.3f} ms a call; traces in {directory} ({len(files)} kernel(s))")
-    print(json.dumps(dict(shape=name, ms=ms, phases=totals, **whole)))
+    slot = cta_slot(ms, whole["warpgroups"] // attention_hopper.COMPUTE_WGS)
+    print(json.dumps(dict(shape=name, kernel=args.kernel, ms=ms, phases=totals, **whole, **slot)))
     print(table(totals, whole))
+    if slot:
+        print(
+            f"a warpgroup's span: {whole['median_span']:.0f} cycles (median); the call's time a CTA slot: "
+            f"{slot['slot_cycles']:.0f} cycles ({slot['ctas']} CTAs on {slot['sms']} SMs at {slot['mhz']:.0f} MHz)"
+        )
     return totals, whole
 
 

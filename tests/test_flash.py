@@ -941,10 +941,32 @@ def test_profile_kernel_sums_each_phase_over_warpgroups(tmp_path):
     prof = load_script("profile_kernel")
     totals, whole = prof.phases([str(path)])
     assert totals == {"S": [8000.0, 4], "dV": [4000.0, 4]}
-    assert whole == {"span": 2 * 7500.0, "warpgroups": 2}
+    assert whole == {"span": 2 * 7500.0, "warpgroups": 2, "median_span": 7500.0}
     lines = prof.table(totals, whole).splitlines()
     assert lines[2] == "| S | 2000 | 53.3% |" and lines[3] == "| dV | 1000 | 26.7% |"
     assert lines[4] == "| (between phases) | 750 | 20.0% |"  # 3000 cycles over 4 steps
+
+
+def test_profile_kernel_converts_a_call_to_cycles_a_cta_slot(monkeypatch):
+    """profile_kernel.cta_slot: the call's milliseconds x SMs / CTAs at the top SM clock that
+    nvidia-smi reports; nothing where nvidia-smi is missing."""
+    import subprocess
+    import types
+
+    prof = load_script("profile_kernel")
+    monkeypatch.setattr(prof.jax, "devices", lambda: [types.SimpleNamespace(core_count=132)])
+    smi = lambda *a, **k: types.SimpleNamespace(stdout="1980\n")  # noqa: E731
+    monkeypatch.setattr(prof.subprocess, "run", smi)
+    slot = prof.cta_slot(1.0, 264)  # 1 ms, two CTAs an SM
+    assert slot == dict(ctas=264, sms=132, mhz=1980.0, slot_cycles=pytest.approx(990_000.0))
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(prof.subprocess, "run", missing)
+    assert prof.cta_slot(1.0, 264) == {}
+    monkeypatch.setattr(prof.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=""))
+    assert prof.cta_slot(1.0, 264) == {}
 
 
 @pytest.mark.gpu

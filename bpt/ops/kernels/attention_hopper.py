@@ -767,11 +767,12 @@ def forward(
             row0 = tile * TILE + wg * bq
             my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
             rows = pl.ds(row0, bq)
-            _copy_in(
-                q_ready.at[wg],
-                (q_ref.at[bi, rows, head], my_q),
-                *([(qs_ref.at[bi, rows], qseg_smem.at[wg])] if segments else []),
-            )
+            with jax.named_scope("wait_Q"):
+                _copy_in(
+                    q_ready.at[wg],
+                    (q_ref.at[bi, rows, head], my_q),
+                    *([(qs_ref.at[bi, rows], qseg_smem.at[wg])] if segments else []),
+                )
             my_segments = regs.vector(qseg_smem.at[wg], 1) if segments else None
 
             def softmax(j, s, m, denom, masked: bool, segs=None):
@@ -802,17 +803,22 @@ def forward(
             def serial(j, carry, masked: bool):
                 acc, m, denom = carry
                 slot = ring.slot(j)
-                segs = arrived(slot, masked)
-                s = _scores(my_q, k_smem.at[slot], interpret, issued=meet)
+                with jax.named_scope("wait_K"):
+                    segs = arrived(slot, masked)
+                with jax.named_scope("S"):  # and, ping-pong, the partner's turn
+                    s = _scores(my_q, k_smem.at[slot], interpret, issued=meet)
                 plgpu.barrier_arrive(k_free.at[slot])
-                p, m, denom, alpha = softmax(j, s, m, denom, masked, segs)
-                acc = acc * _rows(alpha, acc.shape)
+                with jax.named_scope("softmax"):
+                    p, m, denom, alpha = softmax(j, s, m, denom, masked, segs)
+                    acc = acc * _rows(alpha, acc.shape)
                 if pingpong:  # my softmax is done; the tensor cores are mine once the partner's is
                     plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_ready.at[slot])
-                if pingpong:
-                    plgpu.barrier_wait(turn)
-                acc = _accumulate(acc, p, v_smem.at[slot], interpret)
+                with jax.named_scope("wait_V"):
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    if pingpong:
+                        plgpu.barrier_wait(turn)
+                with jax.named_scope("PV"):
+                    acc = _accumulate(acc, p, v_smem.at[slot], interpret)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m, denom
 
@@ -870,7 +876,8 @@ def forward(
                     acc = acc * _rows(alpha, acc.shape)
                 meet()
                 end = jnp.maximum(hi, lo + 1)
-                acc, m, denom, p = lax.fori_loop(lo + 1, end, pipelined, (acc, m, denom, p))
+                with jax.named_scope("pipelined"):  # the unmasked blocks, S and P V overlapped
+                    acc, m, denom, p = lax.fori_loop(lo + 1, end, pipelined, (acc, m, denom, p))
                 last = ring.slot(end - 1)
                 plgpu.barrier_wait(v_ready.at[last])
                 acc = _accumulate(acc, p, v_smem.at[last], interpret)
@@ -885,16 +892,17 @@ def forward(
             acc, m, denom = _sweep_keys(serial, carry, ring, unmasked=unmasked, **sweep)
             if wg == 0:
                 meet()
-            if segments:  # a row that saw no key: 0, and a logsumexp of +inf
-                seen = denom > 0.0
-                denom = jnp.where(seen, denom, 1.0)
-            my_q[...] = (acc * _rows(1.0 / denom, acc.shape)).astype(dtype)
-            lse = (m + jnp.log2(denom)) * LN2
-            my_lse[...] = jnp.where(seen, lse, jnp.inf) if segments else lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, rows, head])
-            plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, head, rows])
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("store"):
+                if segments:  # a row that saw no key: 0, and a logsumexp of +inf
+                    seen = denom > 0.0
+                    denom = jnp.where(seen, denom, 1.0)
+                my_q[...] = (acc * _rows(1.0 / denom, acc.shape)).astype(dtype)
+                lse = (m + jnp.log2(denom)) * LN2
+                my_lse[...] = jnp.where(seen, lse, jnp.inf) if segments else lse
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, rows, head])
+                plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, head, rows])
+                plgpu.wait_smem_to_gmem(0)
 
         _per_warpgroup(wg, _compute)
 
