@@ -80,6 +80,17 @@ def table(totals: dict, whole: dict) -> str:
     return "\n".join(lines)
 
 
+def default_ranges(kernel: str, seq: int, head_dim: int) -> int:
+    """Phases a warpgroup may record: the backward's 400 (its CTAs walk at most 32 query
+    blocks at --seq 2048); the forward's five a key block (wait_K, S, softmax, wait_V, PV)
+    over every key block of the sequence, and three more (wait_Q, pipelined, store), so that
+    a tile of a long document fits whatever the segment ids."""
+    if kernel == "backward":
+        return 400
+    block_k = 128 if head_dim <= attention_hopper.MAX_HEAD_DIM_BLOCK_128 else 64
+    return 5 * (seq // block_k) + 3
+
+
 def cta_slot(ms: float, ctas: int) -> dict:
     """The call's time a CTA slot (ms x SMs / CTAs, one CTA an SM at a time) in SM cycles at
     the GPU's top SM clock (nvidia-smi's clocks.max.sm), or {} where either is unknown."""
@@ -106,7 +117,9 @@ def main() -> tuple[dict, dict]:
     ap.add_argument("--fused_dq", choices=["auto", "yes", "no"], default="auto")
     ap.add_argument("--kernel", choices=["backward", "forward"], default="backward")
     ap.add_argument("--segments", type=int, default=0, help="packed documents a sequence (segment ids)")
-    ap.add_argument("--ranges", type=int, default=400, help="phases a warpgroup may record")
+    ap.add_argument(
+        "--ranges", type=int, default=None, help="phases a warpgroup may record (default: default_ranges)"
+    )
     ap.add_argument("--out", default=None, help="where the traces go (default: a temporary directory)")
     args = ap.parse_args()
     if not attention_hopper.is_hopper():
@@ -146,9 +159,18 @@ def main() -> tuple[dict, dict]:
     directory = args.out or tempfile.mkdtemp(prefix="bpt-kernel-profile-")
     os.makedirs(directory, exist_ok=True)
     before = set(glob.glob(os.path.join(directory, "*-trace.json")))
-    with attention_hopper.profiled(directory, args.ranges):
-        profiled = jax.jit(lambda *a: run(*a))  # traced anew, so the kernels see profiled()
-        jax.block_until_ready(profiled(*inputs))
+    ranges = args.ranges or default_ranges(args.kernel, s, d)
+    try:
+        with attention_hopper.profiled(directory, ranges):
+            profiled = jax.jit(lambda *a: run(*a))  # traced anew, so the kernels see profiled()
+            jax.block_until_ready(profiled(*inputs))
+    except RuntimeError as e:
+        if "Insufficient space" not in str(e):
+            raise
+        sys.exit(
+            f"a warpgroup recorded more than --ranges {ranges} phases: "
+            "raise --ranges, or profile a shorter --seq"
+        )
     jax.effects_barrier()  # the traces are written by a host callback
     files = sorted(set(glob.glob(os.path.join(directory, "*-trace.json"))) - before)
     if not files:
@@ -165,8 +187,9 @@ def main() -> tuple[dict, dict]:
     print(table(totals, whole))
     if slot:
         print(
-            f"a warpgroup's span: {whole['median_span']:.0f} cycles (median); the call's time a CTA slot: "
-            f"{slot['slot_cycles']:.0f} cycles ({slot['ctas']} CTAs on {slot['sms']} SMs at {slot['mhz']:.0f} MHz)"
+            f"a warpgroup's span: {whole['median_span']:.0f} cycles (median); the call's time a CTA "
+            f"slot: {slot['slot_cycles']:.0f} cycles ({slot['ctas']} CTAs on {slot['sms']} SMs at "
+            f"{slot['mhz']:.0f} MHz)"
         )
     return totals, whole
 

@@ -947,6 +947,15 @@ def test_profile_kernel_sums_each_phase_over_warpgroups(tmp_path):
     assert lines[4] == "| (between phases) | 750 | 20.0% |"  # 3000 cycles over 4 steps
 
 
+def test_profile_kernel_gives_the_forward_room_for_every_key_block():
+    """profile_kernel.default_ranges: the forward's five phases a key block over the whole
+    sequence, plus three (a first run at 16K with 8 documents and 128 ranges ran out)."""
+    prof = load_script("profile_kernel")
+    assert prof.default_ranges("forward", 16384, 128) == 5 * 128 + 3
+    assert prof.default_ranges("forward", 16384, 256) == 5 * 256 + 3  # 64 keys a block above 128
+    assert prof.default_ranges("backward", 16384, 128) == 400
+
+
 def test_profile_kernel_converts_a_call_to_cycles_a_cta_slot(monkeypatch):
     """profile_kernel.cta_slot: the call's milliseconds x SMs / CTAs at the top SM clock that
     nvidia-smi reports; nothing where nvidia-smi is missing."""

@@ -360,8 +360,8 @@ def _dkdv_kernel(
         return carry
 
     # A loop over the group's heads, not a Python one: unrolled, GQA 8:1 under a causal
-    # mask with segment ids is 48 loops in one kernel, and a GPU test of that did not finish
-    # in 7 minutes (docs/notes/attention_kernels.md, 2026-12-03).
+    # mask with segment ids is 48 loops in one kernel, and its GPU test did not finish in 7
+    # minutes; with the loop it passes in about one (docs/notes/attention_kernels.md, 2026-12-03).
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = head(0, carry) if group == 1 else lax.fori_loop(0, group, head, carry)
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
