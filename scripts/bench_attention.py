@@ -32,7 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import script_parser, stop_on_sigterm, write_results
+from benchlib import check_stopped, script_parser, stop_on_sigterm, write_results
 
 from bpt.ops import blockwise_attention, reference_attention
 from bpt.ops.kernels import attention_hopper, flash_attention
@@ -188,9 +188,11 @@ def time_fn(fn, *args, min_seconds: float = 0.3) -> float:
     """Seconds per call, after two warm-up calls (compilation; libraries that tune on their
     first call), over enough calls to last min_seconds."""
     for _ in range(2):
+        check_stopped()
         jax.block_until_ready(fn(*args))
     start, calls = time.perf_counter(), 0
     while True:
+        check_stopped()
         out = fn(*args)
         calls += 1
         if calls in (1, 3, 10, 30, 100, 300) or calls % 1000 == 0:
@@ -279,6 +281,7 @@ def measure_together(impls: list[str], *, repeats: int = 1, **shape) -> list[dic
     for _ in range(repeats):
         for (row, timed, args), times in zip(prepared, rounds):
             for name, f, _ in timed:
+                check_stopped()
                 if f"{name}_error" in row:
                     continue
                 try:

@@ -171,16 +171,30 @@ def write_results(out, results, *, table: str | None = None) -> None:
     (out / "table.md").write_text(table.rstrip("\n") + "\n")
 
 
+_STOPPED: dict = {"signal": None}  # the signal that stop_on_sigterm's handler took, once it came
+
+
 def stop_on_sigterm() -> None:
     """From here on SIGTERM (what `timeout` and batch schedulers send) raises
     KeyboardInterrupt, as Ctrl-C does, so that a script cut short can still write and print
     what it measured. Python takes the signal between bytecodes: a running XLA compilation
-    finishes first (give `timeout -k` the time it needs)."""
+    finishes first (give `timeout -k` the time it needs). The handler's raise can land in
+    code that swallows it (a callback or finalizer the signal interrupted; one CPU run of
+    bench_attention measured two more shapes after its SIGTERM): the signal is remembered
+    too, and check_stopped() raises again in the measuring loops."""
 
     def stop(signum, frame):
+        _STOPPED["signal"] = signum
         raise KeyboardInterrupt(f"stopped by signal {signum}")
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def check_stopped() -> None:
+    """Raises KeyboardInterrupt if stop_on_sigterm's signal has come (again, where its first
+    raise was swallowed)."""
+    if _STOPPED["signal"] is not None:
+        raise KeyboardInterrupt(f"stopped by signal {_STOPPED['signal']}")
 
 
 def run_meta(**extra) -> dict:
@@ -225,15 +239,18 @@ def seconds_per_call(fn, *args, repeats: int = 10, warmup: int = 2, timing: str 
     if timing not in TIMINGS:
         raise ValueError(f"timing must be one of {', '.join(TIMINGS)}; got {timing!r}")
     for _ in range(warmup):
+        check_stopped()
         jax.block_until_ready(fn(*args))
     times = []
     if timing == "synced":
         for _ in range(repeats):
+            check_stopped()
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - start)
         return statistics.median(times)
     for _ in range(5):
+        check_stopped()
         start = time.perf_counter()
         outs = [fn(*args) for _ in range(repeats)]
         jax.block_until_ready(outs)

@@ -93,6 +93,30 @@ def test_real_steps_train():
     assert len(result["losses"]) == 4 and result["losses"][-1] < result["losses"][0]
 
 
+def test_a_sigterm_whose_raise_was_swallowed_still_stops_the_timing():
+    """benchlib.stop_on_sigterm: the handler's KeyboardInterrupt can land in code that
+    swallows it; the signal is remembered, and seconds_per_call (like bench_attention's
+    loops, through check_stopped) raises again before its next call."""
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        benchlib.stop_on_sigterm()
+        benchlib.seconds_per_call(lambda: jnp.ones(2), repeats=1, warmup=1)  # nothing yet
+        try:  # the raise lands where it is swallowed
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # Python runs the handler at the next bytecodes
+                pass
+        except KeyboardInterrupt:
+            pass
+        with pytest.raises(KeyboardInterrupt, match=f"stopped by signal {int(signal.SIGTERM)}"):
+            benchlib.seconds_per_call(lambda: jnp.ones(2), repeats=1, warmup=1)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        benchlib._STOPPED["signal"] = None
+
+
 def test_every_script_with_a_main_runs_it_when_run():
     """A script defining main() calls it under `if __name__ == "__main__":` (python
     scripts/X.py must do its work, not import its functions and exit quietly)."""
