@@ -423,6 +423,10 @@ def test_unrolled_flash_stack_computes_the_same_function(key):
 
     (logits, grads), (expected, expected_grads) = run(unrolled, params), run(looped, params)
     assert rel_err(logits, expected) < 1e-5
+    # sin_scale's gradient is a sum whose terms mostly cancel: over 40 seeds the two orders of
+    # float32 sums differ by up to 2e-5 of it (the other leaves by at most 3e-6; a suite run
+    # with seed 70360245 failed at 1e-5 on sin_scale alone, at 1.1e-5)
+    assert rel_err(grads.pop("sin_scale"), expected_grads.pop("sin_scale")) < 1e-4
     assert tree_rel_err(grads, expected_grads) < 1e-5
 
 
