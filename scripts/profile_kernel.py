@@ -13,9 +13,15 @@ ui.perfetto.dev). This script runs the kernel once that way, then sums each phas
 warpgroups and prints a table: cycles per step, the share of the warpgroups' time, and
 what lies between phases (barrier waits outside any phase, loop overhead). The profiler's
 buffer lives in shared memory, so keep sweeps short (--seq 2048: at most 32 steps a CTA).
-It also times the kernel unprofiled (the median of 20 calls), and prints a warpgroup's
-span (its first phase's start to its last one's end) against the kernel's time a CTA slot
-(the call's cycles x SMs / CTAs): what lies outside is a CTA's launch and teardown.
+It also times the kernel unprofiled (the device's time a call: 20 calls back to back), and
+prints a warpgroup's span (its first phase's start to its last one's end) against the
+kernel's time a CTA slot (the call's cycles x SMs / CTAs): what lies outside is a CTA's
+launch and teardown. The sum of the CTAs' spans packed onto the SMs gives the call's time
+were they all it did (the rest: launches, prologues, SMs idle while the last CTAs finish);
+with --segments it times segment_spans as well, which the kernels' callers compute before
+they start. A profiled call is slower than the kernel: at each CTA's end one thread copies
+the whole trace buffer to global memory (about 0.2 us a range on an H200: 49 us a CTA at
+--ranges 208), so the traces' gaps between CTAs are mostly that copy.
 Registers: run it with MOSAIC_GPU_DUMP_PTXAS=1 and Mosaic GPU prints ptxas's report of each
 kernel (registers and spills); MOSAIC_GPU_DUMP_TO=DIR keeps the PTX as well.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import json
 import math
@@ -38,6 +45,7 @@ import jax.numpy as jnp
 from benchlib import seconds_per_call
 
 from bpt.ops.kernels import attention_hopper
+from bpt.ops.segments import segment_spans
 
 
 def phases(trace_files: list[str]) -> tuple[dict, dict]:
@@ -65,7 +73,9 @@ def phases(trace_files: list[str]) -> tuple[dict, dict]:
                     cell[1] += 1
             spans.append((evs[-1]["ts"] - evs[0]["ts"]) * 1e3)
     whole = {"span": sum(spans), "warpgroups": len(spans)}
-    return dict(totals), whole | {"median_span": statistics.median(spans) if spans else 0.0}
+    if not spans:
+        return dict(totals), whole | {"median_span": 0.0, "max_span": 0.0}
+    return dict(totals), whole | {"median_span": statistics.median(spans), "max_span": max(spans)}
 
 
 def table(totals: dict, whole: dict) -> str:
@@ -83,12 +93,13 @@ def table(totals: dict, whole: dict) -> str:
 def default_ranges(kernel: str, seq: int, head_dim: int) -> int:
     """Phases a warpgroup may record: the backward's 400 (its CTAs walk at most 32 query
     blocks at --seq 2048); the forward's five a key block (wait_K, S, softmax, wait_V, PV)
-    over every key block of the sequence, and three more (wait_Q, pipelined, store), so that
-    a tile of a long document fits whatever the segment ids."""
+    over every key block of the sequence and one to spare, and 16 more (wait_Q, pipelined,
+    store, Pallas's Init), so that a tile of a long document fits whatever the segment ids
+    (five a block and three more ran out at 4K causal)."""
     if kernel == "backward":
         return 400
     block_k = 128 if head_dim <= attention_hopper.MAX_HEAD_DIM_BLOCK_128 else 64
-    return 5 * (seq // block_k) + 3
+    return 6 * (seq // block_k) + 16
 
 
 def cta_slot(ms: float, ctas: int) -> dict:
@@ -103,6 +114,12 @@ def cta_slot(ms: float, ctas: int) -> dict:
     if not sms or not ctas:
         return {}
     return dict(ctas=ctas, sms=sms, mhz=mhz, slot_cycles=ms * 1e-3 * mhz * 1e6 * sms / ctas)
+
+
+def packed_ms(cycles: float, sms: int, mhz: float) -> float:
+    """Milliseconds that `cycles` of CTA time take on `sms` SMs at `mhz`, one CTA an SM at a
+    time and none idle: the call's time if its CTAs' spans were all it did."""
+    return cycles / sms / (mhz * 1e3)
 
 
 def main() -> tuple[dict, dict]:
@@ -153,8 +170,13 @@ def main() -> tuple[dict, dict]:
             q, k, v, do, lse, delta, causal=causal, scale=scale, fused_dq=fused, **seg
         )
 
+    if seg:  # what the kernels compute from the ids before they start (the forward's blocks)
+        block_k = 128 if d <= attention_hopper.MAX_HEAD_DIM_BLOCK_128 else 64
+        spans = functools.partial(segment_spans, rows=attention_hopper.TILE, cols=block_k, causal=causal, dense=True)
+        ids = (seg["q_seg"], seg["kv_seg"])
+        spans_ms = seconds_per_call(jax.jit(spans), *ids, repeats=20, timing="pipelined") * 1e3
     run, inputs = (bwd, (q, k, v, do, lse, delta)) if args.kernel == "backward" else (fwd, (q, k, v))
-    ms = seconds_per_call(jax.jit(run), *inputs, repeats=20) * 1e3
+    ms = seconds_per_call(jax.jit(run), *inputs, repeats=20, timing="pipelined") * 1e3
 
     directory = args.out or tempfile.mkdtemp(prefix="bpt-kernel-profile-")
     os.makedirs(directory, exist_ok=True)
@@ -164,14 +186,14 @@ def main() -> tuple[dict, dict]:
         with attention_hopper.profiled(directory, ranges):
             profiled = jax.jit(lambda *a: run(*a))  # traced anew, so the kernels see profiled()
             jax.block_until_ready(profiled(*inputs))
-    except RuntimeError as e:
+            jax.effects_barrier()  # the traces are written by a host callback: its error lands here
+    except Exception as e:  # a RuntimeError, or the runtime's error that wraps the callback's
         if "Insufficient space" not in str(e):
             raise
         sys.exit(
             f"a warpgroup recorded more than --ranges {ranges} phases: "
             "raise --ranges, or profile a shorter --seq"
         )
-    jax.effects_barrier()  # the traces are written by a host callback
     files = sorted(set(glob.glob(os.path.join(directory, "*-trace.json"))) - before)
     if not files:
         sys.exit(f"no trace was written to {directory}")
@@ -187,10 +209,14 @@ def main() -> tuple[dict, dict]:
     print(table(totals, whole))
     if slot:
         print(
-            f"a warpgroup's span: {whole['median_span']:.0f} cycles (median); the call's time a CTA "
-            f"slot: {slot['slot_cycles']:.0f} cycles ({slot['ctas']} CTAs on {slot['sms']} SMs at "
-            f"{slot['mhz']:.0f} MHz)"
+            f"a warpgroup's span: {whole['median_span']:.0f} cycles (median), {whole['max_span']:.0f} "
+            f"(longest); the call's time a CTA slot: {slot['slot_cycles']:.0f} cycles ({slot['ctas']} "
+            f"CTAs on {slot['sms']} SMs at {slot['mhz']:.0f} MHz)"
         )
+        busy = packed_ms(whole["span"] / attention_hopper.COMPUTE_WGS, slot["sms"], slot["mhz"])
+        print(f"the CTAs' spans packed onto the SMs: {busy:.3f} ms of the call's {ms:.3f} ms")
+    if seg:
+        print(f"the segment ids' spans (segment_spans, XLA, before the kernel): {spans_ms:.3f} ms")
     return totals, whole
 
 

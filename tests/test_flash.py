@@ -386,6 +386,38 @@ def test_segment_spans_cover_every_block_a_row_block_sees_and_no_more_for_packed
     assert checked > 300 and tight > 150 and narrowed > 0 and dense > 100
 
 
+def test_block_bounds_equal_the_binary_search_for_sorted_columns():
+    """segments.block_bounds (a comparison of each row block's least and greatest id with
+    each column block's, what segment_spans uses where the block divides the columns)
+    against segments.searched_bounds (jnp.searchsorted over the columns): the same four
+    bounds for sorted column ids, ids that no column holds and ranges past either end
+    included."""
+    rng = np.random.default_rng(1)
+    for trial in range(40):
+        m, cols = 256, int(rng.choice([16, 32, 64, 128]))
+        cuts = np.sort(rng.choice(np.arange(1, m), int(rng.integers(0, 20)), replace=False))
+        col_seg = np.stack([np.searchsorted(cuts, np.arange(m), side="right")] * 2) * 2  # even ids only
+        col_seg[1] = np.sort(rng.integers(0, 9, m))
+        low = rng.integers(-2, 2 * len(cuts) + 3, (2, 7))
+        high = low + rng.integers(0, 5, (2, 7))
+        args = [jnp.asarray(x, jnp.int32) for x in (col_seg, low, high)]
+        searched = [np.asarray(x) for x in segments.searched_bounds(*args, cols)]
+        blocked = [np.asarray(x) for x in segments.block_bounds(*args, cols)]
+        for a, c in zip(searched, blocked, strict=True):
+            np.testing.assert_array_equal(a, c, err_msg=f"trial {trial}, cols {cols}")
+
+
+def test_segment_spans_search_where_the_block_does_not_divide_the_columns():
+    """Columns that are not a whole number of blocks: segment_spans falls back to the
+    binary search, and still streams every block a row block sees."""
+    ids = jnp.asarray(np.repeat(np.arange(5), 50)[None], jnp.int32)  # 250 columns, blocks of 64
+    spans = np.asarray(segments.segment_spans(ids, ids, rows=50, cols=64, causal=False))
+    assert spans.shape == (1, 5, 2)
+    for r, (first, stop) in enumerate(spans[0]):  # row block r is document r: columns 50r..50r+49
+        # the first block at most the last whole one (250 // 64 = 3 blocks), so that one is streamed
+        assert first == min(50 * r // 64, 2) and stop == -(-(50 * r + 50) // 64)
+
+
 @pytest.mark.parametrize(
     "kernel, causal, schedule",
     [("triton", True, None), ("triton", False, None), ("hopper", True, "overlap"), ("hopper", False, None)],
@@ -941,7 +973,7 @@ def test_profile_kernel_sums_each_phase_over_warpgroups(tmp_path):
     prof = load_script("profile_kernel")
     totals, whole = prof.phases([str(path)])
     assert totals == {"S": [8000.0, 4], "dV": [4000.0, 4]}
-    assert whole == {"span": 2 * 7500.0, "warpgroups": 2, "median_span": 7500.0}
+    assert whole == {"span": 2 * 7500.0, "warpgroups": 2, "median_span": 7500.0, "max_span": 7500.0}
     lines = prof.table(totals, whole).splitlines()
     assert lines[2] == "| S | 2000 | 53.3% |" and lines[3] == "| dV | 1000 | 26.7% |"
     assert lines[4] == "| (between phases) | 750 | 20.0% |"  # 3000 cycles over 4 steps
@@ -949,10 +981,11 @@ def test_profile_kernel_sums_each_phase_over_warpgroups(tmp_path):
 
 def test_profile_kernel_gives_the_forward_room_for_every_key_block():
     """profile_kernel.default_ranges: the forward's five phases a key block over the whole
-    sequence, plus three (a first run at 16K with 8 documents and 128 ranges ran out)."""
+    sequence and one to spare, plus 16 (a first run at 16K with 8 documents and 128 ranges
+    ran out, and one at 4K causal with five a block and three more)."""
     prof = load_script("profile_kernel")
-    assert prof.default_ranges("forward", 16384, 128) == 5 * 128 + 3
-    assert prof.default_ranges("forward", 16384, 256) == 5 * 256 + 3  # 64 keys a block above 128
+    assert prof.default_ranges("forward", 16384, 128) == 6 * 128 + 16
+    assert prof.default_ranges("forward", 16384, 256) == 6 * 256 + 16  # 64 keys a block above 128
     assert prof.default_ranges("backward", 16384, 128) == 400
 
 
@@ -968,6 +1001,8 @@ def test_profile_kernel_converts_a_call_to_cycles_a_cta_slot(monkeypatch):
     monkeypatch.setattr(prof.subprocess, "run", smi)
     slot = prof.cta_slot(1.0, 264)  # 1 ms, two CTAs an SM
     assert slot == dict(ctas=264, sms=132, mhz=1980.0, slot_cycles=pytest.approx(990_000.0))
+    # 264 CTAs of 990,000 cycles on 132 SMs, two rounds: the call's 1 ms
+    assert prof.packed_ms(264 * 990_000.0, 132, 1980.0) == pytest.approx(1.0)
 
     def missing(*a, **k):
         raise FileNotFoundError("nvidia-smi")
