@@ -217,11 +217,14 @@ def _lean_table(visible_blocks: Array, full_blocks: Array, kv_heads: int, progra
     cuts = jnp.arange(programs, dtype=jnp.int32) * size
     borders = jnp.sort(jnp.minimum(jnp.concatenate([cuts, starts]), total))
     ends = jnp.concatenate([borders[1:], total[None]])
-    unit = jnp.clip(jnp.searchsorted(starts, borders, side="right") - 1, 0, units - 1).astype(jnp.int32)
+    # searches of a few hundred entries: a comparison of all pairs, one fusion (the default
+    # binary search is a loop of small kernels, 0.39 ms for 128 ids in 16K on an H200)
+    search = functools.partial(jnp.searchsorted, method="compare_all")
+    unit = jnp.clip(search(starts, borders, side="right") - 1, 0, units - 1).astype(jnp.int32)
     seq = unit // kv_heads
     owner = jnp.minimum(borders // size, programs - 1)  # sorted: each program's pieces are one run
     program = jnp.arange(programs, dtype=jnp.int32)
-    spans = jnp.stack([jnp.searchsorted(owner, program, side="left"), jnp.searchsorted(owner, program, side="right")], 1)
+    spans = jnp.stack([search(owner, program, side="left"), search(owner, program, side="right")], 1)
     first = borders - starts[unit]
     end = jnp.maximum(first, ends - starts[unit])
     pieces = jnp.stack([seq, unit % kv_heads, first, end, full_blocks[seq]], axis=1)
