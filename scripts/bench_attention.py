@@ -147,6 +147,9 @@ for _schedule in attention_hopper.SCHEDULES:
 # tile of every (batch, head) in turn, the order before tile groups.
 for _group in (1, 2, 4, 16, 32, 64, 128, 256, 512, 1024):
     IMPLS[f"bpt-pallas-group{_group}"] = functools.partial(flash_attention, hopper_tile_group=_group)
+# The Hopper forward persistent (attention_hopper.forward's persistent: one CTA an SM, each
+# taking tiles in turn), its backward as bpt-pallas's.
+IMPLS["bpt-pallas-persistent"] = functools.partial(flash_attention, hopper_persistent=True)
 
 
 @contextlib.contextmanager

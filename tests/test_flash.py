@@ -600,6 +600,8 @@ def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, head
         flash_attention(x, x, x, hopper_tile_group=0)
     with pytest.raises(ValueError, match="unknown hopper_gqa 'split'; allowed: expand, walk"):
         flash_attention(x, x, x, hopper_gqa="split")
+    with pytest.raises(ValueError, match="hopper_persistent must be a bool or a positive int"):
+        flash_attention(x, x, x, hopper_persistent=0)
 
 
 @pytest.mark.parametrize(
@@ -628,6 +630,54 @@ def test_hopper_forward_schedules_in_the_mosaic_gpu_interpreter(key, schedule, c
         scores = jnp.where(jnp.tril(jnp.ones((384, 384), bool)), scores, -jnp.inf)
     assert rel_err(out, reference_attention(up(q), up(k), up(v), causal=causal)) < 1e-2
     assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "schedule, causal, head_dim, segments, ctas",
+    [
+        ("pingpong", True, 64, False, 4),  # 6 tiles on 4 CTAs: two take two, of unequal lengths
+        ("overlap", False, 64, False, 5),  # the eager ring's refills, carried over tiles
+        ("pingpong", True, 64, True, 2),  # segment spans: each tile's ring starts where it may
+    ],
+)
+def test_persistent_hopper_forward_in_the_mosaic_gpu_interpreter(key, schedule, causal, head_dim, segments, ctas):
+    """attention_hopper.forward(persistent=N): N CTAs take the tiles in turn, each ring of
+    keys and values running on from one tile to the next (its slots and barrier phases
+    carried over; with segment ids each tile's steps start where its span does): the same
+    outputs as a CTA a tile, bit for bit, its logsumexps to an ulp, and float32
+    attention's."""
+    q, k, v, _ = inputs(key, 1, 384, 2, 2, head_dim, jnp.bfloat16)
+    seg = {}
+    if segments:
+        ids = packed_segments(jax.random.fold_in(key, 1), 1, 384, num=3)
+        seg = dict(q_seg=ids, kv_seg=ids)
+    run = functools.partial(
+        attention_hopper.forward, q, k, v, causal=causal, scale=head_dim**-0.5, block_k=64,
+        schedule=schedule, interpret=True, **seg,
+    )
+    (out, lse), (each, each_lse) = run(persistent=ctas), run()
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(each, np.float32))
+    # the logsumexps to an ulp: the interpreter's XLA compiles the tile's code inside the loop
+    # over tiles, where it rounded (m + log2(denom)) * ln 2 differently in 8% of the rows once
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(each_lse), rtol=1e-6, atol=0)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    expected = reference_attention(up(q), up(k), up(v), causal=causal, segment_ids=seg.get("q_seg"))
+    assert rel_err(out, expected) < 1e-2
+
+
+def test_persistent_ctas_are_the_sms_or_a_count_and_never_more_than_the_tiles(monkeypatch):
+    """attention_hopper.persistent_ctas: True, the device's SMs (at most the tiles); an int,
+    that many; False, a CTA a tile; anything else is named in the error."""
+    import types
+
+    monkeypatch.setattr(attention_hopper.jax, "devices", lambda: [types.SimpleNamespace(core_count=132)])
+    assert attention_hopper.persistent_ctas(False, 512) is None
+    assert attention_hopper.persistent_ctas(True, 512) == 132
+    assert attention_hopper.persistent_ctas(True, 40) == 40
+    assert attention_hopper.persistent_ctas(7, 512) == 7
+    for bad in (0, -1, 2.5, "yes"):
+        with pytest.raises(ValueError, match="persistent must be a bool or a positive int"):
+            attention_hopper.persistent_ctas(bad, 512)
 
 
 def test_hopper_forward_default_schedule_by_shape():
@@ -662,6 +712,10 @@ def test_hopper_forward_schedules_lower_for_cuda(schedule):
     x = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     for causal in (True, False):
         fwd = functools.partial(attention_hopper.forward, causal=causal, scale=0.1, schedule=schedule)
+        text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
+    for causal in (True, False):  # persistent: 6 CTAs over the 8 tiles
+        fwd = functools.partial(attention_hopper.forward, causal=causal, scale=0.1, schedule=schedule, persistent=6)
         text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
     x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
@@ -936,6 +990,33 @@ def test_hopper_kernels_take_segment_ids_on_gpu(key, head_dim, causal, kv_heads,
         seg = jax.random.permutation(jax.random.fold_in(key, 2), seg, axis=1, independent=True)
     hopper = dict(forward="hopper", backward="hopper", hopper_schedule=schedule)
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
+@pytest.mark.parametrize(
+    "head_dim, causal, schedule, docs, persistent",
+    [
+        (128, True, "pingpong", 0, True),  # one CTA an SM over 2 x 8 heads x 16 tiles
+        (128, False, "overlap", 0, True),
+        (64, True, "pingpong", 8, True),  # segment spans: each tile's steps start at its span's
+        (128, True, "pingpong", 0, 3),  # few CTAs: each takes tiles of every length in turn
+    ],
+)
+def test_persistent_hopper_forward_on_gpu(key, head_dim, causal, schedule, docs, persistent):
+    """The persistent forward's wgmma/TMA kernel at real sizes: the outputs and logsumexps of
+    a CTA a tile (to bf16's rounding: the same per-tile work, in other registers), and
+    float32 attention's."""
+    q, k, v, _ = inputs(key, 2, 2048, 8, 8, head_dim, jnp.bfloat16)
+    seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=docs) if docs else None
+    run = functools.partial(
+        flash_attention_with_lse, q, k, v, causal=causal, segment_ids=seg, forward="hopper",
+        hopper_schedule=schedule,
+    )
+    (out, lse), (each, each_lse) = run(hopper_persistent=persistent), run()
+    assert rel_err(out, each) < 1e-3 and rel_err(lse, each_lse) < 1e-5
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    assert rel_err(out, reference_attention(up(q), up(k), up(v), causal=causal, segment_ids=seg)) < 1e-2
 
 
 @pytest.mark.gpu

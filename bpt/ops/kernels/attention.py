@@ -85,6 +85,7 @@ class FlashConfig:
     hopper_tile_group: int | None = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
     hopper_gqa: str = "expand"  # attention_hopper.backward's gqa: how the dK/dV pass splits GQA
     hopper_dq_split: str | None = None  # attention_hopper.backward's dq_split (None: by head_dim)
+    hopper_persistent: bool | int = False  # attention_hopper.forward's persistent CTAs
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -268,6 +269,7 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
             tile_group=cfg.hopper_tile_group,
             q_seg=q_seg,
             kv_seg=kv_seg,
+            persistent=cfg.hopper_persistent,
             interpret=cfg.interpret,
         )
     b, sq, h, d = q.shape
@@ -529,6 +531,7 @@ def flash_attention_with_lse(
     hopper_tile_group: int | None = attention_hopper.TILE_GROUP,
     hopper_gqa: str = "expand",
     hopper_dq_split: str | None = None,
+    hopper_persistent: bool | int = False,
     interpret: bool | None = None,
     fp8: bool = False,
 ) -> tuple[Array, Array]:
@@ -552,7 +555,9 @@ def flash_attention_with_lse(
     "expand" (a CTA a query head's keys) or "walk" (a CTA a key/value head's keys, walking
     its group; attention_hopper.backward). hopper_dq_split: how the fused Hopper backward
     splits dQ between its warpgroups (attention_hopper.DQ_SPLITS; None: by head_dim, at 64
-    "keys" or "steps"). interpret: run
+    "keys" or "steps"). hopper_persistent: the Hopper forward as one CTA an SM, each taking
+    tiles in turn (True; an int: that many CTAs; attention_hopper.forward), not a CTA a
+    tile (False, the default). interpret: run
     the kernels in an interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
@@ -582,6 +587,7 @@ _SETTINGS = (
     "hopper_tile_group",
     "hopper_gqa",
     "hopper_dq_split",
+    "hopper_persistent",
     "interpret",
     "fp8",
 )
@@ -604,6 +610,8 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     attention_hopper.check_gqa(hopper_gqa, "hopper_gqa")
     hopper_dq_split = settings.get("hopper_dq_split")
     attention_hopper.check_dq_split(hopper_dq_split, q.shape[-1], "hopper_dq_split")
+    hopper_persistent = settings.get("hopper_persistent", False)
+    attention_hopper.persistent_ctas(hopper_persistent, 1, "hopper_persistent")  # checks it
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
@@ -676,6 +684,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         hopper_tile_group=hopper_tile_group,
         hopper_gqa=hopper_gqa,
         hopper_dq_split=hopper_dq_split,
+        hopper_persistent=hopper_persistent,
         fp8=fp8,
     )
     if pad_q or pad_k or dp:

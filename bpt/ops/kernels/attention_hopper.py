@@ -303,12 +303,21 @@ class _Ring:
     arrived on its free barrier; each buffer signals its own ready barrier.
     """
 
-    def __init__(self, groups, stages: int, steps, eager: bool = False, start=0, dense=None):
+    def __init__(self, groups, stages: int, steps, eager: bool = False, start=0, dense=None, offset=0):
         self.groups, self.stages, self.steps, self.eager = groups, stages, steps, eager
         self.start = start  # the first step (segment spans: a traced scalar; else 0)
         # segment spans: the steps [dense[0], dense[1]) need no segment mask (a document's
         # interior; segment_spans(dense=True)); None without segment ids
         self.dense = dense
+        # a persistent CTA's ring runs on over its tiles: step j of this tile is the ring's
+        # position j + offset (offset: the steps of its tiles before, less this tile's
+        # start); 0 for a CTA of one tile
+        self.offset = offset
+
+    @property
+    def length(self):
+        """The steps this tile streams."""
+        return self.steps - self.start
 
     @property
     def bounded(self) -> bool:
@@ -316,6 +325,7 @@ class _Ring:
         return not isinstance(self.start, int)
 
     def slot(self, j):
+        j = j + self.offset
         return j % self.stages if isinstance(j, int) else lax.rem(j, self.stages)
 
     def produce(self, released=None):
@@ -354,6 +364,36 @@ class _Ring:
                 plgpu.barrier_wait(free.at[self.slot(j)])
             if released is not None:
                 released(j)
+
+    def produce_steps(self):
+        """The memory warpgroup's loop over one tile of a persistent CTA, whose ring runs on
+        from its tiles before: each step's slot is refilled once the step `stages` before
+        it (this tile's or an earlier one's) has been released. No drain: drain() follows
+        the CTA's last tile."""
+
+        def wait(free, slot):
+            plgpu.barrier_wait(free.at[slot])
+
+        @pl.loop(self.start, self.steps)
+        def _stream(j):
+            slot, reuse = self.slot(j), j + self.offset >= self.stages
+            if not self.eager:  # as produce(): every group's slot free before the first copy
+                for free, _ in self.groups:
+                    pl.when(reuse)(functools.partial(wait, free, slot))
+            for free, buffers in self.groups:
+                if self.eager:
+                    pl.when(reuse)(functools.partial(wait, free, slot))
+                for smem, ready, src in buffers:
+                    plgpu.copy_gmem_to_smem(src(j), smem.at[slot], ready.at[slot])
+
+    def drain(self, total):
+        """After a persistent CTA's last tile: see the ring's last slots released (its
+        steps total - stages .. total - 1), so that every barrier phase is observed."""
+
+        @pl.loop(jnp.maximum(total - self.stages, 0), total)
+        def _drain(j):
+            for free, _ in self.groups:
+                plgpu.barrier_wait(free.at[lax.rem(j, self.stages)])
 
     def release(self, j):
         """A compute warpgroup passes over step j: it waits for its slot and releases it."""
@@ -414,14 +454,18 @@ class _KeyStream:
         *seg_scratch,
         seg_ref=None,
         spans_ref=None,
+        cta=None,
+        offset=0,
     ):
-        """(tile, batch, head, warpgroup, ring, key segments) of this CTA. With segments
+        """(tile, batch, head, warpgroup, ring, key segments) of this CTA (cta: of work item
+        `cta` of the grid, for a persistent CTA that takes items in turn; its ring's steps
+        follow `offset` steps of the items before). With segments
         (seg_scratch: the smem and ready barriers scratch() added; seg_ref: the keys' segment
         ids [b, sk]), key_segments(slot, regs, load) waits for the slot's segment ids and
         (load) loads them, one per column of a [queries, keys] block; else it is None.
         spans_ref (segment_spans(dense=True) of the query tiles over the key blocks): the
         ring streams only the tile's span, and knows its dense run."""
-        tile, head, bi = self.grid.here()
+        tile, head, bi = self.grid.here() if cta is None else self.grid.coords(cta)
         tile = self.grid.tiles - 1 - tile if self.causal else tile
         wg = lax.axis_index("wg")
         bk = self.bk
@@ -445,7 +489,9 @@ class _KeyStream:
                 return regs.vector(seg_smem.at[slot], 0) if load else None
 
         groups = [(k_free, keys), (v_free, [(v_smem, v_ready, rows(v_ref))])]
-        ring = _Ring(groups, self.stages, steps, self.eager, start=start, dense=dense)
+        # a persistent CTA's tile takes the ring's positions from `offset` on
+        position = 0 if cta is None else offset - start
+        ring = _Ring(groups, self.stages, steps, self.eager, start=start, dense=dense, offset=position)
         return tile, bi, head, wg, ring, key_segments
 
 
@@ -583,9 +629,11 @@ def _launch(
     interpret: bool,
     name: str,
     mutable: bool = False,
+    ctas: int | None = None,
 ):
     """Runs body(*hbm_refs, *scratch_refs) on three warpgroups per CTA, over `grid`'s CTAs
-    (the streams' open() reads each CTA's tile, head and batch from it).
+    (the streams' open() reads each CTA's tile, head and batch from it), or over `ctas`
+    persistent CTAs that take the grid's items in turn.
 
     mutable: the kernel also takes mutable arrays (jax.new_ref) after its inputs, which it
     updates in place; body sees them between the inputs and the outputs."""
@@ -593,7 +641,7 @@ def _launch(
     def entry(*hbm):
         pl.run_scoped(lambda *scratch_refs: body(*hbm, *scratch_refs), *scratch, collective_axes="wg")
 
-    grid = dict(grid=(grid.size,), grid_names=("cta",))
+    grid = dict(grid=(ctas or grid.size,), grid_names=("cta",))
     common = dict(
         compiler_params=plgpu.CompilerParams(approx_math=True, **_profile),
         interpret=interpret_params() if interpret else None,
@@ -673,6 +721,18 @@ def default_schedule(causal: bool, head_dim: int, segments: bool = False) -> str
     return "overlap" if head_dim >= 256 or (head_dim >= 128 and not causal) else "pingpong"
 
 
+def persistent_ctas(persistent: bool | int, items: int, setting: str = "persistent") -> int | None:
+    """The CTAs of a persistent kernel over `items` tiles (None: a CTA a tile): True, the
+    device's SMs; an int, that many; never more than the items."""
+    if isinstance(persistent, bool):
+        if not persistent:
+            return None
+        return min(int(getattr(jax.devices()[0], "core_count", 0) or 1), items)
+    if not isinstance(persistent, int) or persistent < 1:
+        raise ValueError(f"{setting} must be a bool or a positive int (CTAs); got {persistent!r}")
+    return min(persistent, items)
+
+
 def check_schedule(schedule: str | None, setting: str = "schedule") -> None:
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"unknown {setting} {schedule!r}; allowed: {', '.join(SCHEDULES)}")
@@ -691,6 +751,7 @@ def forward(
     tile_group: int | None = TILE_GROUP,
     q_seg: Array | None = None,
     kv_seg: Array | None = None,
+    persistent: bool | int = False,
     interpret: bool = False,
 ) -> tuple[Array, Array]:
     """(out [b, s, h, d], logsumexp [b, h, s] float32); see supported() for what it takes.
@@ -720,6 +781,10 @@ def forward(
     one (batch, head) (None, the default: all of them), so that the CTAs that run at once
     read the same keys and values.
     block_k: 64 or 128 keys a block; above head_dim 128 at most 64 (MAX_HEAD_DIM_BLOCK_128).
+    persistent: False (the default), a CTA a tile; True, one CTA an SM, each taking the
+    tiles in turn (in the launch order, CTA c the tiles c, c + SMs, ...), its ring of keys
+    and values running on from one tile to the next, so that the next tile's first blocks
+    load while the last one ends and no CTA is launched for a tile; an int, that many CTAs.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -735,6 +800,7 @@ def forward(
     check_tile_group(tile_group)
     overlap, pingpong = schedule.startswith("overlap"), schedule.endswith("pingpong")
     num_tiles, num_k = sq // TILE, sk // bk
+    ctas = persistent_ctas(persistent, num_tiles * h * b)
     # overlap waits for block j's keys while it holds block j-1's values: two slots at least,
     # and a ring that refills keys and values each as soon as they are free
     stages = max(2 if overlap else 1, min(stages, num_k))
@@ -750,9 +816,13 @@ def forward(
         o_ref, lse_ref, q_smem, lse_smem, q_ready, turn, *scratch = refs
         qseg_smem = scratch.pop(0) if segments else None
         k_smem, v_smem, k_ready, v_ready, k_free, v_free = (ring_scratch := scratch)[:6]
-        tile, bi, head, wg, ring, key_segments = keys.open(
-            k_ref, v_ref, *ring_scratch, seg_ref=ks_ref, spans_ref=spans_ref
-        )
+        wg = lax.axis_index("wg")
+
+        def tile_of(cta=None, offset=0):
+            """keys.open() of this CTA's tile (cta None) or of work item `cta`."""
+            return keys.open(
+                k_ref, v_ref, *ring_scratch, seg_ref=ks_ref, spans_ref=spans_ref, cta=cta, offset=offset
+            )
 
         turn = turn.at[0]
 
@@ -762,8 +832,9 @@ def forward(
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(turn)
 
-        def _compute(wg):
-            plgpu.set_max_registers(REGISTERS[0], action="increase")
+        def compute(wg, opened):
+            """Compute warpgroup wg's rows of one tile (opened: tile_of()'s)."""
+            tile, bi, head, _, ring, key_segments = opened
             row0 = tile * TILE + wg * bq
             my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
             rows = pl.ds(row0, bq)
@@ -904,9 +975,43 @@ def forward(
                 plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, head, rows])
                 plgpu.wait_smem_to_gmem(0)
 
-        _per_warpgroup(wg, _compute)
+        if ctas is None:  # a CTA a tile
+            opened = tile_of()
 
-        pl.when(wg == COMPUTE_WGS)(ring.produce)
+            def _compute(wg):
+                plgpu.set_max_registers(REGISTERS[0], action="increase")
+                compute(wg, opened)
+
+            _per_warpgroup(wg, _compute)
+            pl.when(wg == COMPUTE_WGS)(opened[4].produce)
+            return
+
+        # persistent: CTA c takes the grid's items c, c + ctas, ... (the heaviest first under
+        # a causal mask, as the grid orders them), its ring running on from one to the next
+        cta = lax.axis_index("cta")
+        items = lax.div(grid.size - 1 - cta, ctas) + 1
+
+        def each_tile(run):
+            """run(opened) on each of this CTA's items in turn; the ring's steps in all."""
+
+            def one(i, offset):
+                opened = tile_of(cta + i * ctas, offset)
+                run(opened)
+                return offset + opened[4].length
+
+            return lax.fori_loop(0, items, one, jnp.int32(0))
+
+        def _persistent_compute(wg):
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
+            each_tile(functools.partial(compute, wg))
+
+        def _persistent_produce():
+            plgpu.set_max_registers(REGISTERS[1], action="decrease")
+            total = each_tile(lambda opened: opened[4].produce_steps())
+            tile_of(cta)[4].drain(total)  # any tile's ring: the same slots and barriers
+
+        _per_warpgroup(wg, _persistent_compute)
+        pl.when(wg == COMPUTE_WGS)(_persistent_produce)
 
     scratch = [
         _smem((COMPUTE_WGS, bq, d), dtype),
@@ -923,6 +1028,7 @@ def forward(
         grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_fwd",
+        ctas=ctas,
     )(q, k, v, *((q_seg, kv_seg, spans) if segments else ()))
 
 
