@@ -973,7 +973,9 @@ def forward(
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, rows, head])
                 plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, head, rows])
-                plgpu.wait_smem_to_gmem(0)
+                # a persistent CTA's next tile needs only the buffers read (its Q lands in
+                # my_q); the writes to HBM are waited for after its last tile
+                plgpu.wait_smem_to_gmem(0, wait_read_only=ctas is not None)
 
         if ctas is None:  # a CTA a tile
             opened = tile_of()
@@ -1004,6 +1006,7 @@ def forward(
         def _persistent_compute(wg):
             plgpu.set_max_registers(REGISTERS[0], action="increase")
             each_tile(functools.partial(compute, wg))
+            plgpu.wait_smem_to_gmem(0)  # the last tiles' outputs written
 
         def _persistent_produce():
             plgpu.set_max_registers(REGISTERS[1], action="decrease")
