@@ -18,8 +18,8 @@ prints a warpgroup's span (its first phase's start to its last one's end) agains
 kernel's time a CTA slot (the call's cycles x SMs / CTAs): what lies outside is a CTA's
 launch and teardown. The sum of the CTAs' spans packed onto the SMs gives the call's time
 were they all it did (the rest: launches, prologues, SMs idle while the last CTAs finish);
-with --segments it times segment_spans as well, which the kernels' callers compute before
-they start. A profiled call is slower than the kernel: at each CTA's end one thread copies
+with --segments the forward's segment_spans is timed as well, which its caller computes
+before the kernel starts. A profiled call is slower than the kernel: at each CTA's end one thread copies
 the whole trace buffer to global memory (about 0.2 us a range on an H200: 49 us a CTA at
 --ranges 208), so the traces' gaps between CTAs are mostly that copy.
 Registers: run it with MOSAIC_GPU_DUMP_PTXAS=1 and Mosaic GPU prints ptxas's report of each
@@ -170,9 +170,12 @@ def main() -> tuple[dict, dict]:
             q, k, v, do, lse, delta, causal=causal, scale=scale, fused_dq=fused, **seg
         )
 
-    if seg:  # what the kernels compute from the ids before they start (the forward's blocks)
+    timed_spans = bool(seg) and args.kernel == "forward"
+    if timed_spans:  # what the forward's caller computes from the ids before the kernel starts
         block_k = 128 if d <= attention_hopper.MAX_HEAD_DIM_BLOCK_128 else 64
-        spans = functools.partial(segment_spans, rows=attention_hopper.TILE, cols=block_k, causal=causal, dense=True)
+        spans = functools.partial(
+            segment_spans, rows=attention_hopper.TILE, cols=block_k, causal=causal, dense=True
+        )
         ids = (seg["q_seg"], seg["kv_seg"])
         spans_ms = seconds_per_call(jax.jit(spans), *ids, repeats=20, timing="pipelined") * 1e3
     run, inputs = (bwd, (q, k, v, do, lse, delta)) if args.kernel == "backward" else (fwd, (q, k, v))
@@ -215,7 +218,7 @@ def main() -> tuple[dict, dict]:
         )
         busy = packed_ms(whole["span"] / attention_hopper.COMPUTE_WGS, slot["sms"], slot["mhz"])
         print(f"the CTAs' spans packed onto the SMs: {busy:.3f} ms of the call's {ms:.3f} ms")
-    if seg:
+    if timed_spans:
         print(f"the segment ids' spans (segment_spans, XLA, before the kernel): {spans_ms:.3f} ms")
     return totals, whole
 

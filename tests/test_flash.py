@@ -640,7 +640,9 @@ def test_hopper_forward_schedules_in_the_mosaic_gpu_interpreter(key, schedule, c
         ("pingpong", True, 64, True, 2),  # segment spans: each tile's ring starts where it may
     ],
 )
-def test_persistent_hopper_forward_in_the_mosaic_gpu_interpreter(key, schedule, causal, head_dim, segments, ctas):
+def test_persistent_hopper_forward_in_the_mosaic_gpu_interpreter(
+    key, schedule, causal, head_dim, segments, ctas
+):
     """attention_hopper.forward(persistent=N): N CTAs take the tiles in turn, each ring of
     keys and values running on from one tile to the next (its slots and barrier phases
     carried over; with segment ids each tile's steps start where its span does): the same
@@ -715,7 +717,9 @@ def test_hopper_forward_schedules_lower_for_cuda(schedule):
         text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
     for causal in (True, False):  # persistent: 6 CTAs over the 8 tiles
-        fwd = functools.partial(attention_hopper.forward, causal=causal, scale=0.1, schedule=schedule, persistent=6)
+        fwd = functools.partial(
+            attention_hopper.forward, causal=causal, scale=0.1, schedule=schedule, persistent=6
+        )
         text = jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
     x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
