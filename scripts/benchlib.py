@@ -185,7 +185,7 @@ def stop_on_sigterm() -> None:
 
     def stop(signum, frame):
         _STOPPED["signal"] = signum
-        raise KeyboardInterrupt(f"stopped by signal {signum}")
+        check_stopped()
 
     signal.signal(signal.SIGTERM, stop)
 

@@ -45,7 +45,6 @@ import jax.numpy as jnp
 from benchlib import seconds_per_call
 
 from bpt.ops.kernels import attention_hopper
-from bpt.ops.segments import segment_spans
 
 
 def phases(trace_files: list[str]) -> tuple[dict, dict]:
@@ -98,8 +97,7 @@ def default_ranges(kernel: str, seq: int, head_dim: int) -> int:
     (five a block and three more ran out at 4K causal)."""
     if kernel == "backward":
         return 400
-    block_k = 128 if head_dim <= attention_hopper.MAX_HEAD_DIM_BLOCK_128 else 64
-    return 6 * (seq // block_k) + 16
+    return 6 * (seq // attention_hopper.forward_block_k(head_dim)) + 16
 
 
 def cta_slot(ms: float, ctas: int) -> dict:
@@ -172,9 +170,8 @@ def main() -> tuple[dict, dict]:
 
     timed_spans = bool(seg) and args.kernel == "forward"
     if timed_spans:  # what the forward's caller computes from the ids before the kernel starts
-        block_k = 128 if d <= attention_hopper.MAX_HEAD_DIM_BLOCK_128 else 64
         spans = functools.partial(
-            segment_spans, rows=attention_hopper.TILE, cols=block_k, causal=causal, dense=True
+            attention_hopper.query_spans, block_k=attention_hopper.forward_block_k(d), causal=causal
         )
         ids = (seg["q_seg"], seg["kv_seg"])
         spans_ms = seconds_per_call(jax.jit(spans), *ids, repeats=20, timing="pipelined") * 1e3

@@ -611,7 +611,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     hopper_dq_split = settings.get("hopper_dq_split")
     attention_hopper.check_dq_split(hopper_dq_split, q.shape[-1], "hopper_dq_split")
     hopper_persistent = settings.get("hopper_persistent", False)
-    attention_hopper.persistent_ctas(hopper_persistent, 1, "hopper_persistent")  # checks it
+    attention_hopper.check_persistent(hopper_persistent, "hopper_persistent")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps

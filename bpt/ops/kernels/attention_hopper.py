@@ -692,6 +692,12 @@ def _check_segments(q: Array, k: Array, q_seg, kv_seg) -> bool:
     return True
 
 
+def query_spans(q_seg: Array, kv_seg: Array, block_k: int, causal: bool) -> Array:
+    """The query side's segment_spans (forward, dQ): per tile of TILE queries, its span of
+    key blocks of block_k keys and the span's dense run."""
+    return segment_spans(q_seg, kv_seg, rows=TILE, cols=block_k, causal=causal, dense=True)
+
+
 def key_spans(q_seg: Array, kv_seg: Array, keys: int, causal: bool) -> Array:
     """The dK/dV passes' segment_spans: per tile of `keys` keys, its span of query blocks (at
     least two: the fused backward's warpgroups each take a step of dQ, DQ_SPLITS' "steps")
@@ -721,16 +727,24 @@ def default_schedule(causal: bool, head_dim: int, segments: bool = False) -> str
     return "overlap" if head_dim >= 256 or (head_dim >= 128 and not causal) else "pingpong"
 
 
+def forward_block_k(head_dim: int, block_k: int = 128) -> int:
+    """The forward's key block: block_k, at most 64 above head_dim 128 (MAX_HEAD_DIM_BLOCK_128)."""
+    return min(block_k, 64) if head_dim > MAX_HEAD_DIM_BLOCK_128 else block_k
+
+
+def check_persistent(persistent: bool | int, setting: str = "persistent") -> None:
+    if not isinstance(persistent, int) or (not isinstance(persistent, bool) and persistent < 1):
+        raise ValueError(f"{setting} must be a bool or a positive int (CTAs); got {persistent!r}")
+
+
 def persistent_ctas(persistent: bool | int, items: int, setting: str = "persistent") -> int | None:
     """The CTAs of a persistent kernel over `items` tiles (None: a CTA a tile): True, the
     device's SMs; an int, that many; never more than the items."""
-    if isinstance(persistent, bool):
-        if not persistent:
-            return None
-        return min(int(getattr(jax.devices()[0], "core_count", 0) or 1), items)
-    if not isinstance(persistent, int) or persistent < 1:
-        raise ValueError(f"{setting} must be a bool or a positive int (CTAs); got {persistent!r}")
-    return min(persistent, items)
+    check_persistent(persistent, setting)
+    if persistent is False:
+        return None
+    ctas = int(getattr(jax.devices()[0], "core_count", 0) or 1) if persistent is True else persistent
+    return min(ctas, items)
 
 
 def check_schedule(schedule: str | None, setting: str = "schedule") -> None:
@@ -789,8 +803,7 @@ def forward(
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     _check(q, k, causal, hopper_block_k=block_k)
-    if d > MAX_HEAD_DIM_BLOCK_128:
-        block_k = min(block_k, 64)
+    block_k = forward_block_k(d, block_k)
     stages = default_stages(d, backward=False) if stages is None else stages
     bq, bk, dtype = TILE // COMPUTE_WGS, block_k, q.dtype
     check_schedule(schedule)
@@ -808,7 +821,7 @@ def forward(
     c = scale * LOG2E
     grid = _Grid(num_tiles, h, b, tile_group)
     keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, eager=overlap, segments=segments)
-    spans = segment_spans(q_seg, kv_seg, rows=TILE, cols=bk, causal=causal, dense=True) if segments else None
+    spans = query_spans(q_seg, kv_seg, bk, causal) if segments else None
 
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
@@ -1066,7 +1079,7 @@ def _dq(
     grid = _Grid(num_tiles, h, b, tile_group)
     segments = q_seg is not None
     keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, segments=segments)
-    spans = segment_spans(q_seg, kv_seg, rows=TILE, cols=bk, causal=causal, dense=True) if segments else None
+    spans = query_spans(q_seg, kv_seg, bk, causal) if segments else None
 
     def body(*refs):
         q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
