@@ -657,7 +657,7 @@ def test_persistent_hopper_forward_in_the_mosaic_gpu_interpreter(
         attention_hopper.forward, q, k, v, causal=causal, scale=head_dim**-0.5, block_k=64,
         schedule=schedule, interpret=True, **seg,
     )
-    (out, lse), (each, each_lse) = run(persistent=ctas), run()
+    (out, lse), (each, each_lse) = jax.jit(functools.partial(run, persistent=ctas))(), run()
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(each, np.float32))
     # the logsumexps to an ulp: the interpreter's XLA compiles the tile's code inside the loop
     # over tiles, where it rounded (m + log2(denom)) * ln 2 differently in 8% of the rows once
@@ -680,6 +680,34 @@ def test_persistent_ctas_are_the_sms_or_a_count_and_never_more_than_the_tiles(mo
     for bad in (0, -1, 2.5, "yes"):
         with pytest.raises(ValueError, match="persistent must be a bool or a positive int"):
             attention_hopper.persistent_ctas(bad, 512)
+
+
+@pytest.mark.parametrize("causal, docs", [(True, 0), (False, 0), (True, 8)])
+def test_persistent_order_deals_every_tile_once_and_evens_the_work(key, causal, docs):
+    """attention_hopper.persistent_order: every item of the grid exactly once (-1 only past a
+    CTA's last, in the last round), each CTA's steps within the longest item of the mean,
+    and the longest items first; at 16K with 16 heads on 132 CTAs, causal or with 8
+    documents, dealing the launch order in turn (c, c + 132, ...) was further from even."""
+    grid, ctas, bk = attention_hopper._Grid(128, 16, 1), 132, 128
+    spans = None
+    if docs:
+        ids = packed_segments(key, 1, 128 * 128, num=docs)
+        spans = attention_hopper.query_spans(ids, ids, bk, causal)
+    steps = attention_hopper.item_steps(grid, causal=causal, num_k=128, bk=bk, spans=spans)
+    order = np.asarray(attention_hopper.persistent_order(grid, ctas, steps))
+    steps = np.asarray(steps)
+    rounds = -(-grid.size // ctas)
+    assert order.shape == (ctas, rounds)
+    assert (order[:, :-1] >= 0).all()
+    assert sorted(order[order >= 0].tolist()) == list(range(grid.size))
+    per_cta = np.where(order >= 0, steps[order], 0).sum(axis=1)
+    assert per_cta.max() - per_cta.min() <= steps.max()
+    assert (np.diff(steps[order[:, 0]]) <= 0).all()  # round 0: the longest, in order
+    assert steps[order[:, 0]].min() >= steps[order[:, 1:]].max()
+    in_turn = np.bincount(np.arange(grid.size) % ctas, weights=steps, minlength=ctas)
+    if causal:
+        assert per_cta.max() < in_turn.max()
+    assert steps.sum() == per_cta.sum()
 
 
 def test_hopper_forward_default_schedule_by_shape():
@@ -1017,7 +1045,7 @@ def test_persistent_hopper_forward_on_gpu(key, head_dim, causal, schedule, docs,
         flash_attention_with_lse, q, k, v, causal=causal, segment_ids=seg, forward="hopper",
         hopper_schedule=schedule,
     )
-    (out, lse), (each, each_lse) = run(hopper_persistent=persistent), run()
+    (out, lse), (each, each_lse) = jax.jit(functools.partial(run, hopper_persistent=persistent))(), run()
     assert rel_err(out, each) < 1e-3 and rel_err(lse, each_lse) < 1e-5
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     assert rel_err(out, reference_attention(up(q), up(k), up(v), causal=causal, segment_ids=seg)) < 1e-2
