@@ -4,7 +4,7 @@
     python scripts/profile_kernel.py --seq 2048 --causal no --out /tmp/prof
     python scripts/profile_kernel.py --kernel forward --seq 16384 --segments 8   # packed documents
 
-The kernels of bpt/ops/kernels/attention_hopper.py name their phases (jax.named_scope: the
+The kernels of bpt/ops/kernels/attention_hopper/ name their phases (jax.named_scope: the
 backward's wait_Q, S, P, wait_dO, dV, dP, dS, share_dS, dK, dQ_wait_dS, dQ, dQ_store; the
 forward's wait_Q, wait_K, S, softmax, wait_V, PV, pipelined, store). Under
 attention_hopper.profiled() Mosaic GPU records each compute warpgroup's clock at the start and

@@ -550,7 +550,7 @@ def test_hopper_kernels_give_rows_without_keys_what_the_triton_kernels_do(key):
     """Query segments that no key shares (cross attention with segment ids): the Hopper
     forward gives those rows 0 and a logsumexp of +inf, as the Triton kernels do, and the
     gradients stay finite and equal. Batch 2: each CTA finds its batch in the launch
-    order's one axis (attention_hopper._Grid)."""
+    order's one axis (attention_hopper.pipeline._Grid)."""
     q, k, v, d_out = inputs(key, 2, 128, 1, 1, 64, jnp.bfloat16)
     q_ids = jnp.tile(jnp.repeat(jnp.arange(4, dtype=jnp.int32), 32)[None], (2, 1))  # segment 3: no keys
     kv_ids = jnp.array([[0] * 48 + [1] * 48 + [2] * 32, [0] * 32 + [1] * 64 + [2] * 32], jnp.int32)
@@ -576,12 +576,12 @@ def test_hopper_kernels_give_rows_without_keys_what_the_triton_kernels_do(key):
     "tiles, heads, batch, group", [(16, 16, 8, 8), (6, 3, 2, 8), (5, 2, 3, 4), (4, 2, 2, 1), (6, 3, 2, None)]
 )
 def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, heads, batch, group):
-    """The Hopper kernels' launch order (attention_hopper._Grid): every (tile, head, batch)
+    """The Hopper kernels' launch order (attention_hopper.pipeline._Grid): every (tile, head, batch)
     once; the tile ranks (rank 0 the heaviest) never go back by a whole group; each run of g
     CTAs (g: the greatest common divisor of group and the tile count; group None, the
     default: the tile count) holds one (batch, head), batch outermost, so the CTAs that run at
     once share that head's other side. group=1: one tile of every (batch, head) in turn."""
-    grid = attention_hopper._Grid(tiles, heads, batch, group)
+    grid = attention_hopper.pipeline._Grid(tiles, heads, batch, group)
     rank, head, bi = (np.asarray(x) for x in grid.coords(jnp.arange(grid.size, dtype=jnp.int32)))
     every = {(t, h, b) for t in range(tiles) for h in range(heads) for b in range(batch)}
     seen = list(zip(rank.tolist(), head.tolist(), bi.tolist()))
@@ -672,7 +672,7 @@ def test_persistent_ctas_are_the_sms_or_a_count_and_never_more_than_the_tiles(mo
     that many; False, a CTA a tile; anything else is named in the error."""
     import types
 
-    monkeypatch.setattr(attention_hopper.jax, "devices", lambda: [types.SimpleNamespace(core_count=132)])
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(core_count=132)])
     assert attention_hopper.persistent_ctas(False, 512) is None
     assert attention_hopper.persistent_ctas(True, 512) == 132
     assert attention_hopper.persistent_ctas(True, 40) == 40
@@ -688,7 +688,7 @@ def test_persistent_order_deals_every_tile_once_and_evens_the_work(key, causal, 
     CTA's last, in the last round), each CTA's steps within the longest item of the mean,
     and the longest items first; at 16K with 16 heads on 132 CTAs, causal or with 8
     documents, dealing the launch order in turn (c, c + 132, ...) was further from even."""
-    grid, ctas, bk = attention_hopper._Grid(128, 16, 1), 132, 128
+    grid, ctas, bk = attention_hopper.pipeline._Grid(128, 16, 1), 132, 128
     spans = None
     if docs:
         ids = packed_segments(key, 1, 128 * 128, num=docs)
@@ -815,7 +815,8 @@ def test_hopper_fused_backward_makes_its_dq_buffer_after_its_d_out():
     refs = [e for e in jaxpr.eqns if e.primitive.name == "new_ref"]
     assert [e.invars for e in refs] == [[zeros]]
     # and it is zeros
-    out = attention_hopper._dq_accumulator(jnp.ones((1, 8, 2, 4), jnp.bfloat16), jnp.ones((1, 8, 2, 4)))
+    accumulator = attention_hopper.backward_kernels._dq_accumulator
+    out = accumulator(jnp.ones((1, 8, 2, 4), jnp.bfloat16), jnp.ones((1, 8, 2, 4)))
     assert out.dtype == jnp.float32 and out.shape == (1, 8, 2, 4) and not out.any()
 
 

@@ -55,7 +55,7 @@ Array = jax.Array
 # 1.021-1.023x, 0.8 GiB more (their float32 dQ buffer): the first row now reaches one 128K
 # sequence of 16 heads' work. Longer, cuDNN stays (not measured; the dQ buffer grows with the
 # context the longest runs need memory for).
-# At head_dim 256 (attention_hopper._dkdv_wide, then the dQ pass in blocks of 32 keys), on an
+# At head_dim 256 (attention_hopper.backward_kernels._dkdv_wide, then the dQ pass in blocks of 32 keys), on an
 # H200 on 2026-12-01 with 8 heads: causal 1.02x at 4K, 1.07x at 16K, 1.06x at 64K, 1.09x at
 # batch 8 of 2K, GQA 16/8 at 16K 1.07x; non-causal 1.09-1.10x at 4K-64K (the last row: causal
 # or not, up to one 64K sequence of 8 heads' work; the backward has no float32 dQ buffer there).

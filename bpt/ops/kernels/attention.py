@@ -23,7 +23,7 @@ units, [batch, heads, seq], +inf on rows that see no key (so exp(s - lse) is exa
   head_dim is padded to a power of two (80 -> 128), as the lowering needs.
 
 On GPUs the kernels lower through Triton; elsewhere they run in Pallas interpret mode (slow,
-for tests). On H100-class GPUs the Mosaic GPU kernels of attention_hopper.py (wgmma, TMA, warp
+for tests). On H100-class GPUs the Mosaic GPU kernels of attention_hopper/ (wgmma, TMA, warp
 specialization) run instead wherever they take the inputs; both families share one contract
 (out and logsumexp from the forward; dq, dk, dv from them and delta), so a forward of one
 and a backward of the other combine.
@@ -76,13 +76,13 @@ class FlashConfig:
     num_warps: int
     num_stages: int
     interpret: bool
-    forward: str = "triton"  # which kernels: "triton" (this file) or "hopper" (attention_hopper.py)
+    forward: str = "triton"  # which kernels: "triton" (this file) or "hopper" (attention_hopper/)
     backward: str = "triton"
     hopper_block_k: int = 128
     hopper_stages: int | None = None  # None: attention_hopper.default_stages
     hopper_fused_dq: bool | None = None  # attention_hopper.backward's fused_dq (None: fused)
     hopper_schedule: str | None = None  # attention_hopper.forward's schedule (None: by shape)
-    hopper_tile_group: int | None = attention_hopper.TILE_GROUP  # the launch order (attention_hopper._Grid)
+    hopper_tile_group: int | None = attention_hopper.TILE_GROUP  # the launch order (attention_hopper.pipeline._Grid)
     hopper_gqa: str = "expand"  # attention_hopper.backward's gqa: how the dK/dV pass splits GQA
     hopper_dq_split: str | None = None  # attention_hopper.backward's dq_split (None: by head_dim)
     hopper_persistent: bool | int = False  # attention_hopper.forward's persistent CTAs
@@ -539,7 +539,7 @@ def flash_attention_with_lse(
 
     segment_ids: [b, s] ints (or a (q_ids, kv_ids) pair): tokens attend within their segment.
     k and v may have fewer heads than q (a divisor of it). forward, backward: "triton",
-    "hopper" (the Mosaic GPU kernels of attention_hopper.py: wgmma/TMA, H100-class GPUs,
+    "hopper" (the Mosaic GPU kernels of attention_hopper/: wgmma/TMA, H100-class GPUs,
     bf16/fp16, lengths multiples of 128; head_dim a multiple of 64 up to 256, the backward
     128 or 256 at most), or "auto" (hopper where it can run, segment ids too, else triton;
     each of the two on its own).
