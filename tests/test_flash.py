@@ -684,30 +684,36 @@ def test_persistent_ctas_are_the_sms_or_a_count_and_never_more_than_the_tiles(mo
 
 @pytest.mark.parametrize("causal, docs", [(True, 0), (False, 0), (True, 8)])
 def test_persistent_order_deals_every_tile_once_and_evens_the_work(key, causal, docs):
-    """attention_hopper.persistent_order: every item of the grid exactly once (-1 only past a
-    CTA's last, in the last round), each CTA's steps within the longest item of the mean,
-    and the longest items first; at 16K with 16 heads on 132 CTAs, causal or with 8
-    documents, dealing the launch order in turn (c, c + 132, ...) was further from even."""
+    """attention_hopper.persistent_order: each CTA's count, then its items; every item of the
+    grid exactly once, and each CTA's work (steps, plus TILE_COST an item) within the
+    longest item of every other's. Static masks deal the launch order (each CTA's items in
+    it); segment spans the longest first. At 16K with 16 heads on 132 CTAs, causal or with
+    8 documents, dealing the launch order in turn (c, c + 132, ...) was further from even."""
     grid, ctas, bk = attention_hopper.pipeline._Grid(128, 16, 1), 132, 128
     spans = None
     if docs:
         ids = packed_segments(key, 1, 128 * 128, num=docs)
         spans = attention_hopper.query_spans(ids, ids, bk, causal)
     steps = attention_hopper.item_steps(grid, causal=causal, num_k=128, bk=bk, spans=spans)
-    order = np.asarray(attention_hopper.persistent_order(grid, ctas, steps))
+    table = np.asarray(attention_hopper.persistent_order(grid, ctas, steps))
     steps = np.asarray(steps)
-    rounds = -(-grid.size // ctas)
-    assert order.shape == (ctas, rounds)
-    assert (order[:, :-1] >= 0).all()
+    counts, order = table[:, 0], table[:, 1:]
+    assert table.shape[0] == ctas and (counts >= 1).all()
+    for c in range(ctas):
+        assert (order[c, : counts[c]] >= 0).all() and (order[c, counts[c] :] == -1).all()
     assert sorted(order[order >= 0].tolist()) == list(range(grid.size))
-    per_cta = np.where(order >= 0, steps[order], 0).sum(axis=1)
-    assert per_cta.max() - per_cta.min() <= steps.max()
-    assert (np.diff(steps[order[:, 0]]) <= 0).all()  # round 0: the longest, in order
-    assert steps[order[:, 0]].min() >= steps[order[:, 1:]].max()
-    in_turn = np.bincount(np.arange(grid.size) % ctas, weights=steps, minlength=ctas)
+    cost = attention_hopper.forward_kernel.TILE_COST
+    per_cta = np.where(order >= 0, steps[order] + cost, 0).sum(axis=1)
+    assert per_cta.max() - per_cta.min() <= steps.max() + cost
+    if docs:
+        assert steps[order[:, 0]].min() >= steps[order[:, 1:]].max()  # the longest first
+    else:
+        for c in range(ctas):
+            assert (np.diff(order[c, : counts[c]]) > 0).all()  # in launch order
+    in_turn = np.bincount(np.arange(grid.size) % ctas, weights=steps + cost, minlength=ctas)
     if causal:
         assert per_cta.max() < in_turn.max()
-    assert steps.sum() == per_cta.sum()
+    assert (steps + cost).sum() == per_cta.sum()
 
 
 def test_hopper_forward_default_schedule_by_shape():

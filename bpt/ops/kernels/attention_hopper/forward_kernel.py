@@ -5,6 +5,7 @@ tiles in turn)."""
 from __future__ import annotations
 
 import functools
+import heapq
 
 import jax
 import jax.numpy as jnp
@@ -78,25 +79,46 @@ def persistent_ctas(persistent: bool | int, items: int, setting: str = "persiste
     return min(ctas, items)
 
 
-def persistent_order(grid: _Grid, ctas: int, steps: Array) -> Array:
-    """Which of `grid`'s items each of `ctas` persistent CTAs takes, in turn: [ctas, rounds]
-    int32 item numbers, -1 past a CTA's last (only in the last round).
+# A tile's own cost, in key blocks' time, where persistent_order deals tiles out: its Q's load
+# and its output's store took 2,411 and 1,255 cycles a tile against 3,385 a key block
+# (profile_kernel at 16K with 8 documents, one H200, 2026-12-03).
+TILE_COST = 1
 
-    steps: each item's key blocks ([grid.size], numpy for a static mask, else traced: from
-    segment spans). The items are sorted by their steps, the longest first (ties in launch
-    order, so that CTAs that run at once still share a head's keys), and dealt out in a
-    snake: round r to CTAs 0..ctas-1 when r is even, ctas-1..0 when odd. Dealing the launch
-    order itself in turn (c, c + ctas, ...) left one CTA 1.57x the mean work at 16K causal
-    and 1.48x with 8 documents (132 CTAs, 16 heads), where the GPU, launching a CTA a tile,
-    hands the next tile to whichever SM is free; on an H200 the snake took the persistent
-    forward there from 359 to 404 TFLOP/s (docs/notes/attention_kernels.md, 2026-12-03)."""
-    xp = jnp if isinstance(steps, jax.Array) else np
-    rounds = -(-grid.size // ctas)
-    ranked = xp.argsort(-steps, stable=True).astype(np.int32)
-    dealt = xp.concatenate([ranked, xp.full((rounds * ctas - grid.size,), -1, np.int32)])
-    dealt = dealt.reshape(rounds, ctas)
-    snake = xp.where((xp.arange(rounds) % 2 == 1)[:, None], dealt[:, ::-1], dealt)
-    return snake.T
+
+def persistent_order(grid: _Grid, ctas: int, steps: Array) -> Array:
+    """Which of `grid`'s items each of `ctas` persistent CTAs takes, in turn: [ctas, 1 + n]
+    int32, column 0 the CTA's count of items, then their numbers (-1 after its last).
+
+    steps: each item's key blocks ([grid.size]).
+    - A static mask's (numpy): the launch order dealt as the GPU deals a CTA a tile, each item
+      in turn to the CTA with the least work so far (its items' steps, plus TILE_COST each),
+      so that the CTAs that run at once still share a head's keys in L2, as a CTA a tile's do.
+    - Segment spans' (traced): sorted by their steps, the longest first (ties in launch
+      order), and dealt out in a snake, round r to CTAs 0..ctas-1 when r is even and back
+      when odd (a list schedule is a loop, slow in XLA).
+    Dealing the launch order in turn (c, c + ctas, ...) left one CTA 1.57x the mean work at
+    16K causal and 1.48x with 8 documents (132 CTAs, 16 heads); on an H200 the snake took
+    the persistent forward there from 359 to 404 TFLOP/s (docs/notes/attention_kernels.md,
+    2026-12-03)."""
+    if isinstance(steps, jax.Array):
+        rounds = -(-grid.size // ctas)
+        ranked = jnp.argsort(-steps, stable=True).astype(jnp.int32)
+        dealt = jnp.concatenate([ranked, jnp.full((rounds * ctas - grid.size,), -1, jnp.int32)])
+        dealt = dealt.reshape(rounds, ctas)
+        snake = jnp.where((jnp.arange(rounds) % 2 == 1)[:, None], dealt[:, ::-1], dealt).T
+        counts = jnp.full((ctas, 1), rounds, jnp.int32) - (snake[:, -1:] < 0)
+        return jnp.concatenate([counts, snake], axis=1)
+    free = [(0, c) for c in range(ctas)]  # (work so far, CTA): a heap
+    dealt = [[] for _ in range(ctas)]
+    for item, n in enumerate(np.asarray(steps).tolist()):
+        work, c = heapq.heappop(free)
+        dealt[c].append(item)
+        heapq.heappush(free, (work + n + TILE_COST, c))
+    table = np.full((ctas, 1 + max(map(len, dealt))), -1, np.int32)
+    for c, items in enumerate(dealt):
+        table[c, 0] = len(items)
+        table[c, 1 : 1 + len(items)] = items
+    return table
 
 
 def item_steps(grid: _Grid, *, causal: bool, num_k: int, bk: int, spans: Array | None = None) -> Array:
@@ -160,8 +182,8 @@ def forward(
     read the same keys and values.
     block_k: 64 or 128 keys a block; above head_dim 128 at most 64 (MAX_HEAD_DIM_BLOCK_128).
     persistent: False (the default), a CTA a tile; True, one CTA an SM, each taking its
-    tiles in turn (persistent_order: the longest first, dealt out so that each CTA's add up
-    to about the same), its ring of keys and values running on from one tile to the next,
+    tiles in turn (persistent_order: dealt out so that each CTA's add up to about the same),
+    its ring of keys and values running on from one tile to the next,
     so that the next tile's first blocks load while the last one ends and no CTA is launched
     for a tile; an int, that many CTAs.
     """
@@ -373,14 +395,13 @@ def forward(
         # persistent: CTA c takes the items of row c of persistent_order's table in turn, its
         # ring running on from one to the next
         cta = lax.axis_index("cta")
-        rounds = order.shape[1]
-        items = rounds - 1 + (order_ref[cta, rounds - 1] >= 0).astype(jnp.int32)
+        items = order_ref[cta, 0]
 
         def each_tile(run):
             """run(opened) on each of this CTA's items in turn; the ring's steps in all."""
 
             def one(i, offset):
-                opened = tile_of(order_ref[cta, i], offset)
+                opened = tile_of(order_ref[cta, 1 + i], offset)
                 run(opened)
                 return offset + opened[4].length
 
