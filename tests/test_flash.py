@@ -633,21 +633,25 @@ def test_hopper_forward_schedules_in_the_mosaic_gpu_interpreter(key, schedule, c
 
 
 @pytest.mark.parametrize(
-    "schedule, causal, head_dim, segments, ctas",
+    "schedule, causal, head_dim, segments, ctas, q_buffers",
     [
-        ("pingpong", True, 64, False, 4),  # 6 tiles on 4 CTAs: two take two, of unequal lengths
-        ("overlap", False, 64, False, 5),  # the eager ring's refills, carried over tiles
-        ("pingpong", True, 64, True, 2),  # segment spans: each tile's ring starts where it may
+        ("pingpong", True, 64, False, 4, 2),  # 6 tiles on 4 CTAs: two take two, of unequal lengths
+        ("overlap", False, 64, False, 5, 2),  # the eager ring's refills, carried over tiles
+        ("pingpong", True, 64, True, 2, 2),  # segment spans: each tile's ring starts where it may
+        ("pingpong", True, 64, True, 2, 1),  # one Q buffer (head_dim 256's shared memory)
     ],
 )
 def test_persistent_hopper_forward_in_the_mosaic_gpu_interpreter(
-    key, schedule, causal, head_dim, segments, ctas
+    key, monkeypatch, schedule, causal, head_dim, segments, ctas, q_buffers
 ):
     """attention_hopper.forward(persistent=N): N CTAs take the tiles in turn, each ring of
     keys and values running on from one tile to the next (its slots and barrier phases
-    carried over; with segment ids each tile's steps start where its span does): the same
-    outputs as a CTA a tile, bit for bit, its logsumexps to an ulp, and float32
-    attention's."""
+    carried over; with segment ids each tile's steps start where its span does), the next
+    tile's queries loading into a second buffer during this one's where shared memory has
+    room (Q_BUFFERS_ROOM): the same outputs as a CTA a tile, bit for bit, its logsumexps to
+    an ulp, and float32 attention's."""
+    if q_buffers == 1:
+        monkeypatch.setattr(attention_hopper.forward_kernel, "Q_BUFFERS_ROOM", 0)
     q, k, v, _ = inputs(key, 1, 384, 2, 2, head_dim, jnp.bfloat16)
     seg = {}
     if segments:

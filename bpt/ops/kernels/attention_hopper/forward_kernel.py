@@ -27,7 +27,6 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     _barriers,
     _check,
     _check_segments,
-    _copy_in,
     _Grid,
     _KeyStream,
     _launch,
@@ -79,6 +78,9 @@ def persistent_ctas(persistent: bool | int, items: int, setting: str = "persiste
     return min(ctas, items)
 
 
+# Shared memory a persistent forward's two Q buffers and its ring may take (bytes; a CTA has
+# 227 KiB, and the rest is the small buffers and barriers): at head_dim 128, 64 KiB and 128.
+Q_BUFFERS_ROOM = 200 * 1024
 # A tile's own cost, in key blocks' time, where persistent_order deals tiles out: its Q's load
 # and its output's store took 2,411 and 1,255 cycles a tile against 3,385 a key block
 # (profile_kernel at 16K with 8 documents, one H200, 2026-12-03).
@@ -209,16 +211,21 @@ def forward(
     grid = _Grid(num_tiles, h, b, tile_group)
     keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, eager=overlap, segments=segments)
     spans = query_spans(q_seg, kv_seg, bk, causal) if segments else None
+    # a persistent CTA loads the next tile's queries while it computes this one's, into a
+    # second buffer where shared memory has room for it (not at head_dim 256)
+    q_bufs = 1
     if ctas is not None:
         steps = item_steps(grid, causal=causal, num_k=num_k, bk=bk, spans=spans)
         order = jnp.asarray(persistent_order(grid, ctas, steps))
+        size = q.dtype.itemsize
+        q_bufs = 2 if 2 * COMPUTE_WGS * bq * d * size + stages * 2 * bk * d * size <= Q_BUFFERS_ROOM else 1
 
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
         qs_ref, ks_ref, spans_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if segments else (None,) * 3
         order_ref = refs.pop(0) if ctas is not None else None
         o_ref, lse_ref, q_smem, lse_smem, q_ready, turn, *scratch = refs
-        qseg_smem = scratch.pop(0) if segments else None
+        qseg_smem, qseg_ready = (scratch.pop(0), scratch.pop(0)) if segments else (None, None)
         k_smem, v_smem, k_ready, v_ready, k_free, v_free = (ring_scratch := scratch)[:6]
         wg = lax.axis_index("wg")
 
@@ -236,19 +243,34 @@ def forward(
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(turn)
 
-        def compute(wg, opened):
-            """Compute warpgroup wg's rows of one tile (opened: tile_of()'s)."""
+        def load_q(wg, tile, bi, head, buf):
+            """Start the TMA copies of warpgroup wg's rows of Q (and their segment ids) of a
+            tile into buffer buf; wait_q(wg, buf) waits for them."""
+            rows, at = pl.ds(tile * TILE + wg * bq, bq), buf * COMPUTE_WGS + wg
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], q_smem.at[buf, wg], q_ready.at[at])
+            if segments:
+                plgpu.copy_gmem_to_smem(qs_ref.at[bi, rows], qseg_smem.at[buf, wg], qseg_ready.at[at])
+
+        def wait_q(wg, buf):
+            plgpu.barrier_wait(q_ready.at[buf * COMPUTE_WGS + wg])
+            if segments:
+                plgpu.barrier_wait(qseg_ready.at[buf * COMPUTE_WGS + wg])
+
+        def compute(wg, opened, buf=0, prefetch=None):
+            """Compute warpgroup wg's rows of one tile (opened: tile_of()'s), its Q in buffer
+            buf. prefetch None: this tile's Q is loaded here; else its copies were started
+            (load_q), and prefetch() runs once they are in (a persistent CTA's next Q)."""
             tile, bi, head, _, ring, key_segments = opened
             row0 = tile * TILE + wg * bq
-            my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
+            my_q, my_lse = q_smem.at[buf, wg], lse_smem.at[buf, wg]
             rows = pl.ds(row0, bq)
             with jax.named_scope("wait_Q"):
-                _copy_in(
-                    q_ready.at[wg],
-                    (q_ref.at[bi, rows, head], my_q),
-                    *([(qs_ref.at[bi, rows], qseg_smem.at[wg])] if segments else []),
-                )
-            my_segments = regs.vector(qseg_smem.at[wg], 1) if segments else None
+                if prefetch is None:
+                    load_q(wg, tile, bi, head, buf)
+                wait_q(wg, buf)
+            if prefetch is not None:
+                prefetch()
+            my_segments = regs.vector(qseg_smem.at[buf, wg], 1) if segments else None
 
             def softmax(j, s, m, denom, masked: bool, segs=None):
                 """Block j's probabilities (in the inputs' dtype), the new running max and
@@ -377,9 +399,12 @@ def forward(
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, rows, head])
                 plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, head, rows])
-                # a persistent CTA's next tile needs only the buffers read (its Q lands in
-                # my_q); the writes to HBM are waited for after its last tile
-                plgpu.wait_smem_to_gmem(0, wait_read_only=ctas is not None)
+                # a CTA a tile waits for its writes; a persistent CTA with one Q buffer for
+                # the buffers read (its next Q lands in my_q), and with two, at its next
+                # tile, before that tile's next Q lands here (prefetch); the writes to HBM
+                # after its last tile
+                if q_bufs == 1:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=ctas is not None)
 
         if ctas is None:  # a CTA a tile
             opened = tile_of()
@@ -398,34 +423,56 @@ def forward(
         items = order_ref[cta, 0]
 
         def each_tile(run):
-            """run(opened) on each of this CTA's items in turn; the ring's steps in all."""
+            """run(i, opened) on each of this CTA's items in turn; the ring's steps in all."""
 
             def one(i, offset):
                 opened = tile_of(order_ref[cta, 1 + i], offset)
-                run(opened)
+                run(i, opened)
                 return offset + opened[4].length
 
             return lax.fori_loop(0, items, one, jnp.int32(0))
 
+        def each_compute(wg, i, opened):
+            if q_bufs == 1:
+                return compute(wg, opened)
+            buf = lax.rem(i, 2)
+
+            def prefetch():  # tile i + 1's Q into the buffer tile i - 1's output leaves
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                @pl.when(i + 1 < items)
+                def _():
+                    tile, head, bi = keys.coords(order_ref[cta, 2 + i])
+                    load_q(wg, tile, bi, head, 1 - buf)
+
+            compute(wg, opened, buf, prefetch)
+
         def _persistent_compute(wg):
             plgpu.set_max_registers(REGISTERS[0], action="increase")
-            each_tile(functools.partial(compute, wg))
+            if q_bufs == 2:
+                tile, head, bi = keys.coords(order_ref[cta, 1])
+                load_q(wg, tile, bi, head, 0)
+            each_tile(functools.partial(each_compute, wg))
             plgpu.wait_smem_to_gmem(0)  # the last tiles' outputs written
 
         def _persistent_produce():
             plgpu.set_max_registers(REGISTERS[1], action="decrease")
-            total = each_tile(lambda opened: opened[4].produce_steps())
+            total = each_tile(lambda i, opened: opened[4].produce_steps())
             tile_of(cta)[4].drain(total)  # any tile's ring: the same slots and barriers
 
         _per_warpgroup(wg, _persistent_compute)
         pl.when(wg == COMPUTE_WGS)(_persistent_produce)
 
     scratch = [
-        _smem((COMPUTE_WGS, bq, d), dtype),
-        _smem((COMPUTE_WGS, bq), jnp.float32, swizzled=False),
-        _barriers(COMPUTE_WGS),
+        _smem((q_bufs, COMPUTE_WGS, bq, d), dtype),  # Q, then O
+        _smem((q_bufs, COMPUTE_WGS, bq), jnp.float32, swizzled=False),
+        _barriers(q_bufs * COMPUTE_WGS),
         _barriers(1, COMPUTE_WGS),  # the warpgroups' meeting point (pingpong)
-        *([_smem((COMPUTE_WGS, bq), jnp.int32, swizzled=False)] if segments else []),
+        *(
+            [_smem((q_bufs, COMPUTE_WGS, bq), jnp.int32, swizzled=False), _barriers(q_bufs * COMPUTE_WGS)]
+            if segments
+            else []
+        ),
         *keys.scratch(d, dtype),
     ]
     return _launch(

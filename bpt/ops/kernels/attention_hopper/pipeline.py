@@ -398,6 +398,11 @@ class _KeyStream:
             ring += [_smem((self.stages, self.bk), jnp.int32, swizzled=False), _barriers(self.stages)]
         return ring
 
+    def coords(self, cta=None):
+        """(query tile, head, batch) of this CTA (cta None) or of work item `cta`."""
+        tile, head, bi = self.grid.here() if cta is None else self.grid.coords(cta)
+        return (self.grid.tiles - 1 - tile if self.causal else tile), head, bi
+
     def open(
         self,
         k_ref,
@@ -422,8 +427,7 @@ class _KeyStream:
         (load) loads them, one per column of a [queries, keys] block; else it is None.
         spans_ref (segment_spans(dense=True) of the query tiles over the key blocks): the
         ring streams only the tile's span, and knows its dense run."""
-        tile, head, bi = self.grid.here() if cta is None else self.grid.coords(cta)
-        tile = self.grid.tiles - 1 - tile if self.causal else tile
+        tile, head, bi = self.coords(cta)
         wg = lax.axis_index("wg")
         bk = self.bk
 
