@@ -166,7 +166,7 @@ def every_block_masked():
             spans = spans.at[..., 2].set(spans[..., 0]).at[..., 3].set(spans[..., 0])
         return spans
 
-    modules = (attention_hopper, triton_kernels)
+    modules = (attention_hopper.pipeline, triton_kernels)  # the modules that call segment_spans
     saved = [m.segment_spans for m in modules]
     for m in modules:
         m.segment_spans = edges_everywhere
