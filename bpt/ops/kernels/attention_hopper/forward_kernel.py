@@ -27,6 +27,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     _barriers,
     _check,
     _check_segments,
+    _copy_in,
     _Grid,
     _KeyStream,
     _launch,
@@ -185,9 +186,9 @@ def forward(
     block_k: 64 or 128 keys a block; above head_dim 128 at most 64 (MAX_HEAD_DIM_BLOCK_128).
     persistent: False (the default), a CTA a tile; True, one CTA an SM, each taking its
     tiles in turn (persistent_order: dealt out so that each CTA's add up to about the same),
-    its ring of keys and values running on from one tile to the next,
-    so that the next tile's first blocks load while the last one ends and no CTA is launched
-    for a tile; an int, that many CTAs.
+    its ring of keys and values running on from one tile to the next and the next tile's Q
+    loading during this one (up to head_dim 128), so that no CTA is launched for a tile; an
+    int, that many CTAs.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -225,7 +226,8 @@ def forward(
         qs_ref, ks_ref, spans_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if segments else (None,) * 3
         order_ref = refs.pop(0) if ctas is not None else None
         o_ref, lse_ref, q_smem, lse_smem, q_ready, turn, *scratch = refs
-        qseg_smem, qseg_ready = (scratch.pop(0), scratch.pop(0)) if segments else (None, None)
+        qseg_smem = scratch.pop(0) if segments else None
+        qseg_ready = scratch.pop(0) if segments and q_bufs == 2 else None
         k_smem, v_smem, k_ready, v_ready, k_free, v_free = (ring_scratch := scratch)[:6]
         wg = lax.axis_index("wg")
 
@@ -243,13 +245,18 @@ def forward(
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(turn)
 
+        def mine(ref, buf, wg):
+            """Warpgroup wg's part of a per-row buffer (of buffer buf where there are two)."""
+            return ref.at[buf, wg] if q_bufs == 2 else ref.at[wg]
+
         def load_q(wg, tile, bi, head, buf):
-            """Start the TMA copies of warpgroup wg's rows of Q (and their segment ids) of a
-            tile into buffer buf; wait_q(wg, buf) waits for them."""
+            """A persistent CTA's next Q: start the TMA copies of warpgroup wg's rows of Q
+            (and their segment ids, on barriers of their own) of a tile into buffer buf;
+            wait_q(wg, buf) waits for them."""
             rows, at = pl.ds(tile * TILE + wg * bq, bq), buf * COMPUTE_WGS + wg
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], q_smem.at[buf, wg], q_ready.at[at])
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], mine(q_smem, buf, wg), q_ready.at[at])
             if segments:
-                plgpu.copy_gmem_to_smem(qs_ref.at[bi, rows], qseg_smem.at[buf, wg], qseg_ready.at[at])
+                plgpu.copy_gmem_to_smem(qs_ref.at[bi, rows], mine(qseg_smem, buf, wg), qseg_ready.at[at])
 
         def wait_q(wg, buf):
             plgpu.barrier_wait(q_ready.at[buf * COMPUTE_WGS + wg])
@@ -262,15 +269,20 @@ def forward(
             (load_q), and prefetch() runs once they are in (a persistent CTA's next Q)."""
             tile, bi, head, _, ring, key_segments = opened
             row0 = tile * TILE + wg * bq
-            my_q, my_lse = q_smem.at[buf, wg], lse_smem.at[buf, wg]
+            my_q, my_lse = mine(q_smem, buf, wg), mine(lse_smem, buf, wg)
             rows = pl.ds(row0, bq)
             with jax.named_scope("wait_Q"):
-                if prefetch is None:
-                    load_q(wg, tile, bi, head, buf)
-                wait_q(wg, buf)
+                if prefetch is None:  # one copy after the other on one barrier, each awaited
+                    _copy_in(
+                        q_ready.at[buf * COMPUTE_WGS + wg],
+                        (q_ref.at[bi, rows, head], my_q),
+                        *([(qs_ref.at[bi, rows], mine(qseg_smem, buf, wg))] if segments else []),
+                    )
+                else:
+                    wait_q(wg, buf)
             if prefetch is not None:
                 prefetch()
-            my_segments = regs.vector(qseg_smem.at[buf, wg], 1) if segments else None
+            my_segments = regs.vector(mine(qseg_smem, buf, wg), 1) if segments else None
 
             def softmax(j, s, m, denom, masked: bool, segs=None):
                 """Block j's probabilities (in the inputs' dtype), the new running max and
@@ -463,16 +475,14 @@ def forward(
         _per_warpgroup(wg, _persistent_compute)
         pl.when(wg == COMPUTE_WGS)(_persistent_produce)
 
+    bufs = (2,) if q_bufs == 2 else ()
     scratch = [
-        _smem((q_bufs, COMPUTE_WGS, bq, d), dtype),  # Q, then O
-        _smem((q_bufs, COMPUTE_WGS, bq), jnp.float32, swizzled=False),
+        _smem((*bufs, COMPUTE_WGS, bq, d), dtype),  # Q, then O
+        _smem((*bufs, COMPUTE_WGS, bq), jnp.float32, swizzled=False),
         _barriers(q_bufs * COMPUTE_WGS),
         _barriers(1, COMPUTE_WGS),  # the warpgroups' meeting point (pingpong)
-        *(
-            [_smem((q_bufs, COMPUTE_WGS, bq), jnp.int32, swizzled=False), _barriers(q_bufs * COMPUTE_WGS)]
-            if segments
-            else []
-        ),
+        *([_smem((*bufs, COMPUTE_WGS, bq), jnp.int32, swizzled=False)] if segments else []),
+        *([_barriers(q_bufs * COMPUTE_WGS)] if segments and q_bufs == 2 else []),  # load_q's
         *keys.scratch(d, dtype),
     ]
     return _launch(
