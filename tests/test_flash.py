@@ -698,7 +698,8 @@ def test_persistent_order_deals_every_tile_once_and_evens_the_work(key, causal, 
     if docs:
         ids = packed_segments(key, 1, 128 * 128, num=docs)
         spans = attention_hopper.query_spans(ids, ids, bk, causal)
-    steps = attention_hopper.item_steps(grid, causal=causal, num_k=128, bk=bk, spans=spans)
+    keys = attention_hopper.pipeline._KeyStream(grid, num_k=128, group=1, bk=bk, stages=2, causal=causal)
+    steps = keys.item_steps(spans)
     table = np.asarray(attention_hopper.persistent_order(grid, ctas, steps))
     steps = np.asarray(steps)
     counts, order = table[:, 0], table[:, 1:]

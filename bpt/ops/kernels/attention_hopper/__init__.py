@@ -58,7 +58,6 @@ from bpt.ops.kernels.attention_hopper.forward_kernel import (
     default_schedule,
     forward,
     forward_block_k,
-    item_steps,
     persistent_ctas,
     persistent_order,
 )
@@ -106,7 +105,6 @@ __all__ = [
     "forward_block_k",
     "interpret_params",
     "is_hopper",
-    "item_steps",
     "key_spans",
     "persistent_ctas",
     "persistent_order",

@@ -124,18 +124,6 @@ def persistent_order(grid: _Grid, ctas: int, steps: Array) -> Array:
     return table
 
 
-def item_steps(grid: _Grid, *, causal: bool, num_k: int, bk: int, spans: Array | None = None) -> Array:
-    """The key blocks each of `grid`'s items (a query tile of one head and batch) streams:
-    from segment spans (traced) where given, else the causal mask's (numpy)."""
-    rank, _, bi = grid.coords(np.arange(grid.size, dtype=np.int32), div=np.floor_divide, rem=np.remainder)
-    tile = grid.tiles - 1 - rank if causal else rank
-    if spans is not None:
-        return spans[bi, tile, 1] - spans[bi, tile, 0]
-    if not causal:
-        return np.full(grid.size, num_k, np.int32)
-    return -(-(tile + 1) * TILE // bk)
-
-
 def check_schedule(schedule: str | None, setting: str = "schedule") -> None:
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"unknown {setting} {schedule!r}; allowed: {', '.join(SCHEDULES)}")
@@ -216,8 +204,7 @@ def forward(
     # second buffer where shared memory has room for it (not at head_dim 256)
     q_bufs = 1
     if ctas is not None:
-        steps = item_steps(grid, causal=causal, num_k=num_k, bk=bk, spans=spans)
-        order = jnp.asarray(persistent_order(grid, ctas, steps))
+        order = jnp.asarray(persistent_order(grid, ctas, keys.item_steps(spans)))
         size = q.dtype.itemsize
         q_bufs = 2 if 2 * COMPUTE_WGS * bq * d * size + stages * 2 * bk * d * size <= Q_BUFFERS_ROOM else 1
 
@@ -249,19 +236,25 @@ def forward(
             """Warpgroup wg's part of a per-row buffer (of buffer buf where there are two)."""
             return ref.at[buf, wg] if q_bufs == 2 else ref.at[wg]
 
+        def ready(barriers, buf, wg):
+            """Warpgroup wg's barrier of buffer buf."""
+            return barriers.at[buf * COMPUTE_WGS + wg]
+
         def load_q(wg, tile, bi, head, buf):
             """A persistent CTA's next Q: start the TMA copies of warpgroup wg's rows of Q
             (and their segment ids, on barriers of their own) of a tile into buffer buf;
             wait_q(wg, buf) waits for them."""
-            rows, at = pl.ds(tile * TILE + wg * bq, bq), buf * COMPUTE_WGS + wg
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], mine(q_smem, buf, wg), q_ready.at[at])
+            rows = pl.ds(tile * TILE + wg * bq, bq)
+            copies = [(q_ref.at[bi, rows, head], q_smem, q_ready)]
             if segments:
-                plgpu.copy_gmem_to_smem(qs_ref.at[bi, rows], mine(qseg_smem, buf, wg), qseg_ready.at[at])
+                copies.append((qs_ref.at[bi, rows], qseg_smem, qseg_ready))
+            for src, dst, barriers in copies:
+                plgpu.copy_gmem_to_smem(src, mine(dst, buf, wg), ready(barriers, buf, wg))
 
         def wait_q(wg, buf):
-            plgpu.barrier_wait(q_ready.at[buf * COMPUTE_WGS + wg])
+            plgpu.barrier_wait(ready(q_ready, buf, wg))
             if segments:
-                plgpu.barrier_wait(qseg_ready.at[buf * COMPUTE_WGS + wg])
+                plgpu.barrier_wait(ready(qseg_ready, buf, wg))
 
         def compute(wg, opened, buf=0, prefetch=None):
             """Compute warpgroup wg's rows of one tile (opened: tile_of()'s), its Q in buffer
@@ -274,7 +267,7 @@ def forward(
             with jax.named_scope("wait_Q"):
                 if prefetch is None:  # one copy after the other on one barrier, each awaited
                     _copy_in(
-                        q_ready.at[buf * COMPUTE_WGS + wg],
+                        ready(q_ready, buf, wg),
                         (q_ref.at[bi, rows, head], my_q),
                         *([(qs_ref.at[bi, rows], mine(qseg_smem, buf, wg))] if segments else []),
                     )

@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -398,10 +399,27 @@ class _KeyStream:
             ring += [_smem((self.stages, self.bk), jnp.int32, swizzled=False), _barriers(self.stages)]
         return ring
 
-    def coords(self, cta=None):
-        """(query tile, head, batch) of this CTA (cta None) or of work item `cta`."""
-        tile, head, bi = self.grid.here() if cta is None else self.grid.coords(cta)
+    def __post_init__(self):
+        assert TILE % self.bk == 0, f"key blocks of {self.bk} do not divide a tile of {TILE} queries"
+
+    def coords(self, cta=None, div=lax.div, rem=lax.rem):
+        """(query tile, head, batch) of this CTA (cta None) or of work item `cta` (_Grid.coords')."""
+        tile, head, bi = self.grid.here() if cta is None else self.grid.coords(cta, div, rem)
         return (self.grid.tiles - 1 - tile if self.causal else tile), head, bi
+
+    def steps(self, tile):
+        """The key blocks query tile `tile` streams without segment spans: under a causal mask
+        up to and with the diagonal's (an int, numpy array or traced scalar)."""
+        return (tile + 1) * (TILE // self.bk) if self.causal else self.num_k
+
+    def item_steps(self, spans: Array | None = None) -> Array:
+        """The key blocks each of the grid's items streams ([grid.size]): from the mask
+        (numpy), or from segment spans (traced), as open() takes them."""
+        items = np.arange(self.grid.size, dtype=np.int32)
+        tile, _, bi = self.coords(items, div=np.floor_divide, rem=np.remainder)
+        if spans is not None:
+            return spans[bi, tile, 1] - spans[bi, tile, 0]
+        return np.broadcast_to(self.steps(tile), items.shape)
 
     def open(
         self,
@@ -434,7 +452,7 @@ class _KeyStream:
         def rows(ref):
             return lambda j: ref.at[bi, pl.ds(j * bk, bk), head // self.group]
 
-        start, steps = 0, (pl.cdiv((tile + 1) * TILE, bk) if self.causal else self.num_k)
+        start, steps = 0, self.steps(tile)
         dense = None
         if spans_ref is not None:
             start, steps = spans_ref[bi, tile, 0], spans_ref[bi, tile, 1]
