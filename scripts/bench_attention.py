@@ -150,6 +150,10 @@ for _group in (1, 2, 4, 16, 32, 64, 128, 256, 512, 1024):
 # The Hopper forward persistent (attention_hopper.forward's persistent: one CTA an SM, each
 # taking tiles in turn), its backward as bpt-pallas's.
 IMPLS["bpt-pallas-persistent"] = functools.partial(flash_attention, hopper_persistent=True)
+# With segment ids, the Hopper kernels' CTAs launched sorted by their spans within windows of
+# N waves of SMs (attention_hopper.sorted_launch; sort0: in the grid's order).
+for _window in (0, 1, 2, 4, 8):
+    IMPLS[f"bpt-pallas-sort{_window}"] = functools.partial(flash_attention, hopper_sort_window=_window)
 
 
 @contextlib.contextmanager

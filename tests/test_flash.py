@@ -296,14 +296,16 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, heads, kv_heads",
+    "head_dim, causal, heads, kv_heads, sort_window",
     [
-        (128, True, 2, 1),  # GQA 2:1; the backward adds dQ in its dK/dV pass
-        (64, False, 1, 1),  # dQ in its own pass (fused_dq=False)
+        # GQA 2:1; the backward adds dQ in its dK/dV pass; the CTAs launch sorted by their
+        # spans in windows of 2 waves of 2 SMs (sorted_launch: 4 tiles a window)
+        (128, True, 2, 1, 2),
+        (64, False, 1, 1, 0),  # dQ in its own pass (fused_dq=False); the grid's launch order
     ],
 )
 def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
-    key, head_dim, causal, heads, kv_heads
+    key, head_dim, causal, heads, kv_heads, sort_window, monkeypatch
 ):
     """Packed documents in the Hopper kernels (what "auto" takes for them on an H100-class
     GPU): each key block's segment ids ride the
@@ -311,10 +313,12 @@ def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
     and gradients against float32 attention. GQA here as a CTA a key/value head walking its
     group's query heads (hopper_gqa="walk": the default's CTA a query head would make two
     heads of two tiles, which the interpreter does not finish; see the test before)."""
+    monkeypatch.setattr(attention_hopper.pipeline, "device_sms", lambda: 2)
     q, k, v, d_out = inputs(key, 1, 256, heads, kv_heads, head_dim, jnp.bfloat16)
     seg = packed_segments(jax.random.fold_in(key, 1), 1, 256, num=4)
     hopper = dict(
-        forward="hopper", backward="hopper", hopper_block_k=64, hopper_fused_dq=head_dim == 128, hopper_gqa="walk"
+        forward="hopper", backward="hopper", hopper_block_k=64, hopper_fused_dq=head_dim == 128, hopper_gqa="walk",
+        hopper_sort_window=sort_window,
     )
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
@@ -602,6 +606,8 @@ def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, head
         flash_attention(x, x, x, hopper_gqa="split")
     with pytest.raises(ValueError, match="hopper_persistent must be a bool or a positive int"):
         flash_attention(x, x, x, hopper_persistent=0)
+    with pytest.raises(ValueError, match="hopper_sort_window must be an int >= 0"):
+        flash_attention(x, x, x, hopper_sort_window=-1)
 
 
 @pytest.mark.parametrize(
@@ -721,6 +727,23 @@ def test_persistent_order_deals_every_tile_once_and_evens_the_work(key, causal, 
     assert (steps + cost).sum() == per_cta.sum()
 
 
+@pytest.mark.parametrize("n, window", [(2048, 528), (300, 128), (7, 16)])
+def test_sorted_launch_sorts_each_window_longest_first(key, n, window):
+    """attention_hopper.sorted_launch: a permutation of the grid's items that keeps each
+    window of `window` items of the grid's order, the most steps first within it and ties
+    in the grid's order; traced steps, under jit."""
+    steps = jax.random.randint(key, (n,), 0, 9)
+    order = np.asarray(jax.jit(attention_hopper.sorted_launch, static_argnums=1)(steps, window))
+    steps = np.asarray(steps)
+    assert sorted(order.tolist()) == list(range(n))
+    for w0 in range(0, n, window):
+        part = order[w0 : w0 + window]
+        assert (part // window == w0 // window).all()  # the window's own items
+        work = steps[part]
+        assert (np.diff(work) <= 0).all()
+        assert all((np.diff(part[work == s]) > 0).all() for s in np.unique(work))
+
+
 def test_hopper_forward_default_schedule_by_shape():
     """With no schedule asked the forward overlaps at head_dim 256, and at 128 where no block
     is masked (non-causal, no segment ids); it ping-pongs elsewhere and with segment ids: the
@@ -766,13 +789,13 @@ def test_hopper_forward_schedules_lower_for_cuda(schedule):
         flash_attention(x, x, x, hopper_schedule="fast")
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim):
+@pytest.mark.parametrize("head_dim, sort_window", [(128, 0), (64, 4)])
+def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim, sort_window):
     """With segment ids every kernel still lowers to one Mosaic GPU launch for CUDA (checked
     without a GPU: the int32 segment vectors in the wgmma layouts, which the interpreter
     does not have): the forward, and the backward fused (dQ added as it goes) and in two
     passes, its GQA work split either way (gqa: a CTA a query head's keys, or a key/value
-    head's walking its group)."""
+    head's walking its group). With sort_window each launch also takes its CTAs' order."""
     q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
@@ -783,15 +806,20 @@ def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
         assert all(line.count("tensor<1x512xi32>") >= 2 for line in calls), calls
+        ordered = [bool(re.search(r"tensor<\d+xi32>", line)) for line in calls]
+        assert ordered == [sort_window > 0] * len(calls), calls
         return len(calls)
 
     for schedule in attention_hopper.SCHEDULES:
-        fwd = functools.partial(attention_hopper.forward, causal=True, scale=0.1, schedule=schedule)
+        fwd = functools.partial(
+            attention_hopper.forward, causal=True, scale=0.1, schedule=schedule, sort_window=sort_window
+        )
         assert launches(lambda q, k, v, s: fwd(q, k, v, q_seg=s, kv_seg=s), q, kv, kv, ids) == 1
 
     def grads(q, k, v, d_out, lse, delta, s, fused_dq, gqa):
         return attention_hopper.backward(
-            q, k, v, d_out, lse, delta, causal=False, scale=0.1, q_seg=s, kv_seg=s, fused_dq=fused_dq, gqa=gqa
+            q, k, v, d_out, lse, delta, causal=False, scale=0.1, q_seg=s, kv_seg=s, fused_dq=fused_dq, gqa=gqa,
+            sort_window=sort_window,
         )
 
     for gqa in attention_hopper.GQA_SPLITS:
@@ -1001,38 +1029,44 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
-@pytest.mark.parametrize("causal, segments", [(True, False), (False, False), (True, True)])
-def test_head_dim_256_on_gpu(key, causal, segments):
+@pytest.mark.parametrize(
+    "causal, segments, sort_window", [(True, False, 0), (False, False, 0), (True, True, 0), (True, True, 4)]
+)
+def test_head_dim_256_on_gpu(key, causal, segments, sort_window):
     """head_dim 256 as auto runs it: the Hopper forward in key blocks of 64 (wgmma path,
     registers at their fullest) and the Hopper backward (_dkdv_wide and the dQ pass), with
     segment ids too."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, 2, 256, jnp.bfloat16)
     seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=5) if segments else None
-    compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, forward="auto", backward="auto")
+    compare(
+        q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, forward="auto", backward="auto",
+        hopper_sort_window=sort_window,
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
 @pytest.mark.parametrize(
-    "head_dim, causal, kv_heads, schedule, docs",
+    "head_dim, causal, kv_heads, schedule, docs, sort_window",
     [
-        (128, True, 2, "pingpong", 5),
-        (128, True, 2, "overlap", 5),
-        (128, False, 8, "pingpong", 5),
-        (64, True, 1, "pingpong", 5),
-        (128, True, 2, "pingpong", 40),  # documents shorter than a tile: most blocks skipped
-        (128, False, 2, "overlap", -5),  # the ids shuffled (not sorted): no block skipped
+        (128, True, 2, "pingpong", 5, 0),
+        (128, True, 2, "overlap", 5, 4),
+        (128, False, 8, "pingpong", 5, 0),
+        (64, True, 1, "pingpong", 5, 4),
+        (128, True, 2, "pingpong", 40, 4),  # documents shorter than a tile: most blocks skipped
+        (128, False, 2, "overlap", -5, 0),  # the ids shuffled (not sorted): no block skipped
     ],
 )
-def test_hopper_kernels_take_segment_ids_on_gpu(key, head_dim, causal, kv_heads, schedule, docs):
+def test_hopper_kernels_take_segment_ids_on_gpu(key, head_dim, causal, kv_heads, schedule, docs, sort_window):
     """Packed documents in the wgmma/TMA kernels at real sizes: forward under two schedules,
-    the fused backward and the two-pass one; with segment ids in any order (docs < 0) as well,
-    where the kernels cannot skip the blocks between documents."""
+    the fused backward and the two-pass one, the CTAs launched in the grid's order or sorted
+    by their spans (sort_window); with segment ids in any order (docs < 0) as well, where the
+    kernels cannot skip the blocks between documents."""
     q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, jnp.bfloat16)
     seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=abs(docs))
     if docs < 0:
         seg = jax.random.permutation(jax.random.fold_in(key, 2), seg, axis=1, independent=True)
-    hopper = dict(forward="hopper", backward="hopper", hopper_schedule=schedule)
+    hopper = dict(forward="hopper", backward="hopper", hopper_schedule=schedule, hopper_sort_window=sort_window)
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
 

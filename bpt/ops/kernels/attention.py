@@ -86,6 +86,7 @@ class FlashConfig:
     hopper_gqa: str = "expand"  # attention_hopper.backward's gqa: how the dK/dV pass splits GQA
     hopper_dq_split: str | None = None  # attention_hopper.backward's dq_split (None: by head_dim)
     hopper_persistent: bool | int = False  # attention_hopper.forward's persistent CTAs
+    hopper_sort_window: int = attention_hopper.SORT_WINDOW  # the launch order with segment ids
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -270,6 +271,7 @@ def _forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg):
             q_seg=q_seg,
             kv_seg=kv_seg,
             persistent=cfg.hopper_persistent,
+            sort_window=cfg.hopper_sort_window,
             interpret=cfg.interpret,
         )
     b, sq, h, d = q.shape
@@ -428,6 +430,7 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
             kv_seg=kv_seg,
             gqa=cfg.hopper_gqa,
             dq_split=cfg.hopper_dq_split,
+            sort_window=cfg.hopper_sort_window,
             interpret=cfg.interpret,
         )
     seg_args = [q_seg, kv_seg] if has_seg else []
@@ -532,6 +535,7 @@ def flash_attention_with_lse(
     hopper_gqa: str = "expand",
     hopper_dq_split: str | None = None,
     hopper_persistent: bool | int = False,
+    hopper_sort_window: int = attention_hopper.SORT_WINDOW,
     interpret: bool | None = None,
     fp8: bool = False,
 ) -> tuple[Array, Array]:
@@ -557,7 +561,9 @@ def flash_attention_with_lse(
     splits dQ between its warpgroups (attention_hopper.DQ_SPLITS; None: by head_dim, at 64
     "keys" or "steps"). hopper_persistent: the Hopper forward as one CTA an SM, each taking
     tiles in turn (True; an int: that many CTAs; attention_hopper.forward), not a CTA a
-    tile (False, the default). interpret: run
+    tile (False, the default). hopper_sort_window: with segment ids, the Hopper kernels'
+    CTAs launch sorted by their tiles' blocks within windows of this many waves of SMs
+    (attention_hopper.sorted_launch; 0: in the grid's order). interpret: run
     the kernels in an interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
@@ -588,6 +594,7 @@ _SETTINGS = (
     "hopper_gqa",
     "hopper_dq_split",
     "hopper_persistent",
+    "hopper_sort_window",
     "interpret",
     "fp8",
 )
@@ -612,6 +619,8 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     attention_hopper.check_dq_split(hopper_dq_split, q.shape[-1], "hopper_dq_split")
     hopper_persistent = settings.get("hopper_persistent", False)
     attention_hopper.check_persistent(hopper_persistent, "hopper_persistent")
+    hopper_sort_window = settings.get("hopper_sort_window", attention_hopper.SORT_WINDOW)
+    attention_hopper.check_sort_window(hopper_sort_window, "hopper_sort_window")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
@@ -685,6 +694,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         hopper_gqa=hopper_gqa,
         hopper_dq_split=hopper_dq_split,
         hopper_persistent=hopper_persistent,
+        hopper_sort_window=hopper_sort_window,
         fp8=fp8,
     )
     if pad_q or pad_k or dp:

@@ -36,7 +36,9 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   CTA): the blocks between documents are skipped, so that the work follows the documents'
   own squares, not the window's. A tile of one document masks by segment only the span's
   edge blocks; the blocks wholly inside its document (the span's dense run) run as a
-  segment-free tile's do. With unsorted ids every block is streamed, each masked.
+  segment-free tile's do. With unsorted ids every block is streamed, each masked. The CTAs
+  can launch sorted by their spans' lengths (sort_window, sorted_launch), so that the SMs
+  end together.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
 multiple of 64 up to 256 for the forward (above 128 in key blocks of 64) and up to 128, or
@@ -69,9 +71,11 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     GQA_SPLITS,
     MAX_FUSED_HEAD_DIM,
     MAX_HEAD_DIM_BLOCK_128,
+    SORT_WINDOW,
     TILE,
     TILE_GROUP,
     check_dq_split,
+    check_sort_window,
     check_tile_group,
     default_stages,
     interpret_params,
@@ -79,6 +83,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     key_spans,
     profiled,
     query_spans,
+    sorted_launch,
     supported,
 )
 
@@ -91,6 +96,7 @@ __all__ = [
     "MAX_FUSED_HEAD_DIM",
     "MAX_HEAD_DIM_BLOCK_128",
     "SCHEDULES",
+    "SORT_WINDOW",
     "TILE",
     "TILE_GROUP",
     "backward",
@@ -98,6 +104,7 @@ __all__ = [
     "check_gqa",
     "check_persistent",
     "check_schedule",
+    "check_sort_window",
     "check_tile_group",
     "default_schedule",
     "default_stages",
@@ -110,5 +117,6 @@ __all__ = [
     "persistent_order",
     "profiled",
     "query_spans",
+    "sorted_launch",
     "supported",
 ]

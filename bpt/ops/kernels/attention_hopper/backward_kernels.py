@@ -19,6 +19,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     LOG2E,
     MAX_FUSED_HEAD_DIM,
     REGISTERS,
+    SORT_WINDOW,
     TILE,
     TILE_GROUP,
     WIDE_DQ_BLOCK_K,
@@ -48,9 +49,11 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     _smem,
     _sweep_keys,
     check_dq_split,
+    check_sort_window,
     check_tile_group,
     default_stages,
     key_spans,
+    launch_order,
     query_spans,
 )
 
@@ -70,6 +73,7 @@ def _dq(
     interpret,
     q_seg=None,
     kv_seg=None,
+    sort_window=SORT_WINDOW,
     block_k=TILE // COMPUTE_WGS,
 ):
     """dQ: per 2 x 64 query rows, over the key blocks (block_k keys) they see."""
@@ -84,15 +88,17 @@ def _dq(
     segments = q_seg is not None
     keys = _KeyStream(grid, num_k, h // hk, bk, stages, causal, segments=segments)
     spans = query_spans(q_seg, kv_seg, bk, causal) if segments else None
+    order = launch_order(keys.item_steps(spans), sort_window) if segments else None
 
     def body(*refs):
         q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
         qs_ref, ks_ref, spans_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if segments else (None,) * 3
+        item = None if order is None else refs.pop(0)[lax.axis_index("cta")]
         dq_ref, q_smem, do_smem, lse_smem, delta_smem, rows_ready, *scratch = refs
         qseg_smem = scratch.pop(0) if segments else None
         k_smem, v_smem, k_ready, v_ready, k_free, v_free = (ring_scratch := scratch)[:6]
         tile, bi, head, wg, ring, key_segments = keys.open(
-            k_ref, v_ref, *ring_scratch, seg_ref=ks_ref, spans_ref=spans_ref
+            k_ref, v_ref, *ring_scratch, seg_ref=ks_ref, spans_ref=spans_ref, cta=item
         )
 
         def _compute(wg):
@@ -158,7 +164,7 @@ def _dq(
         grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_dq",
-    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg, spans) if segments else ()))
+    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg, spans) if segments else ()), *_launched(order))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,8 +224,10 @@ class _QueryStream:
         *seg_scratch,
         seg_ref=None,
         spans_ref=None,
+        cta=None,
     ):
-        """(tile, batch, kv head, warpgroup, ring, (first, stop, per_head, dense)) of this CTA:
+        """(tile, batch, kv head, warpgroup, ring, (first, stop, per_head, dense)) of this CTA
+        (cta: of the grid's item number `cta`, where the CTAs launch in an order of their own):
         the query blocks first to stop - 1 see the tile, and step j of the ring holds query
         block first + j % per_head of the group's query head j // per_head. With segments
         (seg_scratch: the smem and ready barriers scratch() added; seg_ref: the queries'
@@ -228,7 +236,7 @@ class _QueryStream:
         stop (traced; else stop is num_q) and dense, the query blocks [dense[0], dense[1])
         that need no segment mask (None without segments)."""
         q_ref, do_ref, lse2_ref, delta_ref = refs
-        tile, kv_head, bi = self.grid.here()
+        tile, kv_head, bi = self.grid.here() if cta is None else self.grid.coords(cta)
         wg = lax.axis_index("wg")
         first = tile * self.keys // self.bq if self.causal else 0  # the first query block that sees the tile
         stop, dense = self.num_q, None
@@ -256,7 +264,12 @@ class _QueryStream:
         ring = _Ring([(free, buffers)], self.stages, self.group * per_head)
         return tile, bi, kv_head, wg, ring, (first, stop, per_head, dense)
 
-    def open_scratch(self, refs, scratch, seg_ref=None, spans_ref=None):
+    def item_steps(self, spans: Array) -> Array:
+        """Each of the grid's items' query blocks a head, from key_spans' spans ([grid.size])."""
+        tile, _, bi = self.grid.items()
+        return spans[bi, tile, 1] - spans[bi, tile, 0]
+
+    def open_scratch(self, refs, scratch, seg_ref=None, spans_ref=None, cta=None):
         """open() on scratch()'s refs as they come: (open()'s tuple, the ring's refs (Q, dO,
         logsumexp and delta smem, their ready barriers, the free barriers), the segment ids'
         (the whole int32 buffer, the ring's part of it, its ready barriers), all None without
@@ -265,10 +278,10 @@ class _QueryStream:
         q_smem, do_smem, stats, *barriers = ring
         ring = (q_smem, do_smem, stats.at[0], stats.at[1], *barriers)
         if not seg:
-            return self.open(refs, *ring, seg_ref=seg_ref), ring, (None, None, None)
+            return self.open(refs, *ring, seg_ref=seg_ref, cta=cta), ring, (None, None, None)
         seg_smem, seg_ready = seg
         ring_seg = seg_smem.at[pl.ds(0, self.stages)]
-        opened = self.open(refs, *ring, ring_seg, seg_ready, seg_ref=seg_ref, spans_ref=spans_ref)
+        opened = self.open(refs, *ring, ring_seg, seg_ready, seg_ref=seg_ref, spans_ref=spans_ref, cta=cta)
         return opened, ring, (seg_smem, ring_seg, seg_ready)
 
     def head_rows(self, kv_head, first, per_head, j):
@@ -295,6 +308,7 @@ def _dkdv(
     kv_seg=None,
     expand=False,
     dq_split=None,
+    sort_window=SORT_WINDOW,
 ):
     """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
     query head of its group that see them. expand (GQA): per 2 x 64 key rows of one query
@@ -325,6 +339,8 @@ def _dkdv(
     grid = _Grid(num_tiles, h if expand else hk, b, tile_group)
     segments = q_seg is not None
     queries = _QueryStream(grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments)
+    spans = key_spans(q_seg, kv_seg, TILE, causal) if segments else None
+    order = launch_order(queries.item_steps(spans), sort_window) if segments else None
     with_dq = dq_acc is not None or dq_parts
     dq_split = DQ_SPLIT.get(d, "columns") if dq_split is None else dq_split  # backward checked it
     split_keys = dq_split == "keys"  # each warpgroup's dQ part: all columns over its own keys
@@ -356,6 +372,7 @@ def _dkdv(
             refs[-len(scratch) :],
         )
         qs_ref, ks_ref, spans_ref = (outs.pop(0), outs.pop(0), outs.pop(0)) if segments else (None,) * 3
+        item = None if order is None else outs.pop(0)[lax.axis_index("cta")]
         dq_ref = None
         if dq_acc is not None:  # mutable arrays come before the outputs
             dq_ref, *outs = outs
@@ -369,7 +386,7 @@ def _dkdv(
         if with_dq:
             *ring_scratch, ds_smem, dq_smem, dq_full, dq_empty = ring_scratch
         opened, ring_refs, (seg_smem, qseg_smem, qseg_ready) = queries.open_scratch(
-            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref, spans_ref=spans_ref
+            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref, spans_ref=spans_ref, cta=item
         )
         tile, bi, head, wg, ring, (first, stop, per_head, dense) = opened
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_refs
@@ -566,7 +583,8 @@ def _dkdv(
         d_out,
         lse2,
         delta,
-        *((q_seg, kv_seg, key_spans(q_seg, kv_seg, TILE, causal)) if segments else ()),
+        *((q_seg, kv_seg, spans) if segments else ()),
+        *_launched(order),
         *([dq_acc] if dq_acc is not None else []),
     )
 
@@ -587,6 +605,7 @@ def _dkdv_wide(
     q_seg=None,
     kv_seg=None,
     expand=False,
+    sort_window=SORT_WINDOW,
 ):
     """dK, dV above head_dim 128, where one warpgroup's 64 keys' dK and dV would not fit in its
     registers (supported()): per WIDE_KEYS key rows of one key/value head (expand: of one
@@ -612,6 +631,7 @@ def _dkdv_wide(
         grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments, keys=WIDE_KEYS
     )
     spans = key_spans(q_seg, kv_seg, WIDE_KEYS, causal) if segments else None
+    order = launch_order(queries.item_steps(spans), sort_window) if segments else None
     # Every operand in 64-byte swizzled tiles: a warpgroup's half of P is 32 columns, 64
     # bytes, and wgmma takes both its operands in one swizzle.
     swizzle = 64
@@ -634,11 +654,12 @@ def _dkdv_wide(
             refs[-len(scratch) :],
         )
         qs_ref, ks_ref, spans_ref = (outs.pop(0), outs.pop(0), outs.pop(0)) if segments else (None,) * 3
+        item = None if order is None else outs.pop(0)[lax.axis_index("cta")]
         dk_ref, dv_ref = outs
         k_smem, v_smem, own_ready, *ring_scratch = scratch_refs
         p_smem, ds_smem, shared, done, *ring_scratch = ring_scratch
         opened, ring_refs, (seg_smem, qseg_smem, qseg_ready) = queries.open_scratch(
-            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref, spans_ref=spans_ref
+            (q_ref, do_ref, lse2_ref, delta_ref), ring_scratch, seg_ref=qs_ref, spans_ref=spans_ref, cta=item
         )
         tile, bi, head, wg, ring, (first, stop, per_head, dense) = opened
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready, free = ring_refs
@@ -749,7 +770,13 @@ def _dkdv_wide(
         grid=grid,
         interpret=interpret,
         name="bpt_flash_hopper_dkdv_wide",
-    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg, spans) if segments else ()))
+    )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg, spans) if segments else ()), *_launched(order))
+
+
+def _launched(order: Array | None) -> tuple:
+    """The kernels' input of their CTAs' launch order (launch_order; none where it is None:
+    the grid's own)."""
+    return () if order is None else (order,)
 
 
 def _dq_accumulator(q: Array, d_out: Array) -> Array:
@@ -786,6 +813,7 @@ def backward(
     kv_seg: Array | None = None,
     gqa: str = "expand",
     dq_split: str | None = None,
+    sort_window: int = SORT_WINDOW,
     interpret: bool = False,
 ):
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s].
@@ -795,7 +823,7 @@ def backward(
     dQ's columns, one swizzled tile wide, at 64 all of them over its own keys, or over the
     tile's keys at every other step: dq_split, DQ_SPLITS); False: a second pass for dQ that
     recomputes P (7). stages: the query ring's depth (None: default_stages). tile_group,
-    q_seg, kv_seg: see forward.
+    q_seg, kv_seg, sort_window: see forward.
 
     gqa, with fewer key/value heads than query heads (GQA_SPLITS): "expand" (the default) runs
     the dK/dV pass as if every query head had its own keys and values (a CTA a query head's
@@ -816,6 +844,7 @@ def backward(
     check_tile_group(tile_group)
     check_gqa(gqa)
     check_dq_split(dq_split, q.shape[-1])
+    check_sort_window(sort_window)
     _check_segments(q, k, q_seg, kv_seg)
     group = q.shape[2] // k.shape[2]
     expand = gqa == "expand" and group > 1
@@ -827,6 +856,7 @@ def backward(
         interpret=interpret,
         q_seg=q_seg,
         kv_seg=kv_seg,
+        sort_window=sort_window,
     )
     lse2 = lse * LOG2E  # both passes compute p = exp2(s * log2(e) / sqrt(d) - lse2)
     b, sk, hk, d = k.shape

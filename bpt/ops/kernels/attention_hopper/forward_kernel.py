@@ -20,6 +20,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     LOG2E,
     MAX_HEAD_DIM_BLOCK_128,
     REGISTERS,
+    SORT_WINDOW,
     TILE,
     TILE_GROUP,
     Array,
@@ -38,8 +39,11 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     _scores,
     _smem,
     _sweep_keys,
+    check_sort_window,
     check_tile_group,
     default_stages,
+    device_sms,
+    launch_order,
     query_spans,
 )
 
@@ -75,7 +79,7 @@ def persistent_ctas(persistent: bool | int, items: int, setting: str = "persiste
     check_persistent(persistent, setting)
     if persistent is False:
         return None
-    ctas = int(getattr(jax.devices()[0], "core_count", 0) or 1) if persistent is True else persistent
+    ctas = device_sms() if persistent is True else persistent
     return min(ctas, items)
 
 
@@ -143,6 +147,7 @@ def forward(
     q_seg: Array | None = None,
     kv_seg: Array | None = None,
     persistent: bool | int = False,
+    sort_window: int = SORT_WINDOW,
     interpret: bool = False,
 ) -> tuple[Array, Array]:
     """(out [b, s, h, d], logsumexp [b, h, s] float32); see supported() for what it takes.
@@ -177,6 +182,9 @@ def forward(
     its ring of keys and values running on from one tile to the next and the next tile's Q
     loading during this one (up to head_dim 128), so that no CTA is launched for a tile; an
     int, that many CTAs.
+    sort_window: with segment ids, a CTA a tile, the CTAs launch sorted by their tiles' key
+    blocks within windows of this many waves of the grid's order (sorted_launch); 0: in the
+    grid's order.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -189,6 +197,7 @@ def forward(
     if schedule is None:
         schedule = default_schedule(causal, d, segments=segments)
     check_tile_group(tile_group)
+    check_sort_window(sort_window)
     overlap, pingpong = schedule.startswith("overlap"), schedule.endswith("pingpong")
     num_tiles, num_k = sq // TILE, sk // bk
     ctas = persistent_ctas(persistent, num_tiles * h * b)
@@ -203,6 +212,9 @@ def forward(
     # a persistent CTA loads the next tile's queries while it computes this one's, into a
     # second buffer where shared memory has room for it (not at head_dim 256)
     q_bufs = 1
+    # the items each persistent CTA takes ([ctas, 1 + n]), or the order a CTA a tile takes
+    # them in ([n]; None: the grid's)
+    order = launch_order(keys.item_steps(spans), sort_window) if segments else None
     if ctas is not None:
         order = jnp.asarray(persistent_order(grid, ctas, keys.item_steps(spans)))
         size = q.dtype.itemsize
@@ -211,7 +223,7 @@ def forward(
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
         qs_ref, ks_ref, spans_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if segments else (None,) * 3
-        order_ref = refs.pop(0) if ctas is not None else None
+        order_ref = refs.pop(0) if order is not None else None
         o_ref, lse_ref, q_smem, lse_smem, q_ready, turn, *scratch = refs
         qseg_smem = scratch.pop(0) if segments else None
         qseg_ready = scratch.pop(0) if segments and q_bufs == 2 else None
@@ -411,8 +423,8 @@ def forward(
                 if q_bufs == 1:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=ctas is not None)
 
-        if ctas is None:  # a CTA a tile
-            opened = tile_of()
+        if ctas is None:  # a CTA a tile: the grid's, or the order's
+            opened = tile_of(None if order is None else order_ref[lax.axis_index("cta")])
 
             def _compute(wg):
                 plgpu.set_max_registers(REGISTERS[0], action="increase")
@@ -486,4 +498,4 @@ def forward(
         interpret=interpret,
         name="bpt_flash_hopper_fwd",
         ctas=ctas,
-    )(q, k, v, *((q_seg, kv_seg, spans) if segments else ()), *((order,) if ctas is not None else ()))
+    )(q, k, v, *((q_seg, kv_seg, spans) if segments else ()), *((order,) if order is not None else ()))

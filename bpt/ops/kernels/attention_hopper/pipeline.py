@@ -56,6 +56,11 @@ BACKWARD_STAGES = {64: 4}  # head_dim -> stages; 2 for the others
 # 128 by 3% at 32K and 64K (forward+backward 544-551 against 527-535 TFLOP/s) and 4% at 128K
 # (docs/notes/attention_kernels.md); up to 16K (128 tiles) the two are one order.
 TILE_GROUP = None
+# With segment ids, the kernels' CTAs launch in the order sorted_launch gives: within each
+# window of this many waves (the device's SMs' worth of tiles) of the grid's order, the
+# tiles with the most blocks to stream first, so that the GPU, starting each CTA on the SM
+# that frees first, ends its SMs together (0: the grid's order as it is).
+SORT_WINDOW = 0
 # How the dK/dV pass splits GQA's work (backward's gqa): a CTA a query head's key tile (the
 # default) or a key/value head's, walking its group's query heads.
 GQA_SPLITS = ("expand", "walk")
@@ -591,6 +596,48 @@ class _Grid:
     def here(self):
         """coords() of the CTA that runs this code."""
         return self.coords(lax.axis_index("cta"))
+
+    def items(self):
+        """coords() of every item, in the grid's order (numpy)."""
+        return self.coords(np.arange(self.size, dtype=np.int32), div=np.floor_divide, rem=np.remainder)
+
+
+def device_sms() -> int:
+    """The device's SMs (1 where jax does not say, as on CPUs)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 1)
+
+
+def check_sort_window(window: int, setting: str = "sort_window") -> None:
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"{setting} must be an int >= 0 (waves of tiles a sorted window holds); got {window!r}")
+
+
+def sorted_launch(steps: Array, window: int) -> Array:
+    """The order in which a grid's CTAs are to launch ([n] int32, a permutation of its
+    items): steps, each item's blocks to stream ([n], traced), sorted, the most first and
+    ties in the grid's order, within each run of `window` items of the grid's order.
+
+    The GPU starts each CTA on the SM that frees first, so it deals the launch order out as
+    a list schedule; with packed documents the grid's order (a head's tiles by their place)
+    leaves the SMs ending apart (one 1.07-1.10x the mean work, simulated at the bench's
+    packed shapes), where the longest first within windows of four waves ends them within
+    1% while the CTAs that run at once still hold few (batch, head)'s keys."""
+    n = steps.shape[0]
+    window = max(1, min(window, n))
+    pad = -n % window  # after the last item, with -1 steps: last in the last window
+    work = jnp.concatenate([steps.astype(jnp.int32), jnp.full((pad,), -1, jnp.int32)])
+    work = work.reshape(-1, window)
+    ranked = jnp.argsort(-work, axis=1, stable=True) + window * jnp.arange(work.shape[0])[:, None]
+    return ranked.reshape(-1)[:n].astype(jnp.int32)
+
+
+def launch_order(steps, sort_window: int) -> Array | None:
+    """sorted_launch over windows of sort_window waves of the device's SMs, or None (the
+    grid's own order) where sort_window is 0 or the steps are static (a mask's: the grid
+    already launches the heaviest first)."""
+    if not sort_window or not isinstance(steps, jax.Array):
+        return None
+    return sorted_launch(steps, sort_window * device_sms())
 
 
 def check_tile_group(group: int | None, setting: str = "tile_group") -> None:
