@@ -181,10 +181,27 @@ def every_block_masked():
             m.segment_spans = f
 
 
+@contextlib.contextmanager
+def sorted_at_any_waves():
+    """While open, the Hopper kernels trace with their launch sorted (sort_window) however
+    many waves the grid holds (attention_hopper.SORT_WAVES lifted)."""
+    saved = attention_hopper.pipeline.SORT_WAVES
+    attention_hopper.pipeline.SORT_WAVES = 1 << 30
+    try:
+        yield
+    finally:
+        attention_hopper.pipeline.SORT_WAVES = saved
+
+
 # bpt's kernels with every streamed block masked by segment (every_block_masked), e.g.
 # bpt-pallas-masked: what masking only the documents' edges is worth.
 MASKED = {f"{impl}-masked": impl for impl in ("bpt-pallas", "bpt-triton", "bpt-pallas-overlap")}
 IMPLS.update({name: IMPLS[impl] for name, impl in MASKED.items()})
+# The sorted launch past SORT_WAVES, e.g. bpt-pallas-sort4-anywaves.
+ANY_WAVES = {f"bpt-pallas-sort{w}-anywaves": f"bpt-pallas-sort{w}" for w in (2, 4, 8)}
+IMPLS.update({name: IMPLS[impl] for name, impl in ANY_WAVES.items()})
+# The implementations traced (at their first call) within a context.
+TRACED_WITHIN = {name: every_block_masked for name in MASKED} | {name: sorted_at_any_waves for name in ANY_WAVES}
 # The Hopper kernels' shared-memory rings N blocks deep (bpt-pallas: attention_hopper.default_stages,
 # 2 but the backward's 4 at head_dim 64).
 for _stages in (1, 3, 4, 6, 8):
@@ -261,14 +278,14 @@ def prepare(
         ("fwd", jax.jit(fn), flops),
         ("fwd_bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 3.5 * flops),
     ]
-    if impl in MASKED:  # traced (at the first call) with every block masked
-        timed = [(name, _every_block_masked_call(f), n) for name, f, n in timed]
+    if impl in TRACED_WITHIN:
+        timed = [(name, _traced_within(TRACED_WITHIN[impl], f), n) for name, f, n in timed]
     return row, timed, (q, k, v)
 
 
-def _every_block_masked_call(jitted):
+def _traced_within(context, jitted):
     def call(*args):
-        with every_block_masked():
+        with context():
             return jitted(*args)
 
     return call
@@ -333,6 +350,7 @@ SHAPES = {
         "B1 S16K H16 8 docs": dict(batch=1, seq=16384, heads=16, head_dim=128, causal=True, segments=8),
         "B2 S8K H16 4 docs": dict(batch=2, seq=8192, heads=16, head_dim=128, causal=True, segments=4),
         "B1 S64K H16 32 docs": dict(batch=1, seq=65536, heads=16, head_dim=128, causal=True, segments=32),
+        "B2 S32K H16 8 docs": dict(batch=2, seq=32768, heads=16, head_dim=128, causal=True, segments=8),
         "B1 S16K H16 d64 8 docs": dict(batch=1, seq=16384, heads=16, head_dim=64, causal=True, segments=8),
         "B1 S16K H8 d256 8 docs": dict(batch=1, seq=16384, heads=8, head_dim=256, causal=True, segments=8),
     },

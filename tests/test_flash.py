@@ -744,6 +744,22 @@ def test_sorted_launch_sorts_each_window_longest_first(key, n, window):
         assert all((np.diff(part[work == s]) > 0).all() for s in np.unique(work))
 
 
+def test_launch_order_sorts_only_traced_steps_of_few_waves(key, monkeypatch):
+    """attention_hopper.launch_order: sorted_launch over windows of sort_window waves of the
+    device's SMs for traced steps; the grid's own order (None) for a static mask's steps,
+    sort_window 0, or a grid of more than SORT_WAVES waves."""
+    monkeypatch.setattr(attention_hopper.pipeline, "device_sms", lambda: 4)
+    waves = attention_hopper.SORT_WAVES
+    few = jax.random.randint(key, (waves * 4,), 0, 9)
+    order = attention_hopper.launch_order(few, 2)
+    np.testing.assert_array_equal(order, attention_hopper.sorted_launch(few, 8))
+    assert attention_hopper.launch_order(few, 0) is None
+    assert attention_hopper.launch_order(np.asarray(few), 2) is None
+    assert attention_hopper.launch_order(jnp.zeros(waves * 4 + 1, jnp.int32), 2) is None
+    traced = jax.jit(lambda s: attention_hopper.launch_order(s, 2))(few)  # under jit, too
+    np.testing.assert_array_equal(traced, order)
+
+
 def test_hopper_forward_default_schedule_by_shape():
     """With no schedule asked the forward overlaps at head_dim 256, and at 128 where no block
     is masked (non-causal, no segment ids); it ping-pongs elsewhere and with segment ids: the

@@ -563,7 +563,8 @@ def flash_attention_with_lse(
     tiles in turn (True; an int: that many CTAs; attention_hopper.forward), not a CTA a
     tile (False, the default). hopper_sort_window: with segment ids, the Hopper kernels'
     CTAs launch sorted by their tiles' blocks within windows of this many waves of SMs
-    (attention_hopper.sorted_launch; 0: in the grid's order). interpret: run
+    where the grid holds at most attention_hopper.SORT_WAVES waves (sorted_launch; default
+    SORT_WINDOW, 4; 0: in the grid's order). interpret: run
     the kernels in an interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn

@@ -36,9 +36,9 @@ with the 1/sqrt(d) scale folded into one multiply-add an element.
   CTA): the blocks between documents are skipped, so that the work follows the documents'
   own squares, not the window's. A tile of one document masks by segment only the span's
   edge blocks; the blocks wholly inside its document (the span's dense run) run as a
-  segment-free tile's do. With unsorted ids every block is streamed, each masked. The CTAs
-  can launch sorted by their spans' lengths (sort_window, sorted_launch), so that the SMs
-  end together.
+  segment-free tile's do. With unsorted ids every block is streamed, each masked. Up to
+  SORT_WAVES waves of tiles the CTAs launch sorted by their spans' lengths (sort_window,
+  sorted_launch), so that the SMs end together.
 
 Limits (the caller falls back to the Triton kernels otherwise): bfloat16/float16, head_dim a
 multiple of 64 up to 256 for the forward (above 128 in key blocks of 64) and up to 128, or
@@ -71,6 +71,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     GQA_SPLITS,
     MAX_FUSED_HEAD_DIM,
     MAX_HEAD_DIM_BLOCK_128,
+    SORT_WAVES,
     SORT_WINDOW,
     TILE,
     TILE_GROUP,
@@ -81,6 +82,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     interpret_params,
     is_hopper,
     key_spans,
+    launch_order,
     profiled,
     query_spans,
     sorted_launch,
@@ -96,6 +98,7 @@ __all__ = [
     "MAX_FUSED_HEAD_DIM",
     "MAX_HEAD_DIM_BLOCK_128",
     "SCHEDULES",
+    "SORT_WAVES",
     "SORT_WINDOW",
     "TILE",
     "TILE_GROUP",
@@ -113,6 +116,7 @@ __all__ = [
     "interpret_params",
     "is_hopper",
     "key_spans",
+    "launch_order",
     "persistent_ctas",
     "persistent_order",
     "profiled",

@@ -37,6 +37,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     _Grid,
     _KeyStream,
     _launch,
+    _launched,
     _per_warpgroup,
     _Regs,
     _Ring,
@@ -771,12 +772,6 @@ def _dkdv_wide(
         interpret=interpret,
         name="bpt_flash_hopper_dkdv_wide",
     )(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg, spans) if segments else ()), *_launched(order))
-
-
-def _launched(order: Array | None) -> tuple:
-    """The kernels' input of their CTAs' launch order (launch_order; none where it is None:
-    the grid's own)."""
-    return () if order is None else (order,)
 
 
 def _dq_accumulator(q: Array, d_out: Array) -> Array:

@@ -32,6 +32,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     _Grid,
     _KeyStream,
     _launch,
+    _launched,
     _per_warpgroup,
     _Regs,
     _rows,
@@ -183,7 +184,8 @@ def forward(
     loading during this one (up to head_dim 128), so that no CTA is launched for a tile; an
     int, that many CTAs.
     sort_window: with segment ids, a CTA a tile, the CTAs launch sorted by their tiles' key
-    blocks within windows of this many waves of the grid's order (sorted_launch); 0: in the
+    blocks within windows of this many waves of the grid's order (sorted_launch; default
+    SORT_WINDOW, 4) where the grid holds at most SORT_WAVES waves (launch_order); 0: in the
     grid's order.
     """
     b, sq, h, d = q.shape
@@ -498,4 +500,4 @@ def forward(
         interpret=interpret,
         name="bpt_flash_hopper_fwd",
         ctas=ctas,
-    )(q, k, v, *((q_seg, kv_seg, spans) if segments else ()), *((order,) if order is not None else ()))
+    )(q, k, v, *((q_seg, kv_seg, spans) if segments else ()), *_launched(order))

@@ -59,8 +59,17 @@ TILE_GROUP = None
 # With segment ids, the kernels' CTAs launch in the order sorted_launch gives: within each
 # window of this many waves (the device's SMs' worth of tiles) of the grid's order, the
 # tiles with the most blocks to stream first, so that the GPU, starting each CTA on the SM
-# that frees first, ends its SMs together (0: the grid's order as it is).
-SORT_WINDOW = 0
+# that frees first, ends its SMs together (0: the grid's order as it is). On an H200 at
+# 16K with 8 documents and batch 2 of 8K with 4 (15.5 waves), windows of 4 waves ran the
+# forward 2.6-7.5% and forward+backward 3.5-6% faster than the grid's order (head_dim 64,
+# 128 and 256); windows of 2 and 8 gained less or lost (docs/notes/attention_kernels.md,
+# 2026-12-04).
+SORT_WINDOW = 4
+# Past this many waves a grid launches in its own order whatever sort_window says: the SMs'
+# uneven ends cost about a tile's time, a smaller share the more waves there are, and at 64K
+# with 32 documents (62 waves) the sorted launch ran 2.5% slower (its CTAs hold more
+# (head, document)'s keys at once in L2).
+SORT_WAVES = 32
 # How the dK/dV pass splits GQA's work (backward's gqa): a CTA a query head's key tile (the
 # default) or a key/value head's, walking its group's query heads.
 GQA_SPLITS = ("expand", "walk")
@@ -633,11 +642,20 @@ def sorted_launch(steps: Array, window: int) -> Array:
 
 def launch_order(steps, sort_window: int) -> Array | None:
     """sorted_launch over windows of sort_window waves of the device's SMs, or None (the
-    grid's own order) where sort_window is 0 or the steps are static (a mask's: the grid
-    already launches the heaviest first)."""
+    grid's own order) where sort_window is 0, the grid holds more than SORT_WAVES waves, or
+    the steps are static (a mask's: the grid already launches the heaviest first)."""
     if not sort_window or not isinstance(steps, jax.Array):
         return None
-    return sorted_launch(steps, sort_window * device_sms())
+    sms = device_sms()
+    if steps.shape[0] > SORT_WAVES * sms:
+        return None
+    return sorted_launch(steps, sort_window * sms)
+
+
+def _launched(order: Array | None) -> tuple:
+    """A kernel's inputs of its CTAs' order: the order (launch_order's, or a persistent
+    kernel's table), or none where it is None (the grid's own)."""
+    return () if order is None else (order,)
 
 
 def check_tile_group(group: int | None, setting: str = "tile_group") -> None:
