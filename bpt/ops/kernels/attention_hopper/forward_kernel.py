@@ -216,11 +216,12 @@ def forward(
     q_bufs = 1
     # the items each persistent CTA takes ([ctas, 1 + n]), or the order a CTA a tile takes
     # them in ([n]; None: the grid's)
-    order = launch_order(keys.item_steps(spans), sort_window) if segments else None
     if ctas is not None:
         order = jnp.asarray(persistent_order(grid, ctas, keys.item_steps(spans)))
         size = q.dtype.itemsize
         q_bufs = 2 if 2 * COMPUTE_WGS * bq * d * size + stages * 2 * bk * d * size <= Q_BUFFERS_ROOM else 1
+    else:
+        order = launch_order(keys.item_steps(spans), sort_window) if segments else None
 
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs

@@ -67,8 +67,8 @@ TILE_GROUP = None
 SORT_WINDOW = 4
 # Past this many waves a grid launches in its own order whatever sort_window says: the SMs'
 # uneven ends cost about a tile's time, a smaller share the more waves there are, and at 64K
-# with 32 documents (62 waves) the sorted launch ran 2.5% slower (its CTAs hold more
-# (head, document)'s keys at once in L2).
+# with 32 documents and batch 2 of 32K with 8 (62 waves) the sorted launch ran the forward
+# 1.6-2.6% slower (its CTAs hold more (head, document)'s keys at once in L2).
 SORT_WAVES = 32
 # How the dK/dV pass splits GQA's work (backward's gqa): a CTA a query head's key tile (the
 # default) or a key/value head's, walking its group's query heads.
