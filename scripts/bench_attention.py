@@ -154,6 +154,10 @@ IMPLS["bpt-pallas-persistent"] = functools.partial(flash_attention, hopper_persi
 # N waves of SMs (attention_hopper.sorted_launch; sort0: in the grid's order).
 for _window in (0, 1, 2, 4, 8):
     IMPLS[f"bpt-pallas-sort{_window}"] = functools.partial(flash_attention, hopper_sort_window=_window)
+# The Hopper backward's dK/dV pass walking each tile's query blocks in this order
+# (attention_hopper.QUERY_ORDERS), e.g. bpt-pallas-qdescending.
+for _order in attention_hopper.QUERY_ORDERS:
+    IMPLS[f"bpt-pallas-q{_order}"] = functools.partial(flash_attention, hopper_query_order=_order)
 
 
 @contextlib.contextmanager

@@ -253,23 +253,24 @@ def test_entry_point_and_bad_inputs(key):
 
 
 @pytest.mark.parametrize(
-    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa, dq_split",
+    "dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa, dq_split, query_order",
     [
         # GQA 2:1; the forward streams 4 key blocks through 2 slots; the backward adds dQ in
         # its dK/dV pass (the default), each warpgroup all of dQ's columns over its own keys
-        # ("keys"); a CTA a key/value head walks the group. (Each interpreted case costs
+        # ("keys"); a CTA a key/value head walks the group, each head's query blocks from the
+        # last down (query_order "descending"). (Each interpreted case costs
         # a minute or more on two cores: head_dim 128's fused backward runs here with segment
         # ids, in the next test; MQA, float16, 128-key blocks and the non-causal path run in
         # the GPU tests.)
-        (jnp.bfloat16, 64, True, 1, 64, None, 256, "walk", "keys"),
+        (jnp.bfloat16, 64, True, 1, 64, None, 256, "walk", "keys", "descending"),
         # GQA's default split, a CTA a query head's keys, and dQ over the tile's keys by the
         # warpgroups in turn ("steps"): one tile, since the interpreter did not finish the
         # dK/dV pass over two tiles of two heads (MHA too) in ten minutes.
-        (jnp.bfloat16, 64, True, 1, 64, None, 128, "expand", "steps"),
+        (jnp.bfloat16, 64, True, 1, 64, None, 128, "expand", "steps", "ascending"),
     ],
 )
 def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
-    key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa, dq_split
+    key, dtype, head_dim, causal, kv_heads, block_k, fused_dq, seq, gqa, dq_split, query_order
 ):
     """The warp-specialized kernels' data movement, barriers and masks, run by Mosaic GPU's
     interpreter (the matmuls there are plain dots, and the fused backward's dQ is written per
@@ -283,6 +284,7 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
         hopper_fused_dq=fused_dq,
         hopper_gqa=gqa,
         hopper_dq_split=dq_split,
+        hopper_query_order=query_order,
     )
     out, lse = flash_attention_with_lse(q, k, v, causal=causal, **hopper)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -296,16 +298,17 @@ def test_hopper_kernels_in_the_mosaic_gpu_interpreter(
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, heads, kv_heads, sort_window",
+    "head_dim, causal, heads, kv_heads, sort_window, query_order",
     [
-        # GQA 2:1; the backward adds dQ in its dK/dV pass; the CTAs launch sorted by their
-        # spans in windows of 2 waves of 2 SMs (sorted_launch: 4 tiles a window)
-        (128, True, 2, 1, 2),
-        (64, False, 1, 1, 0),  # dQ in its own pass (fused_dq=False); the grid's launch order
+        # GQA 2:1; the backward adds dQ in its dK/dV pass, walking each span's query blocks
+        # from the last down; the CTAs launch sorted by their spans in windows of 2 waves of
+        # 2 SMs (sorted_launch: 4 tiles a window)
+        (128, True, 2, 1, 2, "descending"),
+        (64, False, 1, 1, 0, "ascending"),  # dQ in its own pass (fused_dq=False); the grid's launch order
     ],
 )
 def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
-    key, head_dim, causal, heads, kv_heads, sort_window, monkeypatch
+    key, head_dim, causal, heads, kv_heads, sort_window, query_order, monkeypatch
 ):
     """Packed documents in the Hopper kernels (what "auto" takes for them on an H100-class
     GPU): each key block's segment ids ride the
@@ -318,7 +321,7 @@ def test_hopper_kernels_take_segment_ids_in_the_mosaic_gpu_interpreter(
     seg = packed_segments(jax.random.fold_in(key, 1), 1, 256, num=4)
     hopper = dict(
         forward="hopper", backward="hopper", hopper_block_k=64, hopper_fused_dq=head_dim == 128, hopper_gqa="walk",
-        hopper_sort_window=sort_window,
+        hopper_sort_window=sort_window, hopper_query_order=query_order,
     )
     compare(q, k, v, d_out, causal=causal, segment_ids=seg, tol=1e-2, **hopper)
 
@@ -608,6 +611,8 @@ def test_hopper_grid_launches_runs_of_one_heads_tiles_heaviest_first(tiles, head
         flash_attention(x, x, x, hopper_persistent=0)
     with pytest.raises(ValueError, match="hopper_sort_window must be an int >= 0"):
         flash_attention(x, x, x, hopper_sort_window=-1)
+    with pytest.raises(ValueError, match="unknown hopper_query_order 'up'; allowed: ascending, descending"):
+        flash_attention(x, x, x, hopper_query_order="up")
 
 
 @pytest.mark.parametrize(
@@ -758,6 +763,28 @@ def test_launch_order_sorts_only_traced_steps_of_few_waves(key, monkeypatch):
     assert attention_hopper.launch_order(jnp.zeros(waves * 4 + 1, jnp.int32), 2) is None
     traced = jax.jit(lambda s: attention_hopper.launch_order(s, 2))(few)  # under jit, too
     np.testing.assert_array_equal(traced, order)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_query_stream_steps_walk_each_heads_blocks_once(descending):
+    """The dK/dV pass's query walk (backward's query_order): the steps of a head's blocks [lo,
+    hi) are a run whose steps hold exactly those blocks, and in the order asked (descending:
+    the last block first); the head's runs tile its steps and follow the heads in turn."""
+    from bpt.ops.kernels.attention_hopper.backward_kernels import _QueryStream
+
+    grid = attention_hopper.pipeline._Grid(4, 2, 1)
+    stream = _QueryStream(grid, 8, 2, 64, 2, True, descending=descending)
+    first, per_head = 3, 5  # the tile's span: blocks 3..7
+    for g in range(2):
+        walk = [int(stream.block(first, per_head, j)) for j in range(g * per_head, (g + 1) * per_head)]
+        assert walk == sorted(walk, reverse=descending) == sorted(range(first, first + per_head), reverse=descending)
+        for lo, hi in ((3, 8), (3, 4), (4, 6), (6, 6), (7, 8)):
+            start, stop = stream.steps(g, first, per_head, lo, hi)
+            assert stop - start == hi - lo
+            assert g * per_head <= start <= stop <= (g + 1) * per_head
+            assert sorted(int(stream.block(first, per_head, j)) for j in range(start, stop)) == list(range(lo, hi))
+            rows = stream.head_rows(0, first, per_head, start)
+            assert int(rows[0]) == g
 
 
 def test_hopper_forward_default_schedule_by_shape():
@@ -1041,6 +1068,25 @@ def test_hopper_kernels_on_gpu(key, dtype, head_dim, causal, kv_heads, block_k, 
         hopper_dq_split=dq_split,
     )
     compare(q, k, v, d_out, causal=causal, segment_ids=None, tol=1e-2, **hopper)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs an H100-class GPU")
+@pytest.mark.parametrize(
+    "head_dim, kv_heads, fused_dq, docs",
+    [
+        (128, 2, None, 0),  # dQ fused, reduce-added by every CTA of a wave into the same rows
+        (64, 8, None, 0),  # dQ by the warpgroups in turn ("steps")
+        (128, 2, False, 5),  # dQ's own pass: a warpgroup skips its partner's block last; spans
+    ],
+)
+def test_hopper_backward_walks_queries_descending_on_gpu(key, head_dim, kv_heads, fused_dq, docs):
+    """The Hopper backward with each dK/dV tile's query blocks walked from the last down
+    (hopper_query_order="descending"), causal: gradients against float32 attention."""
+    q, k, v, d_out = inputs(key, 2, 2048, 8, kv_heads, head_dim, jnp.bfloat16)
+    seg = packed_segments(jax.random.fold_in(key, 1), 2, 2048, num=docs) if docs else None
+    hopper = dict(forward="hopper", backward="hopper", hopper_fused_dq=fused_dq, hopper_query_order="descending")
+    compare(q, k, v, d_out, causal=True, segment_ids=seg, tol=1e-2, **hopper)
 
 
 @pytest.mark.gpu

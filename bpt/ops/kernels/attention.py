@@ -87,6 +87,7 @@ class FlashConfig:
     hopper_dq_split: str | None = None  # attention_hopper.backward's dq_split (None: by head_dim)
     hopper_persistent: bool | int = False  # attention_hopper.forward's persistent CTAs
     hopper_sort_window: int = attention_hopper.SORT_WINDOW  # the launch order with segment ids
+    hopper_query_order: str = attention_hopper.QUERY_ORDER  # attention_hopper.backward's query_order
     pad_d: int = 0  # zeros added to head_dim
     fp8: bool = False  # the forward's matmuls in float8_e4m3fn (quantize_fp8); the backward's not
 
@@ -431,6 +432,7 @@ def _backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
             gqa=cfg.hopper_gqa,
             dq_split=cfg.hopper_dq_split,
             sort_window=cfg.hopper_sort_window,
+            query_order=cfg.hopper_query_order,
             interpret=cfg.interpret,
         )
     seg_args = [q_seg, kv_seg] if has_seg else []
@@ -536,6 +538,7 @@ def flash_attention_with_lse(
     hopper_dq_split: str | None = None,
     hopper_persistent: bool | int = False,
     hopper_sort_window: int = attention_hopper.SORT_WINDOW,
+    hopper_query_order: str = attention_hopper.QUERY_ORDER,
     interpret: bool | None = None,
     fp8: bool = False,
 ) -> tuple[Array, Array]:
@@ -564,7 +567,9 @@ def flash_attention_with_lse(
     tile (False, the default). hopper_sort_window: with segment ids, the Hopper kernels'
     CTAs launch sorted by their tiles' blocks within windows of this many waves of SMs
     where the grid holds at most attention_hopper.SORT_WAVES waves (sorted_launch; default
-    SORT_WINDOW, 4; 0: in the grid's order). interpret: run
+    SORT_WINDOW, 4; 0: in the grid's order). hopper_query_order: the order in which the
+    Hopper backward's dK/dV pass walks the query blocks up to head_dim 128
+    (attention_hopper.QUERY_ORDERS; attention_hopper.backward). interpret: run
     the kernels in an interpreter (default: everywhere but on a GPU). block_q, block_k (forward) and
     block_q_bwd, block_k_bwd (backward): the Triton kernels' blocks; by default
     TRITON_BLOCKS for the input's dtype. fp8: the forward's two matmuls in float8_e4m3fn
@@ -596,6 +601,7 @@ _SETTINGS = (
     "hopper_dq_split",
     "hopper_persistent",
     "hopper_sort_window",
+    "hopper_query_order",
     "interpret",
     "fp8",
 )
@@ -622,6 +628,8 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     attention_hopper.check_persistent(hopper_persistent, "hopper_persistent")
     hopper_sort_window = settings.get("hopper_sort_window", attention_hopper.SORT_WINDOW)
     attention_hopper.check_sort_window(hopper_sort_window, "hopper_sort_window")
+    hopper_query_order = settings.get("hopper_query_order", attention_hopper.QUERY_ORDER)
+    attention_hopper.check_query_order(hopper_query_order, "hopper_query_order")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
@@ -696,6 +704,7 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         hopper_dq_split=hopper_dq_split,
         hopper_persistent=hopper_persistent,
         hopper_sort_window=hopper_sort_window,
+        hopper_query_order=hopper_query_order,
         fp8=fp8,
     )
     if pad_q or pad_k or dp:

@@ -18,6 +18,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     GQA_SPLITS,
     LOG2E,
     MAX_FUSED_HEAD_DIM,
+    QUERY_ORDER,
     REGISTERS,
     SORT_WINDOW,
     TILE,
@@ -50,6 +51,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     _smem,
     _sweep_keys,
     check_dq_split,
+    check_query_order,
     check_sort_window,
     check_tile_group,
     default_stages,
@@ -184,6 +186,7 @@ class _QueryStream:
     causal: bool
     segments: bool = False  # each query block's segment ids come with it
     keys: int = TILE  # key rows a CTA holds
+    descending: bool = False  # each head's query blocks from the last down (QUERY_ORDERS)
 
     def scratch(self, d: int, dtype, swizzle: int = 128) -> list:
         """The ring's shared memory and barriers, as open_scratch() takes them. Pallas rounds
@@ -285,9 +288,21 @@ class _QueryStream:
         opened = self.open(refs, *ring, ring_seg, seg_ready, seg_ref=seg_ref, spans_ref=spans_ref, cta=cta)
         return opened, ring, (seg_smem, ring_seg, seg_ready)
 
+    def block(self, first, per_head, j):
+        """The query block of step j (of the head's blocks first to first + per_head - 1)."""
+        r = lax.rem(j, per_head)
+        return first + (per_head - 1 - r if self.descending else r)
+
+    def steps(self, g, first, per_head, lo, hi) -> tuple:
+        """The steps [start, stop) of the walked head g's query blocks [lo, hi)."""
+        base = g * per_head
+        if self.descending:  # block i is step base + (first + per_head - 1 - i)
+            return base + first + per_head - hi, base + first + per_head - lo
+        return base - first + lo, base - first + hi
+
     def head_rows(self, kv_head, first, per_head, j):
         """(query head, query rows) of step j."""
-        return kv_head * self.group + j // per_head, pl.ds((first + lax.rem(j, per_head)) * self.bq, self.bq)
+        return kv_head * self.group + j // per_head, pl.ds(self.block(first, per_head, j) * self.bq, self.bq)
 
 
 def _dkdv(
@@ -310,9 +325,10 @@ def _dkdv(
     expand=False,
     dq_split=None,
     sort_window=SORT_WINDOW,
+    query_order=QUERY_ORDER,
 ):
     """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
-    query head of its group that see them. expand (GQA): per 2 x 64 key rows of one query
+    query head of its group that see them, in query_order (QUERY_ORDERS). expand (GQA): per 2 x 64 key rows of one query
     head's view of them instead, over that head's query blocks: dK and dV come out per query
     head ([b, sk, h, d]), the group's to be summed.
 
@@ -339,7 +355,8 @@ def _dkdv(
     c = scale * LOG2E
     grid = _Grid(num_tiles, h if expand else hk, b, tile_group)
     segments = q_seg is not None
-    queries = _QueryStream(grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments)
+    descending = query_order == "descending"
+    queries = _QueryStream(grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments, descending=descending)
     spans = key_spans(q_seg, kv_seg, TILE, causal) if segments else None
     order = launch_order(queries.item_steps(spans), sort_window) if segments else None
     with_dq = dq_acc is not None or dq_parts
@@ -465,7 +482,7 @@ def _dkdv(
                 with jax.named_scope("P"):
                     p_t = jnp.exp2(s_t * c - _cols(lse2, s_t.shape))
                     if masked and causal:
-                        q0 = (first + lax.rem(j, per_head)) * bq
+                        q0 = queries.block(first, per_head, j) * bq
                         p_t = jnp.where(regs.visible(s_t.shape, q0, key0, queries_dim=1), p_t, 0.0)
                     if masked and segments:
                         segs = stat(qseg_ready, qseg_smem)
@@ -492,7 +509,7 @@ def _dkdv(
                 return dk, dv
 
             def head_loop(g, carry):
-                base = g * per_head - first  # step of query block i is base + i
+                steps = functools.partial(queries.steps, g, first, per_head)  # of blocks [lo, hi)
                 masked, unmasked = (functools.partial(step, masked=m) for m in (True, False))
                 mine, clear = first, first  # my first visible block, my first off the diagonal
                 if causal:
@@ -502,19 +519,21 @@ def _dkdv(
                         clear = _clamp(clear, mine, stop)
                     if with_dq:  # both warpgroups take every step: dQ needs both halves of dS
                         mine = first
-                    else:
-                        ring.skip(base + first, base + mine)  # blocks only the partner warpgroup sees
                 # masked: [mine, lo), the diagonal's blocks and with segment ids a document's
                 # edge before its dense run; [hi, stop), the edge after it
                 lo, hi = clear, stop
                 if segments:
                     lo = _clamp(jnp.maximum(clear, dense[0]), mine, stop)
                     hi = _clamp(dense[1], lo, stop)
-                if causal or segments:
-                    carry = lax.fori_loop(base + mine, base + lo, masked, carry)
-                carry = lax.fori_loop(base + lo, base + hi, unmasked, carry)
-                if segments:
-                    carry = lax.fori_loop(base + hi, base + stop, masked, carry)
+                runs = [(mine, lo, masked, causal or segments), (lo, hi, unmasked, True), (hi, stop, masked, segments)]
+                skipped = causal and not with_dq  # blocks only the partner warpgroup sees: [first, mine)
+                if skipped and not descending:
+                    ring.skip(*steps(first, mine))
+                for lo_block, hi_block, fn, present in runs[::-1] if descending else runs:
+                    if present:
+                        carry = lax.fori_loop(*steps(lo_block, hi_block), fn, carry)
+                if skipped and descending:
+                    ring.skip(*steps(first, mine))
                 return carry
 
             dk, dv = lax.fori_loop(0, walked, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
@@ -809,6 +828,7 @@ def backward(
     gqa: str = "expand",
     dq_split: str | None = None,
     sort_window: int = SORT_WINDOW,
+    query_order: str = QUERY_ORDER,
     interpret: bool = False,
 ):
     """(dq, dk, dv) from the forward's logsumexp and delta = rowsum(dO * O) - d_lse, [b, h, s].
@@ -818,7 +838,8 @@ def backward(
     dQ's columns, one swizzled tile wide, at 64 all of them over its own keys, or over the
     tile's keys at every other step: dq_split, DQ_SPLITS); False: a second pass for dQ that
     recomputes P (7). stages: the query ring's depth (None: default_stages). tile_group,
-    q_seg, kv_seg, sort_window: see forward.
+    q_seg, kv_seg, sort_window: see forward. query_order (QUERY_ORDERS): the order in which
+    the dK/dV pass walks a tile's query blocks up to head_dim 128 (above, ascending).
 
     gqa, with fewer key/value heads than query heads (GQA_SPLITS): "expand" (the default) runs
     the dK/dV pass as if every query head had its own keys and values (a CTA a query head's
@@ -840,6 +861,7 @@ def backward(
     check_gqa(gqa)
     check_dq_split(dq_split, q.shape[-1])
     check_sort_window(sort_window)
+    check_query_order(query_order)
     _check_segments(q, k, q_seg, kv_seg)
     group = q.shape[2] // k.shape[2]
     expand = gqa == "expand" and group > 1
@@ -865,11 +887,12 @@ def backward(
         dk, dv = summed(*_dkdv_wide(q, k, v, d_out, lse2, delta, expand=expand, **kw))
         kw.update(stages=wide_dq_stages)
         return _dq(q, k, v, d_out, lse2, delta, block_k=WIDE_DQ_BLOCK_K, **kw), dk, dv
+    dkdv = functools.partial(_dkdv, q, k, v, d_out, lse2, delta, expand=expand, query_order=query_order, **kw)
     if not fused_dq:
-        dk, dv = summed(*_dkdv(q, k, v, d_out, lse2, delta, expand=expand, **kw))
+        dk, dv = summed(*dkdv())
         return _dq(q, k, v, d_out, lse2, delta, **kw), dk, dv
     if interpret:
-        dk, dv, parts = _dkdv(q, k, v, d_out, lse2, delta, dq_parts=True, expand=expand, dq_split=dq_split, **kw)
+        dk, dv, parts = dkdv(dq_parts=True, dq_split=dq_split)
         per_tile = parts.shape[0] // (k.shape[1] // TILE)  # part p holds keys of tile p // per_tile
         tiles, positions = jnp.arange(parts.shape[0]) // per_tile, jnp.arange(q.shape[1])
         if q_seg is not None:  # it wrote the query blocks of its tile's span
@@ -883,6 +906,6 @@ def backward(
         dq = parts.sum(0)
     else:
         acc = jax.new_ref(_dq_accumulator(q, d_out))
-        dk, dv = _dkdv(q, k, v, d_out, lse2, delta, dq_acc=acc, expand=expand, dq_split=dq_split, **kw)
+        dk, dv = dkdv(dq_acc=acc, dq_split=dq_split)
         dq = acc[...]
     return (dq * scale).astype(q.dtype), *summed(dk, dv)

@@ -81,6 +81,16 @@ GQA_SPLITS = ("expand", "walk")
 # On an H200 at head_dim 64, causal, 16 heads, "steps" ran forward+backward at 305 and 428
 # TFLOP/s at 4K and 16K against "keys"' 299 and 409 (cuDNN 287, 416; docs/notes/attention_kernels.md).
 DQ_SPLITS = ("columns", "keys", "steps")
+# The order in which a dK/dV CTA (head_dim <= 128) walks the query blocks that see its keys
+# (backward's query_order): "ascending", from its diagonal to the sequence's end, or
+# "descending", from the end down to the diagonal. Descending, the causal grid's CTAs that
+# start together (a head's tiles, heaviest first) read the same query block at the same step
+# (one copy of Q and dO in L2 for all of them) and reduce-add into the same rows of dQ;
+# ascending, each starts at its own diagonal. On an H200 (causal, 16 heads) descending ran
+# forward+backward at 516 and 545 TFLOP/s at 16K and 64K against ascending's 531 and 547
+# (docs/notes/attention_kernels.md, 2026-12-04): ascending stays the default.
+QUERY_ORDERS = ("ascending", "descending")
+QUERY_ORDER = "ascending"
 # At head_dim 128 "steps" (a [64, 128] float32 dQ a warpgroup at its steps) ran 9-10% slower
 # than "columns" on an H200 (16K and 64K), so only "columns" is allowed there.
 DQ_SPLIT = {64: "steps", 128: "columns"}  # head_dim -> dq_split when None
@@ -93,6 +103,11 @@ _profile: dict = {}  # profiled()'s settings while it is active
 def default_stages(head_dim: int, *, backward: bool) -> int:
     """The ring depth the kernels take when stages is None."""
     return BACKWARD_STAGES.get(head_dim, 2) if backward else FORWARD_STAGES
+
+
+def check_query_order(order: str, setting: str = "query_order") -> None:
+    if order not in QUERY_ORDERS:
+        raise ValueError(f"unknown {setting} {order!r}; allowed: {', '.join(QUERY_ORDERS)}")
 
 
 def check_dq_split(split: str | None, head_dim: int | None = None, setting: str = "dq_split") -> None:
