@@ -328,9 +328,9 @@ def _dkdv(
     query_order=QUERY_ORDER,
 ):
     """dK, dV: per 2 x 64 key rows of one key/value head, over the query blocks (64) of every
-    query head of its group that see them, in query_order (QUERY_ORDERS). expand (GQA): per 2 x 64 key rows of one query
-    head's view of them instead, over that head's query blocks: dK and dV come out per query
-    head ([b, sk, h, d]), the group's to be summed.
+    query head of its group that see them, in query_order (QUERY_ORDERS). expand (GQA): per
+    2 x 64 key rows of one query head's view of them instead, over that head's query blocks:
+    dK and dV come out per query head ([b, sk, h, d]), the group's to be summed.
 
     With dq_acc (a float32 mutable array shaped like q, zeros) the pass also adds dS^T K of
     each query block to its rows of dQ (unscaled), so that no second pass recomputes P: the
