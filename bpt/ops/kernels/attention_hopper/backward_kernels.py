@@ -50,6 +50,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     _scores_while,
     _smem,
     _sweep_keys,
+    check_choice,
     check_dq_split,
     check_query_order,
     check_sort_window,
@@ -355,8 +356,8 @@ def _dkdv(
     c = scale * LOG2E
     grid = _Grid(num_tiles, h if expand else hk, b, tile_group)
     segments = q_seg is not None
-    descending = query_order == "descending"
-    queries = _QueryStream(grid, num_q, walked, bq, max(1, min(stages, num_q)), causal, segments, descending=descending)
+    stages = max(1, min(stages, num_q))
+    queries = _QueryStream(grid, num_q, walked, bq, stages, causal, segments, descending=query_order == "descending")
     spans = key_spans(q_seg, kv_seg, TILE, causal) if segments else None
     order = launch_order(queries.item_steps(spans), sort_window) if segments else None
     with_dq = dq_acc is not None or dq_parts
@@ -525,15 +526,19 @@ def _dkdv(
                 if segments:
                     lo = _clamp(jnp.maximum(clear, dense[0]), mine, stop)
                     hi = _clamp(dense[1], lo, stop)
-                runs = [(mine, lo, masked, causal or segments), (lo, hi, unmasked, True), (hi, stop, masked, segments)]
-                skipped = causal and not with_dq  # blocks only the partner warpgroup sees: [first, mine)
-                if skipped and not descending:
-                    ring.skip(*steps(first, mine))
-                for lo_block, hi_block, fn, present in runs[::-1] if descending else runs:
-                    if present:
-                        carry = lax.fori_loop(*steps(lo_block, hi_block), fn, carry)
-                if skipped and descending:
-                    ring.skip(*steps(first, mine))
+                # the runs of blocks in ascending order, each with its step (None: skipped,
+                # [first, mine) that only the partner warpgroup sees)
+                runs = [(first, mine, None)] if causal and not with_dq else []
+                if causal or segments:
+                    runs.append((mine, lo, masked))
+                runs.append((lo, hi, unmasked))
+                if segments:
+                    runs.append((hi, stop, masked))
+                for run_lo, run_hi, fn in runs[::-1] if queries.descending else runs:
+                    if fn is None:
+                        ring.skip(*steps(run_lo, run_hi))
+                    else:
+                        carry = lax.fori_loop(*steps(run_lo, run_hi), fn, carry)
                 return carry
 
             dk, dv = lax.fori_loop(0, walked, head_loop, (regs.zeros((bk, d)), regs.zeros((bk, d))))
@@ -806,8 +811,7 @@ def _dq_accumulator(q: Array, d_out: Array) -> Array:
 
 
 def check_gqa(gqa: str, setting: str = "gqa") -> None:
-    if gqa not in GQA_SPLITS:
-        raise ValueError(f"unknown {setting} {gqa!r}; allowed: {', '.join(GQA_SPLITS)}")
+    check_choice(gqa, GQA_SPLITS, setting)
 
 
 def backward(

@@ -40,6 +40,7 @@ from bpt.ops.kernels.attention_hopper.pipeline import (
     _scores,
     _smem,
     _sweep_keys,
+    check_choice,
     check_sort_window,
     check_tile_group,
     default_stages,
@@ -130,8 +131,8 @@ def persistent_order(grid: _Grid, ctas: int, steps: Array) -> Array:
 
 
 def check_schedule(schedule: str | None, setting: str = "schedule") -> None:
-    if schedule is not None and schedule not in SCHEDULES:
-        raise ValueError(f"unknown {setting} {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    if schedule is not None:
+        check_choice(schedule, SCHEDULES, setting)
 
 
 def forward(

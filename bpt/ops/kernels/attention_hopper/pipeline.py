@@ -105,9 +105,14 @@ def default_stages(head_dim: int, *, backward: bool) -> int:
     return BACKWARD_STAGES.get(head_dim, 2) if backward else FORWARD_STAGES
 
 
+def check_choice(value, choices: tuple, setting: str) -> None:
+    """A clear error for a setting that takes one of a few names."""
+    if value not in choices:
+        raise ValueError(f"unknown {setting} {value!r}; allowed: {', '.join(choices)}")
+
+
 def check_query_order(order: str, setting: str = "query_order") -> None:
-    if order not in QUERY_ORDERS:
-        raise ValueError(f"unknown {setting} {order!r}; allowed: {', '.join(QUERY_ORDERS)}")
+    check_choice(order, QUERY_ORDERS, setting)
 
 
 def check_dq_split(split: str | None, head_dim: int | None = None, setting: str = "dq_split") -> None:
