@@ -151,6 +151,18 @@ def load_script(name: str):
     return module
 
 
+def kernel_grids(jaxpr) -> dict:
+    """{kernel name: its launches' grids} of every Pallas kernel in jaxpr, nested ones too."""
+    grids = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            grids.setdefault(str(eqn.params["name"]), []).append(eqn.params["grid_mapping"].grid)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            for name, found in kernel_grids(sub).items():
+                grids.setdefault(name, []).extend(found)
+    return grids
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

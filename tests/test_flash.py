@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_script, rel_err, saved_and_grads
+from conftest import kernel_grids, load_script, rel_err, saved_and_grads
 from jax import lax
 
 from bpt.ops import attention, reference_attention, segments
 from bpt.ops.kernels import attention_hopper, flash_attention, flash_attention_with_lse
+from bpt.ops.kernels.attention import current_settings, kernel_settings, parse_settings
 from bpt.ops.remat import remat
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -136,6 +137,48 @@ def kernel_result_uses(jaxpr, kernel: str) -> list[str]:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             uses += kernel_result_uses(sub, kernel)
     return uses
+
+
+def test_kernel_settings_reach_the_forward_and_the_backward_traced_after_the_context(key):
+    """A kernel_settings context sets the settings a call leaves at their defaults, and the
+    backward (traced by grad after the context closed) keeps what its forward was traced
+    with; a call's own argument wins; the result is the same function."""
+    q, k, v, d_out = inputs(key, 1, 64, 2, 2, 16)
+
+    def loss(q, **given):
+        with kernel_settings(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16):
+            return jnp.sum(flash_attention(q, k, v, causal=True, **given) * d_out)
+
+    grids = kernel_grids(jax.make_jaxpr(jax.grad(loss))(q).jaxpr)
+    assert grids == {"bpt_flash_fwd": [(1, 2, 4)], "bpt_flash_bwd_dkdv": [(1, 2, 4)], "bpt_flash_bwd_dq": [(1, 2, 4)]}
+    own = kernel_grids(jax.make_jaxpr(jax.grad(functools.partial(loss, block_q=32)))(q).jaxpr)
+    assert own["bpt_flash_fwd"] == [(1, 2, 2)]
+    assert current_settings() == {}  # closed
+    plain = jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, causal=True) * d_out))(q)
+    assert rel_err(jax.grad(loss)(q), plain) < 1e-5
+
+
+def test_kernel_settings_as_text_and_their_errors():
+    assert parse_settings(" hopper_sort_window=0, hopper_block_k=64,hopper_fused_dq=False,hopper_tile_group=None,"
+                          "hopper_query_order=descending") == {  # fmt: skip
+        "hopper_sort_window": 0,
+        "hopper_block_k": 64,
+        "hopper_fused_dq": False,
+        "hopper_tile_group": None,
+        "hopper_query_order": "descending",
+    }
+    assert parse_settings("") == {}
+    for text, message in [
+        ("hopper_sort_window", "is not name=value"),
+        ("block_size=64", "unknown flash attention setting 'block_size'; allowed: block_q, block_k"),
+        ("hopper_block_k=96", "hopper_block_k=96 is not a block size of the Hopper kernels; allowed: \\(64, 128\\)"),
+        ("hopper_query_order=sideways", "hopper_query_order"),
+        ("forward=cuda", "unknown flash forward 'cuda'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_settings(text)
+    with pytest.raises(ValueError, match="unknown flash attention setting 'warps'"), kernel_settings(warps=8):
+        pass
 
 
 @pytest.mark.parametrize("policy", ["attention_saveable", "nothing_saveable"])

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_script, rel_err, tree_rel_err
+from conftest import kernel_grids, load_script, rel_err, tree_rel_err
 
 from bpt.config import base_config, model_config
 from bpt.models.gpt import GPT, Block, GPTConfig
@@ -458,6 +458,9 @@ def test_resolved_impls_say_what_auto_takes(monkeypatch):
     assert GPT(cfg).resolved_impls(1, 262144, packed=True).startswith("attention_impl=auto -> pallas")
     named = dataclasses.replace(cfg, attention_impl="cudnn", norm_impl="xla", rms_norm=True)
     assert GPT(named).resolved_impls(1, 32768) == "attention_impl=cudnn -> cudnn"
+    tuned = dataclasses.replace(cfg, attention_impl="pallas", attention_options="hopper_sort_window=0")
+    assert GPT(tuned).resolved_impls(1, 8192).startswith("attention_impl=pallas -> pallas (hopper_sort_window=0), ")
+    assert "sort_window" not in GPT(dataclasses.replace(named, attention_options="hopper_sort_window=0")).resolved_impls(1, 8192)
 
 
 @pytest.mark.parametrize("unroll, unrolled_bound, chunk", [(1, 64, 32), (2, 64, 64), (2, 48, 32)])
@@ -689,6 +692,27 @@ def test_parameters_carry_logical_axis_names():
     assert sum(x.size for x in jax.tree.leaves(params)) == held
 
 
+def test_attention_options_reach_the_layers_kernels_forward_and_backward(batch):
+    """model.attention_options sets the kernels' settings in every layer (here the Triton
+    kernels' blocks, in interpret mode): the train step's forward and backward launches
+    take them; the function is the same."""
+    tokens, targets, params = batch
+    cfg = dataclasses.replace(BASE, attention_impl="pallas")
+    tuned = dataclasses.replace(cfg, attention_options="block_q=16, block_k=16,block_q_bwd=16,block_k_bwd=16")
+
+    def step_grids(cfg):
+        loss = lambda p: GPT(cfg).apply({"params": p}, tokens, targets=targets).loss  # noqa: E731
+        return kernel_grids(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+
+    blocks = {name: {grid[-1] for grid in grids} for name, grids in step_grids(tuned).items()}
+    assert blocks == {"bpt_flash_fwd": {4}, "bpt_flash_bwd_dkdv": {4}, "bpt_flash_bwd_dq": {4}}
+    assert {grid[-1] for grid in step_grids(cfg)["bpt_flash_fwd"]} == {1}  # the defaults: one 64-row block
+    expected = forward(cfg, params, tokens, targets)
+    logits, loss, grads = forward(tuned, params, tokens, targets)
+    assert rel_err(logits, expected[0]) < TOL
+    assert tree_rel_err(grads, expected[2]) < TOL
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [
@@ -706,6 +730,9 @@ def test_parameters_carry_logical_axis_names():
         ("loss_impl", "blockwise", "unknown model.loss_impl 'blockwise'; allowed: auto, chunked, full"),
         ("offload_layer_inputs", True, "offload_layer_inputs needs model.remat_layer other than 'none'"),
         ("norm_impl", "triton", "unknown model.norm_impl 'triton'; allowed: auto, xla, pallas"),
+        ("attention_options", "hopper_block_k=96", "model.attention_options='hopper_block_k=96': hopper_block_k=96 is not a block size"),
+        ("attention_options", "stages=2", "unknown flash attention setting 'stages'; allowed: block_q"),
+        ("attention_options", "hopper_dq_split=rows", "model.attention_options='hopper_dq_split=rows': .*rows"),
     ],
 )
 def test_bad_model_settings(field, value, message):

@@ -47,6 +47,7 @@ from bpt.ops.attention import ATTENTION, MERGED, attention
 from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
 from bpt.ops.chunked import CrossEntropy, from_chunks, largest_chunk, scan_chunks
 from bpt.ops.decode import DECODE, decode_attention, quantize_kv, write_cache
+from bpt.ops.kernels.attention import check_settings, kernel_settings, parse_settings
 from bpt.ops.remat import check_policy, remat
 from bpt.parallel.mesh import Parallelism
 from bpt.parallel.ring import context_parallel_attention
@@ -134,6 +135,11 @@ class GPTConfig(LMConfig):
     ffn_chunk_size: int = 0
     remat_attention: str = "none"
     remat_ffn: str = "nothing_saveable"
+    # bpt's attention kernels' settings where the layers run them (attention_impl pallas, or
+    # auto's choice of it), "name=value,..." of flash_attention's keyword arguments, e.g.
+    # "hopper_sort_window=0" or "hopper_block_k=64,hopper_stages=2"; "" keeps their defaults
+    # (bpt.ops.kernels.attention.kernel_settings).
+    attention_options: str = ""
 
     def __post_init__(self):
         super().__post_init__()
@@ -150,6 +156,10 @@ class GPTConfig(LMConfig):
         for name in ("remat_attention", "remat_ffn"):
             check_policy(getattr(self, name), f"model.{name}")
         self.check_positive("num_heads", "q_chunk_size", "kv_chunk_size")
+        try:
+            check_settings(self.kernel_settings, self.dim_per_head)
+        except ValueError as error:
+            raise ValueError(f"model.attention_options={self.attention_options!r}: {error}") from None
         chunk = self.ffn_chunk_size
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise ValueError(f"model.ffn_chunk_size must be a positive integer or 0 (auto); got {chunk!r}")
@@ -167,6 +177,11 @@ class GPTConfig(LMConfig):
             )
         if self.position_embedding == "rotary" and self.dim_per_head % 2:
             raise ValueError(f"rotary positions need an even head_dim; got {self.dim_per_head}")
+
+    @property
+    def kernel_settings(self) -> dict:
+        """model.attention_options as the kernels' keyword arguments."""
+        return parse_settings(self.attention_options)
 
     @property
     def kv_heads(self) -> int:
@@ -503,7 +518,8 @@ class Block(Layer):
             q_chunk_size=cfg.q_chunk_size,
             kv_chunk_size=cfg.kv_chunk_size,
         )
-        return remat(attend, cfg.remat_attention)(q, k, v)
+        with kernel_settings(**cfg.kernel_settings):
+            return remat(attend, cfg.remat_attention)(q, k, v)
 
     def _cached_attention(self, q, k, v, impl: str, cache_index: Array | None, stacks, layer):
         """Attention while decoding, and the caches: the cache holds every position's keys
@@ -547,15 +563,16 @@ class Block(Layer):
         k_cache, v_cache, *scales = caches
         scales = dict(zip(("k_scale", "v_scale"), scales))
         if cache_index is None:
-            a = attention(
-                q,
-                k,
-                v,
-                impl=impl,
-                causal=True,
-                q_chunk_size=cfg.q_chunk_size,
-                kv_chunk_size=cfg.kv_chunk_size,
-            )
+            with kernel_settings(**cfg.kernel_settings):
+                a = attention(
+                    q,
+                    k,
+                    v,
+                    impl=impl,
+                    causal=True,
+                    q_chunk_size=cfg.q_chunk_size,
+                    kv_chunk_size=cfg.kv_chunk_size,
+                )
             return a, stacks
         # split_kv (a prompt's later chunk) goes through the cache in the model's key chunks.
         a = attend(
@@ -640,7 +657,10 @@ class GPT(CausalLM):
         chosen = {"attention_impl": block._attention_impl(q, k, segments)}
         if not cfg.rms_norm:
             chosen["norm_impl"] = block._norm_impl()
-        return ", ".join(f"{name}={getattr(cfg, name)} -> {impl}" for name, impl in chosen.items())
+        said = {name: f"{name}={getattr(cfg, name)} -> {impl}" for name, impl in chosen.items()}
+        if cfg.attention_options and chosen["attention_impl"] == "pallas":
+            said["attention_impl"] += f" ({cfg.attention_options})"
+        return ", ".join(said.values())
 
     def cache_shapes(self, batch: int, slots: int):
         cfg = self.config

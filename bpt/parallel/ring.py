@@ -52,6 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 from bpt.ops.attention import MERGED, attention
+from bpt.ops.kernels.attention import current_settings, kernel_settings
 from bpt.ops.reference import check_qkv, logsumexp_merge, split_segment_ids
 from bpt.ops.remat import ATTENTION_LSE, ATTENTION_OUT
 from bpt.parallel.mesh import mesh_axes
@@ -116,6 +117,9 @@ class _Settings:
     q_chunk_size: int
     kv_chunk_size: int
     head_groups: int = 1  # heads are attended in this many groups, one group after another
+    # the kernel settings (bpt.ops.kernels.attention.kernel_settings) open where the attention
+    # was called, as sorted (name, value) pairs: the backward, traced later, runs under them too
+    kernel: tuple = ()
 
     @property
     def group_loop(self) -> bool:
@@ -127,7 +131,8 @@ class _Settings:
 def _local_forward(s: _Settings, kind: str, q, k, v, q_seg, kv_seg):
     """(out, lse) of q over one key/value shard; kind: causal | full | strict (causal without
     the diagonal). lse is -inf where a query sees no key of this shard."""
-    out, lse = MERGED[s.impl].forward(q, k, v, **_local_settings(s, kind, q_seg, kv_seg))
+    with kernel_settings(**dict(s.kernel)):
+        out, lse = MERGED[s.impl].forward(q, k, v, **_local_settings(s, kind, q_seg, kv_seg))
     return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
 
 
@@ -135,7 +140,8 @@ def _local_backward(s: _Settings, kind: str, q, k, v, q_seg, kv_seg, out, lse, d
     """(dq, dk, dv), float32: this shard's share of the gradient of the merged attention
     (out, lse are the merged results; lse is +inf where a query sees no key at all)."""
     backward = MERGED[s.impl].backward
-    return backward(q, k, v, out, lse, d_out, d_lse, **_local_settings(s, kind, q_seg, kv_seg))
+    with kernel_settings(**dict(s.kernel)):
+        return backward(q, k, v, out, lse, d_out, d_lse, **_local_settings(s, kind, q_seg, kv_seg))
 
 
 def _local_settings(s: _Settings, kind: str, q_seg, kv_seg) -> dict:
@@ -491,7 +497,9 @@ def context_parallel_attention(
         groups = _check_head_groups(head_groups, local_kv_heads)
         if groups == "auto":
             groups = head_groups_for(batch_size, local, local_kv_heads, q.shape[3], shards=shards, strategy=strategy)
-        body = functools.partial(_attend, _Settings(axis, shards, strategy, layout, causal, impl, *local_chunks, groups))
+        kernel = tuple(sorted(current_settings().items()))
+        settings = _Settings(axis, shards, strategy, layout, causal, impl, *local_chunks, groups, kernel=kernel)
+        body = functools.partial(_attend, settings)
     seg_specs = (None, None) if q_seg is None else (segs, segs)
     return jax.shard_map(
         body, mesh=mesh, in_specs=(rows, rows, rows, *seg_specs), out_specs=rows, check_vma=False

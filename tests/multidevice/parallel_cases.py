@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest's helpers
-from conftest import load_script, rel_err, with_xla_flags  # noqa: E402
+from conftest import kernel_grids, load_script, rel_err, with_xla_flags  # noqa: E402
 
 from bpt.config import base_config, set_family  # noqa: E402
 from bpt.data.datasets import put_batch  # noqa: E402
 from bpt.ops import decode_attention, reference_attention  # noqa: E402
+from bpt.ops.kernels.attention import kernel_settings  # noqa: E402
 from bpt.parallel import (  # noqa: E402
     all_gather_attention,
     from_layout,
@@ -106,6 +107,30 @@ def test_ring_with_the_pallas_kernels_in_interpret_mode(key, layout):
     q, k, v, cot = qkv(key, batch=1, seq=64, heads=2, kv_heads=1)
     fn = lambda q, k, v: ring_attention(q, k, v, mesh=sequence_mesh(2), layout=layout, impl="pallas")  # noqa: E731
     assert_equals_reference(fn, q, k, v, cot, causal=True, segment_ids=None)
+
+
+def test_the_rings_backward_takes_the_kernel_settings_its_forward_was_called_with(key):
+    """The ring's custom_vjp backward is traced after the kernel_settings context of its call
+    has closed: it keeps the settings (ring._Settings.kernel), as the one-device kernels do.
+    Each device holds 32 rows: one 64-row block by default, two of 16 with the settings."""
+    q, k, v, cot = qkv(key, batch=1, seq=64, heads=2, kv_heads=1)
+
+    def loss(q, k, v, **settings):
+        with kernel_settings(**settings):
+            out = ring_attention(q, k, v, mesh=sequence_mesh(2), layout="zigzag", impl="pallas")
+        return jnp.sum(out * cot)
+
+    def blocks(**settings):
+        grad = jax.grad(functools.partial(loss, **settings), argnums=(0, 1, 2))
+        grids = kernel_grids(jax.make_jaxpr(grad)(q, k, v).jaxpr)
+        return {name: max(grid[-1] for grid in found) for name, found in grids.items()}, grad(q, k, v)
+
+    small = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+    (tuned, grads), (plain, expected) = blocks(**small), blocks()
+    assert plain == {"bpt_flash_fwd": 1, "bpt_flash_bwd_dkdv": 1, "bpt_flash_bwd_dq": 1}
+    assert tuned == {"bpt_flash_fwd": 2, "bpt_flash_bwd_dkdv": 2, "bpt_flash_bwd_dq": 2}
+    for g, g_plain in zip(grads, expected):
+        assert rel_err(g, g_plain) < TOL
 
 
 def test_an_implementation_without_a_logsumexp_is_refused_across_shards_not_replaced(key):

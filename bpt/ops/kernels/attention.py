@@ -31,8 +31,11 @@ and a backward of the other combine.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -578,7 +581,10 @@ def flash_attention_with_lse(
     (compute capability 8.9 and up); the output keeps the inputs' dtype, and the backward
     is the 16-bit one, run at the fp8 forward's output and logsumexp.
     """
-    cfg, (q, k, v, q_seg, kv_seg) = _prepare(q, k, v, causal, segment_ids, locals())
+    given = {name: value for name, value in locals().items() if name in _SETTINGS}
+    # what the call leaves at its default, a kernel_settings context may set
+    given = {name: value for name, value in given.items() if (type(value), value) != (type(_DEFAULTS[name]), _DEFAULTS[name])}
+    cfg, (q, k, v, q_seg, kv_seg) = _prepare(q, k, v, causal, segment_ids, given)
     out, lse = _flash(cfg, q, k, v, q_seg, kv_seg)
     return out[:, : cfg.seq_q, :, : k.shape[-1] - cfg.pad_d], lse[:, :, : cfg.seq_q]
 
@@ -605,11 +611,88 @@ _SETTINGS = (
     "interpret",
     "fp8",
 )
+_DEFAULTS = {
+    name: param.default
+    for name, param in inspect.signature(flash_attention_with_lse).parameters.items()
+    if name in _SETTINGS
+}
+
+
+# The settings the kernel_settings contexts open now give the calls traced inside them, as
+# (name, value) pairs.
+_CONTEXT: contextvars.ContextVar[tuple] = contextvars.ContextVar("bpt_flash_settings", default=())
+
+
+def check_settings(settings: dict, head_dim: int | None = None) -> None:
+    """ValueError for a name that is not one of _SETTINGS or a value its kernel does not
+    take (head_dim: the inputs', for the settings that depend on it), naming the setting."""
+    unknown = sorted(set(settings) - set(_SETTINGS))
+    if unknown:
+        raise ValueError(f"unknown flash attention setting {unknown[0]!r}; allowed: {', '.join(_SETTINGS)}")
+    for name in ("forward", "backward"):
+        if name in settings and settings[name] not in KERNELS:
+            raise ValueError(f"unknown flash {name} {settings[name]!r}; allowed: {', '.join(KERNELS)}")
+    checks = {
+        "hopper_schedule": attention_hopper.check_schedule,
+        "hopper_tile_group": attention_hopper.check_tile_group,
+        "hopper_gqa": attention_hopper.check_gqa,
+        "hopper_persistent": attention_hopper.check_persistent,
+        "hopper_sort_window": attention_hopper.check_sort_window,
+        "hopper_query_order": attention_hopper.check_query_order,
+    }
+    for name, check in checks.items():
+        if name in settings:
+            check(settings[name], name)
+    if "hopper_dq_split" in settings:
+        attention_hopper.check_dq_split(settings["hopper_dq_split"], head_dim, "hopper_dq_split")
+    if settings.get("hopper_block_k", 128) not in attention_hopper.BLOCKS:
+        raise ValueError(
+            f"hopper_block_k={settings['hopper_block_k']!r} is not a block size of the Hopper kernels; "
+            f"allowed: {attention_hopper.BLOCKS}"
+        )
+
+
+@contextlib.contextmanager
+def kernel_settings(**settings):
+    """Defaults for the kernels' settings (flash_attention_with_lse's keyword arguments but
+    the inputs') in every call traced inside the context, where the call leaves the setting
+    at its default; contexts nest, the inner one's settings first. A differentiated call
+    keeps the settings its forward was traced with (its FlashConfig), so the backward takes
+    them too. model.attention_options sets them for a GPT's layers."""
+    check_settings(settings)
+    token = _CONTEXT.set(tuple({**dict(_CONTEXT.get()), **settings}.items()))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def parse_settings(text: str) -> dict:
+    """The kernels' settings written as text, "name=value,name=value" (a config's string:
+    model.attention_options): ints, None, True and False as Python writes them, anything else
+    a string. Checked (check_settings) but for what depends on head_dim."""
+    settings = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not name or not value:
+            raise ValueError(f"{item!r} is not name=value (e.g. hopper_sort_window=0,hopper_block_k=64)")
+        words = {"None": None, "True": True, "False": False}
+        settings[name] = words[value] if value in words else int(value) if value.lstrip("-").isdigit() else value
+    check_settings(settings)
+    return settings
+
+
+def current_settings() -> dict:
+    """The settings of the kernel_settings contexts open now (the innermost first)."""
+    return dict(_CONTEXT.get())
 
 
 def _prepare(q, k, v, causal, segment_ids, settings: dict):
     """The kernels' FlashConfig for these inputs, and the inputs padded as the kernels need
-    (lengths to whole blocks, head_dim to a power of two; padded tokens get segments of their own)."""
+    (lengths to whole blocks, head_dim to a power of two; padded tokens get segments of their own).
+    settings: the call's own, over those of the kernel_settings contexts open now."""
+    settings = {**dict(_CONTEXT.get()), **settings}
+    check_settings(settings, q.shape[-1])
     block_q, block_k, block_q_bwd, block_k_bwd, num_warps, num_stages = (
         settings.get(name) for name in _SETTINGS[:6]
     )
@@ -617,27 +700,17 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages")
     hopper_fused_dq = settings.get("hopper_fused_dq")
     hopper_schedule = settings.get("hopper_schedule")
-    attention_hopper.check_schedule(hopper_schedule, "hopper_schedule")
     hopper_tile_group = settings.get("hopper_tile_group", attention_hopper.TILE_GROUP)
-    attention_hopper.check_tile_group(hopper_tile_group, "hopper_tile_group")
     hopper_gqa = settings.get("hopper_gqa", "expand")
-    attention_hopper.check_gqa(hopper_gqa, "hopper_gqa")
     hopper_dq_split = settings.get("hopper_dq_split")
-    attention_hopper.check_dq_split(hopper_dq_split, q.shape[-1], "hopper_dq_split")
     hopper_persistent = settings.get("hopper_persistent", False)
-    attention_hopper.check_persistent(hopper_persistent, "hopper_persistent")
     hopper_sort_window = settings.get("hopper_sort_window", attention_hopper.SORT_WINDOW)
-    attention_hopper.check_sort_window(hopper_sort_window, "hopper_sort_window")
     hopper_query_order = settings.get("hopper_query_order", attention_hopper.QUERY_ORDER)
-    attention_hopper.check_query_order(hopper_query_order, "hopper_query_order")
     interpret = settings.get("interpret")
     fp8 = bool(settings.get("fp8", False))
     num_warps = 4 if num_warps is None else num_warps
     num_stages = 2 if num_stages is None else num_stages
     check_qkv(q, k, v)
-    for setting, value in (("forward", forward), ("backward", backward)):
-        if value not in KERNELS:
-            raise ValueError(f"unknown flash {setting} {value!r}; allowed: {', '.join(KERNELS)}")
     b, sq, h, d = q.shape
     sk = k.shape[1]
     if causal and sq != sk:
