@@ -395,7 +395,7 @@ def plot(kernel_rows, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-VARIANT_KEYS = ("block_k", "num_warps", "num_stages", "num_splits")
+VARIANT_KEYS = ("block_k", "num_warps", "num_stages", "num_splits", "table_in_kernel")
 
 
 def parse_variants(parser, text: str) -> list[tuple[str, dict]]:
@@ -462,7 +462,7 @@ def main() -> None:
         default="",
         help="bpt pallas with other kernel options, one column each, timed in the same rounds: "
         "semicolon-separated sets of comma-separated key=value (keys: block_k, num_warps, "
-        "num_stages, num_splits), e.g. 'num_warps=8;num_stages=3,block_k=32'",
+        "num_stages, num_splits, table_in_kernel 0 or 1), e.g. 'num_warps=8;num_stages=3,block_k=32'",
     )
     parser.add_argument(
         "--rounds",

@@ -275,6 +275,35 @@ def test_the_kernel_at_batch_1_equals_the_reference(key, heads, kv_heads, splits
     assert rel_err(kernel(q, k, v, last, num_splits=splits).out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("schedule,splits", [("stream_k", 3), ("stream_k", 16), ("split", 5), ("stream_k", None)])
+@pytest.mark.parametrize("position", [100, 15, -1], ids=["mid", "first-block", "nothing"])
+def test_one_querys_tiles_computed_in_the_kernel_equal_the_tile_tables(key, schedule, splits, position):
+    """Batch 1 with one query (table_in_kernel, the default there): each program computes its
+    tile from the query's slot, with a layer of a stacked int8 cache and GQA; the outputs and
+    logsumexps equal the tile table's (the reference's for a query that sees something), and
+    the program holds no tile table (no cumsum, no table operand)."""
+    from bpt.ops.decode import quantize_kv
+
+    q, k, v = caches(key, 1, 4, 2, 1)
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    stacked = dict(layer=jnp.int32(1), k_scale=jnp.stack([0 * ks, ks]), v_scale=jnp.stack([0 * vs, vs]))
+    last = jnp.array([[position]], jnp.int32)
+    run = jax.jit(decode_partial, static_argnames=("num_splits", "schedule", "block_k", "table_in_kernel"))
+    args = (q, jnp.stack([0 * k8, k8]), jnp.stack([0 * v8, v8]), last)
+    options = dict(num_splits=splits, schedule=schedule, block_k=16, **stacked)
+    inside, table = run(*args, **options), run(*args, **options, table_in_kernel=False)
+    np.testing.assert_allclose(inside.out, table.out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.isinf(inside.lse), np.isinf(table.lse))
+    np.testing.assert_allclose(inside.lse, table.lse, rtol=1e-6, atol=1e-6)
+    assert np.all(np.isinf(inside.lse)) == (position < 0)
+    jaxpr = jax.make_jaxpr(lambda *a: decode_partial(*a, **options))(*args).jaxpr
+    primitives = {eqn.primitive.name for eqn in jaxpr.eqns}
+    launch = next(eqn for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call")
+    assert "cumsum" not in primitives and len(launch.invars) == 7  # layer, q, slot, k, v, 2 scales
+    with pytest.raises(ValueError, match="table_in_kernel takes one sequence's one query"):
+        decode_partial(*caches(key, 2, 4, 2, 1)[:3], last_visible_slot(jnp.array([9]), 2), table_in_kernel=True)
+
+
 def test_a_query_that_sees_nothing_gives_zeros(key):
     q, k, v = caches(key, 2, 2, 2, 1)
     for impl in ("reference", "split_kv", "pallas"):

@@ -285,7 +285,7 @@ def test_decode_script_end_to_end(tmp_path):
         "--ragged_batch=1",
         "--repeats=1",
         "--num_splits=0,2",
-        "--variants=num_stages=2",
+        "--variants=num_stages=2;table_in_kernel=0",
         "--parts=kernels,ragged,sample",
         f"--sample_config={TINY}",
         "--sample_contexts=256",
@@ -299,7 +299,7 @@ def test_decode_script_end_to_end(tmp_path):
     assert "error" not in sample and sample["prompt"] == 252 and sample["tokens_per_s"] > 0
     assert "| 256 | 252 |" in proc.stdout
     (row,) = results["kernels"]
-    impls = {"bpt pallas", "bpt pallas s2", "bpt pallas num_stages=2", "bpt pallas lean"}
+    impls = {"bpt pallas", "bpt pallas s2", "bpt pallas num_stages=2", "bpt pallas table_in_kernel=0", "bpt pallas lean"}
     impls |= {"bpt split_kv", "XLA"}
     assert set(row["times"]) == impls and not row.get("errors") and row["timing"] == "pipelined"
     assert "| bpt pallas | bpt pallas s2 | bpt pallas num_stages=2 |" in proc.stdout

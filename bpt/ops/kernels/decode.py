@@ -21,6 +21,9 @@ reading the cache and the kernel's job is to keep every SM reading it:
   program writes one partial for each (sequence, head) piece of its range, so a batch of
   one with few K/V heads still gets one long, equal range a SM (LEAN_WAVES programs a SM)
   instead of many short tiles.
+- One sequence's one query (a decode step at batch 1) needs no table: each program computes
+  its stream_k or split tile from its index and the query's slot (table_in_kernel), so the
+  step runs the kernel, the merge and the queries' padding, and no table or rows of slots.
 - Programs per K/V head come from the GPU's SM count (up to WAVES programs a SM), no more
   than leave each MIN_TILE_BLOCKS of the cache's blocks, and a count whose programs fill
   their last wave (default_tiles), unless num_splits is given.
@@ -113,13 +116,13 @@ def _tile_table(visible_blocks: Array, tiles: int, schedule: str, max_blocks: in
     return jnp.stack([seq, first, end, full], axis=1).astype(jnp.int32)
 
 
-def _attend_blocks(block_k, scale, quantized, refs, layer, seq, kv_head, first, end, full):
+def _attend_blocks(block_k, scale, quantized, refs, layer, seq, kv_head, first, end, full, last=None):
     """(out, lse) [rows, head_dim], [rows] of sequence seq's queries of kv_head over its key
     blocks [first, end): blocks before `full` (every row sees them whole) unmasked, the rest
-    masked by each row's last visible slot."""
+    masked by each row's last visible slot (last [rows]; None: the slots' rows, last_ref[seq])."""
     q_ref, last_ref, k_ref, v_ref, ks_ref, vs_ref = refs
     q = q_ref[seq, kv_head, :, :]  # [rows, head_dim]
-    last = last_ref[seq, :]  # [rows]: the last slot each row sees
+    last = last_ref[seq, :] if last is None else last  # [rows]: the last slot each row sees
     visible = jnp.max(last) + 1
     rows = q.shape[0]
 
@@ -181,6 +184,28 @@ def _kernel(
     o_ref[...], lse_ref[...] = _attend_blocks(
         block_k, scale, quantized, reads, layer_ref[0], seq, pl.program_id(0), first, end, full
     )
+
+
+def _one_query_kernel(
+    block_k: int, scale: float, quantized: bool, group: int, size: int | None, layer_ref, q_ref, last_ref, k_ref, v_ref,
+    *refs,
+):
+    """One tile (the grid's second axis) of one K/V head (the first) of one sequence's one
+    query, with no tile table: the tile's blocks are _tile_table's row for it, computed here
+    from the query's last visible slot (last_ref [1, 1]): equal tiles of `size` blocks, or
+    (size None, stream_k) the visible blocks cut into as many equal tiles as the grid has."""
+    reads, (o_ref, lse_ref) = _cache_refs(quantized, q_ref, last_ref, k_ref, v_ref, refs)
+    slot = last_ref[0, 0]
+    rows = q_ref.shape[2]
+    last = jnp.where(lax.broadcasted_iota(jnp.int32, (rows,), 0) < group, slot, -1)  # the group's rows
+    blocks = (slot + block_k) // block_k  # the blocks holding slots 0..slot
+    per = jnp.maximum(1, (blocks + pl.num_programs(1) - 1) // pl.num_programs(1)) if size is None else size
+    first = pl.program_id(1) * per
+    end = jnp.minimum(first + per, blocks)
+    o_ref[...], lse_ref[...] = _attend_blocks(
+        block_k, scale, quantized, reads, layer_ref[0], 0, pl.program_id(0), jnp.minimum(first, end), end,
+        (slot + 1) // block_k, last,
+    )  # fmt: skip
 
 
 def _lean_kernel(
@@ -277,6 +302,7 @@ def decode_partial(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 4,
+    table_in_kernel: bool | None = None,
     interpret: bool | None = None,
 ) -> Partial:
     """The kernel's attention of q [batch, q_len, heads, head_dim] over the caches [batch,
@@ -287,7 +313,11 @@ def decode_partial(
     scales; the kernel reads the int8 values and applies the scales to the scores and to the
     weights of the values (half the bytes of a bf16 cache). num_splits: programs per K/V
     head (default: WAVES programs a SM over the K/V heads; "lean": lean_waves a SM in all,
-    LEAN_WAVES by default). schedule: SCHEDULES (the module docstring)."""
+    LEAN_WAVES by default). schedule: SCHEDULES (the module docstring). table_in_kernel:
+    the programs compute their tiles themselves instead of reading a tile table, and take the
+    query's slot as it is (no rows of slots made for them): one sequence's one query only
+    (None: there, with stream_k or split; a decode step at batch 1 then runs the kernel and
+    the merge with fewer small XLA operations around them)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
     scales = () if k_scale is None else (k_scale, v_scale)
@@ -315,10 +345,6 @@ def decode_partial(
     # [b, hk, rows, d]: row t * group + j is query t's head j of the K/V head (q is small).
     q_rows = q.reshape(b, q_len, hk, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hk, q_len * group, d)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - q_len * group), (0, 0)))
-    last_rows = jnp.repeat(last.astype(jnp.int32), group, axis=1)
-    last_rows = jnp.pad(last_rows, ((0, 0), (0, rows - q_len * group)), constant_values=-1)
-    visible_blocks = -(-(jnp.max(last_rows, axis=1) + 1) // block_k)
-    full_blocks = (jnp.min(last.astype(jnp.int32), axis=1) + 1) // block_k
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -326,23 +352,46 @@ def decode_partial(
         params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
     kernel_args = (block_k, 1.0 / math.sqrt(d), bool(scales))
-    operands = (jnp.asarray(layer, jnp.int32).reshape(1), q_rows, last_rows, k_cache, v_cache, *scales)
-    if schedule == "lean":
-        programs = num_splits * hk if num_splits else max(1, (lean_waves or LEAN_WAVES) * num_sms())
-        pieces, spans = _lean_table(visible_blocks, full_blocks, hk, programs)
-        out, lse, ids, tables = _lean_call(call, kernel_args, operands, pieces, spans, hk)
-        groups = b * hk
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    one_query = b == 1 and q_len == 1 and schedule != "lean"
+    if table_in_kernel is None:
+        table_in_kernel = one_query
+    elif table_in_kernel and not one_query:
+        raise ValueError(
+            f"table_in_kernel takes one sequence's one query with schedule stream_k or split; got batch {b}, "
+            f"q_len {q_len}, schedule {schedule!r}"
+        )
+    blocks = max_len // block_k
+    if table_in_kernel:
+        tiles = num_splits or default_tiles(b, blocks, hk, num_sms())
+        size = -(-blocks // tiles) if schedule == "split" else None  # split: _tile_table's `per`
+        slots = last.astype(jnp.int32)
+        operands = (layer, q_rows, slots, k_cache, v_cache, *scales)
+        out, lse = _one_query_call(call, (*kernel_args, group, size), operands, tiles, hk)
+        ids, kept, groups = jnp.zeros((tiles,), jnp.int32), (q_rows, slots), b
     else:
-        tiles = num_splits or default_tiles(b, max_len // block_k, hk, num_sms())
-        table = _tile_table(visible_blocks, tiles, schedule, max_len // block_k, full_blocks)
-        out, lse, ids, tables = _tile_call(call, kernel_args, operands, table, hk)
-        groups = b
+        last_rows = jnp.repeat(last.astype(jnp.int32), group, axis=1)
+        last_rows = jnp.pad(last_rows, ((0, 0), (0, rows - q_len * group)), constant_values=-1)
+        visible_blocks = -(-(jnp.max(last_rows, axis=1) + 1) // block_k)
+        full_blocks = (jnp.min(last.astype(jnp.int32), axis=1) + 1) // block_k
+        operands = (layer, q_rows, last_rows, k_cache, v_cache, *scales)
+        if schedule == "lean":
+            programs = num_splits * hk if num_splits else max(1, (lean_waves or LEAN_WAVES) * num_sms())
+            pieces, spans = _lean_table(visible_blocks, full_blocks, hk, programs)
+            out, lse, ids, tables = _lean_call(call, kernel_args, operands, pieces, spans, hk)
+            groups = b * hk
+        else:
+            tiles = num_splits or default_tiles(b, blocks, hk, num_sms())
+            table = _tile_table(visible_blocks, tiles, schedule, blocks, full_blocks)
+            out, lse, ids, tables = _tile_call(call, kernel_args, operands, table, hk)
+            groups = b
+        kept = (*tables, q_rows, last_rows)
     # The operands this program computes (the tile or piece tables, the queries' and the slots'
     # rows) stay alive past the kernel. Without this, on an H100 (jax 0.11.2) a jitted call with
     # some tile counts (batch 2 with num_splits 1, 2 or 4) read a damaged table: NaN or wrong
     # outputs, or an illegal address, while the same kernel called alone was exact. The
     # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases.
-    out, lse, ids, _ = lax.optimization_barrier((out, lse, ids, (*tables, q_rows, last_rows)))
+    out, lse, ids, _ = lax.optimization_barrier((out, lse, ids, kept))
     # The rows past q_len x group pad the kernel's dots: the merge reads only the queries' rows.
     out, lse = out[..., : q_len * group, :], lse[..., : q_len * group]
     merged, merged_lse = _merge(ids, out, lse, groups)  # per sequence (lean: per (sequence, K/V head))
@@ -378,6 +427,27 @@ def _tile_call(call, kernel_args, operands, table, hk):
         name="bpt_decode",
     )(table, *operands)
     return out, lse, table[:, 0], (table,)
+
+
+def _one_query_call(call, kernel_args, operands, tiles, hk):
+    """The table_in_kernel path (_one_query_kernel): (out [tiles, hk, rows, d], lse [tiles, hk,
+    rows]); grid (K/V head, tile) as _tile_call's."""
+    _, _, rows, d = operands[1].shape
+    whole = lambda shape: pl.BlockSpec(shape, lambda g, t: (0,) * len(shape))  # noqa: E731
+    return call(
+        functools.partial(_one_query_kernel, *kernel_args),
+        grid=(hk, tiles),
+        in_specs=[whole(x.shape) for x in operands],
+        out_specs=[
+            pl.BlockSpec((None, None, rows, d), lambda g, t: (t, g, 0, 0)),
+            pl.BlockSpec((None, None, rows), lambda g, t: (t, g, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((tiles, hk, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((tiles, hk, rows), jnp.float32),
+        ],
+        name="bpt_decode",
+    )(*operands)
 
 
 def _lean_call(call, kernel_args, operands, pieces, spans, hk):
