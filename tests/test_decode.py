@@ -276,18 +276,18 @@ def test_the_kernel_at_batch_1_equals_the_reference(key, heads, kv_heads, splits
 
 
 @pytest.mark.parametrize("schedule,splits", [("stream_k", 3), ("stream_k", 16), ("split", 5), ("stream_k", None)])
-@pytest.mark.parametrize("position", [100, 15, -1], ids=["mid", "first-block", "nothing"])
-def test_one_querys_tiles_computed_in_the_kernel_equal_the_tile_tables(key, schedule, splits, position):
-    """Batch 1 with one query (table_in_kernel, the default there): each program computes its
-    tile from the query's slot, with a layer of a stacked int8 cache and GQA; the outputs and
-    logsumexps equal the tile table's (the reference's for a query that sees something), and
-    the program holds no tile table (no cumsum, no table operand)."""
+@pytest.mark.parametrize("slots", [[100], [15], [-1], [40, 127, -1], [127, 3, 64]], ids=str)
+def test_tiles_computed_in_the_kernel_equal_the_tile_tables(key, schedule, splits, slots):
+    """One query a sequence (table_in_kernel, the default there): each program computes its
+    tile from the queries' slots, at batch 1 and over ragged batches (a sequence that sees
+    nothing among them), with a layer of a stacked int8 cache and GQA; the outputs and
+    logsumexps equal the tile table's, and the kernel reads no table (no cumsum feeds it)."""
     from bpt.ops.decode import quantize_kv
 
-    q, k, v = caches(key, 1, 4, 2, 1)
+    q, k, v = caches(key, len(slots), 4, 2, 1)
     (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
     stacked = dict(layer=jnp.int32(1), k_scale=jnp.stack([0 * ks, ks]), v_scale=jnp.stack([0 * vs, vs]))
-    last = jnp.array([[position]], jnp.int32)
+    last = jnp.array(slots, jnp.int32)[:, None]
     run = jax.jit(decode_partial, static_argnames=("num_splits", "schedule", "block_k", "table_in_kernel"))
     args = (q, jnp.stack([0 * k8, k8]), jnp.stack([0 * v8, v8]), last)
     options = dict(num_splits=splits, schedule=schedule, block_k=16, **stacked)
@@ -295,13 +295,15 @@ def test_one_querys_tiles_computed_in_the_kernel_equal_the_tile_tables(key, sche
     np.testing.assert_allclose(inside.out, table.out, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.isinf(inside.lse), np.isinf(table.lse))
     np.testing.assert_allclose(inside.lse, table.lse, rtol=1e-6, atol=1e-6)
-    assert np.all(np.isinf(inside.lse)) == (position < 0)
+    np.testing.assert_array_equal(np.all(np.isinf(inside.lse), axis=(1, 2)), np.array(slots) < 0)
     jaxpr = jax.make_jaxpr(lambda *a: decode_partial(*a, **options))(*args).jaxpr
-    primitives = {eqn.primitive.name for eqn in jaxpr.eqns}
     launch = next(eqn for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call")
-    assert "cumsum" not in primitives and len(launch.invars) == 7  # layer, q, slot, k, v, 2 scales
-    with pytest.raises(ValueError, match="table_in_kernel takes one sequence's one query"):
-        decode_partial(*caches(key, 2, 4, 2, 1)[:3], last_visible_slot(jnp.array([9]), 2), table_in_kernel=True)
+    assert len(launch.invars) == 7  # layer, q, the slots, k, v and their scales: no table
+    for bad in (dict(schedule="lean"), dict(q_len=2)):
+        q2 = caches(key, 2, 4, 2, bad.pop("q_len", 1))[0]
+        with pytest.raises(ValueError, match="table_in_kernel takes one query a sequence"):
+            decode_partial(q2, *caches(key, 2, 4, 2, 1)[1:], jnp.zeros((2, q2.shape[1]), jnp.int32),
+                           table_in_kernel=True, **bad)  # fmt: skip
 
 
 def test_a_query_that_sees_nothing_gives_zeros(key):

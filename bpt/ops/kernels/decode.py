@@ -21,9 +21,11 @@ reading the cache and the kernel's job is to keep every SM reading it:
   program writes one partial for each (sequence, head) piece of its range, so a batch of
   one with few K/V heads still gets one long, equal range a SM (LEAN_WAVES programs a SM)
   instead of many short tiles.
-- One sequence's one query (a decode step at batch 1) needs no table: each program computes
-  its stream_k or split tile from its index and the query's slot (table_in_kernel), so the
-  step runs the kernel, the merge and the queries' padding, and no table or rows of slots.
+- With one query a sequence (a decode step) the kernel reads no table: each program
+  computes its stream_k or split tile from its index and the queries' slots
+  (table_in_kernel), so no table or rows of slots are made for it (at batch 1 the step is
+  the queries' padding, the kernel and the merge). The table stays for several queries a
+  sequence and for lean.
 - Programs per K/V head come from the GPU's SM count (up to WAVES programs a SM), no more
   than leave each MIN_TILE_BLOCKS of the cache's blocks, and a count whose programs fill
   their last wave (default_tiles), unless num_splits is given.
@@ -186,26 +188,51 @@ def _kernel(
     )
 
 
+def _computed_tile(block_k: int, schedule: str, tiles: int, split_size: int, last_ref, program):
+    """(sequence, first block, end block, full blocks) of program `program`, as _tile_table's
+    row for it, from the queries' last visible slots (last_ref [batch, 1]: one query a
+    sequence): split, `tiles` splits a sequence of `split_size` blocks each; stream_k, the
+    visible blocks' sum cut into `tiles` equal tiles, each sequence's tiles in turn."""
+    batch = last_ref.shape[0]
+
+    def visible(i):  # the blocks holding slots 0..last of sequence i
+        return (last_ref[i, 0] + block_k) // block_k
+
+    if schedule == "split":
+        seq = program // tiles
+        first = (program % tiles) * split_size
+        end = jnp.minimum(first + split_size, visible(seq))
+    else:
+        total = lax.fori_loop(0, batch, lambda i, acc: acc + visible(i), jnp.int32(0))
+        size = jnp.maximum(1, (total + tiles - 1) // tiles)
+
+        def find(i, carry):  # sequence i's tiles start where the earlier ones' end
+            start, seq, first = carry
+            count = (visible(i) + size - 1) // size
+            mine = (program >= start) & (program < start + count)
+            return start + count, jnp.where(mine, i, seq), jnp.where(mine, (program - start) * size, first)
+
+        past = jnp.int32(2**30)  # a program past every sequence's tiles: the last one's, empty
+        _, seq, first = lax.fori_loop(0, batch, find, (jnp.int32(0), jnp.int32(batch - 1), past))
+        end = jnp.minimum(first + size, visible(seq))
+    return seq, jnp.minimum(first, end), end, (last_ref[seq, 0] + 1) // block_k
+
+
 def _one_query_kernel(
-    block_k: int, scale: float, quantized: bool, group: int, size: int | None, layer_ref, q_ref, last_ref, k_ref, v_ref,
-    *refs,
-):
-    """One tile (the grid's second axis) of one K/V head (the first) of one sequence's one
-    query, with no tile table: the tile's blocks are _tile_table's row for it, computed here
-    from the query's last visible slot (last_ref [1, 1]): equal tiles of `size` blocks, or
-    (size None, stream_k) the visible blocks cut into as many equal tiles as the grid has."""
+    block_k: int, scale: float, quantized: bool, group: int, schedule: str, tiles: int, split_size: int, layer_ref, q_ref,
+    last_ref, k_ref, v_ref, *refs,
+):  # fmt: skip
+    """One tile (the grid's second axis) of one K/V head (the first) for one query a
+    sequence, with no tile table: the tile is computed here (_computed_tile) from the
+    queries' last visible slots (last_ref [batch, 1]); the rows of the query's heads see up
+    to its slot, the padding rows nothing."""
     reads, (o_ref, lse_ref) = _cache_refs(quantized, q_ref, last_ref, k_ref, v_ref, refs)
-    slot = last_ref[0, 0]
+    seq, first, end, full = _computed_tile(block_k, schedule, tiles, split_size, last_ref, pl.program_id(1))
     rows = q_ref.shape[2]
-    last = jnp.where(lax.broadcasted_iota(jnp.int32, (rows,), 0) < group, slot, -1)  # the group's rows
-    blocks = (slot + block_k) // block_k  # the blocks holding slots 0..slot
-    per = jnp.maximum(1, (blocks + pl.num_programs(1) - 1) // pl.num_programs(1)) if size is None else size
-    first = pl.program_id(1) * per
-    end = jnp.minimum(first + per, blocks)
+    last = jnp.where(lax.broadcasted_iota(jnp.int32, (rows,), 0) < group, last_ref[seq, 0], -1)
     o_ref[...], lse_ref[...] = _attend_blocks(
-        block_k, scale, quantized, reads, layer_ref[0], 0, pl.program_id(0), jnp.minimum(first, end), end,
-        (slot + 1) // block_k, last,
-    )  # fmt: skip
+        block_k, scale, quantized, reads, layer_ref[0], seq, pl.program_id(0), first, end, full, last
+    )
 
 
 def _lean_kernel(
@@ -260,11 +287,14 @@ def _merge(ids: Array, out: Array, lse: Array, count: int) -> tuple[Array, Array
     """The partials (out [n, ..., head_dim], lse [n, ...]) merged by logsumexp into `count`
     groups, partial i into group ids[i]; empty partials have lse -inf: weight 0.
 
-    Dense XLA, no scatter: with one group, reductions over the partials; with more, the
-    group's sums as a product with the [count, n] one-hot matrix (float32 throughout). At
-    batch 1 on an H200 the segment sums this replaced were several small kernels a call
-    (docs/notes/decoding.md); a merge kernel looping over a sequence's tiles was slower at
-    batch 1, where it has few programs."""
+    Dense XLA, no scatter: with one group, reductions over the partials; with more, each
+    group's masked reductions over them (float32 throughout). At batch 1 on an H200 the
+    segment sums this replaced were several small kernels a call (docs/notes/decoding.md); a
+    merge kernel looping over a sequence's tiles was slower at batch 1, where it has few
+    programs. The groups' sums were a float32 product with the [count, n] one-hot matrix
+    until it gave wrong sums or an illegal address on an H200 (jax 0.11.2) at some partial
+    counts n (3, 4 and 6 of two sequences; 5 was exact), while the kernel's partials were
+    exact: tests/test_decode.py's batch-2 cases on a GPU."""
     if count == 1:  # a group's value broadcasts over the partials
         group_max = functools.partial(jnp.max, axis=0, keepdims=True)
         group_sum = functools.partial(jnp.sum, axis=0, keepdims=True)
@@ -276,8 +306,9 @@ def _merge(ids: Array, out: Array, lse: Array, count: int) -> tuple[Array, Array
         def group_max(x):
             return jnp.max(jnp.where(spread, x[None], -jnp.inf), axis=1)
 
-        onehot = member.astype(jnp.float32)
-        group_sum = functools.partial(jnp.tensordot, onehot, axes=1, precision=lax.Precision.HIGHEST)
+        def group_sum(x):  # masked sums, not a product with the one-hot matrix (see above)
+            return jnp.sum(jnp.where(member.reshape(*member.shape, *(1,) * (x.ndim - 1)), x[None], 0.0), axis=1)
+
         per_partial = ids
     top = group_max(lse)
     shift = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -314,10 +345,13 @@ def decode_partial(
     weights of the values (half the bytes of a bf16 cache). num_splits: programs per K/V
     head (default: WAVES programs a SM over the K/V heads; "lean": lean_waves a SM in all,
     LEAN_WAVES by default). schedule: SCHEDULES (the module docstring). table_in_kernel:
-    the programs compute their tiles themselves instead of reading a tile table, and take the
-    query's slot as it is (no rows of slots made for them): one sequence's one query only
-    (None: there, with stream_k or split; a decode step at batch 1 then runs the kernel and
-    the merge with fewer small XLA operations around them)."""
+    the programs compute their tiles themselves (_computed_tile) instead of reading a tile
+    table, and take the queries' slots as they are (no rows of slots made for them): one
+    query a sequence with stream_k or split only (None: there). On an H200 (jax 0.11.2) the
+    tile table, computed in the same program as the kernel, again came to the kernel damaged
+    at batch 2 with 1, 2 or 4 tiles a head (wrong outputs or an illegal address; see the
+    barrier below), while these computed tiles were exact in every case of
+    tests/test_decode.py; at batch 1 and 128K they also save 1-5% a call."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
     scales = () if k_scale is None else (k_scale, v_scale)
@@ -353,22 +387,29 @@ def decode_partial(
     call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
     kernel_args = (block_k, 1.0 / math.sqrt(d), bool(scales))
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    one_query = b == 1 and q_len == 1 and schedule != "lean"
+    one_query = q_len == 1 and schedule != "lean"
     if table_in_kernel is None:
         table_in_kernel = one_query
     elif table_in_kernel and not one_query:
         raise ValueError(
-            f"table_in_kernel takes one sequence's one query with schedule stream_k or split; got batch {b}, "
-            f"q_len {q_len}, schedule {schedule!r}"
+            f"table_in_kernel takes one query a sequence with schedule stream_k or split; got q_len {q_len}, "
+            f"schedule {schedule!r}"
         )
     blocks = max_len // block_k
     if table_in_kernel:
         tiles = num_splits or default_tiles(b, blocks, hk, num_sms())
-        size = -(-blocks // tiles) if schedule == "split" else None  # split: _tile_table's `per`
         slots = last.astype(jnp.int32)
+        if schedule == "split":  # _tile_table's splits a sequence and blocks a split
+            splits = max(1, -(-tiles // b))
+            n, shape = splits * b, (splits, -(-blocks // splits))
+            ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), splits)
+        else:  # at most tiles + b - 1 tiles hold work (each sequence's last one may be short)
+            n, shape = tiles + b - 1, (tiles, 0)
+            visible = (slots[:, 0] + block_k) // block_k
+            ids = _tile_table(visible, tiles, schedule, blocks)[:n, 0] if b > 1 else jnp.zeros((n,), jnp.int32)
         operands = (layer, q_rows, slots, k_cache, v_cache, *scales)
-        out, lse = _one_query_call(call, (*kernel_args, group, size), operands, tiles, hk)
-        ids, kept, groups = jnp.zeros((tiles,), jnp.int32), (q_rows, slots), b
+        out, lse = _one_query_call(call, (*kernel_args, group, schedule, *shape), operands, n, hk)
+        kept, groups = (q_rows, slots), b
     else:
         last_rows = jnp.repeat(last.astype(jnp.int32), group, axis=1)
         last_rows = jnp.pad(last_rows, ((0, 0), (0, rows - q_len * group)), constant_values=-1)
@@ -390,7 +431,10 @@ def decode_partial(
     # rows) stay alive past the kernel. Without this, on an H100 (jax 0.11.2) a jitted call with
     # some tile counts (batch 2 with num_splits 1, 2 or 4) read a damaged table: NaN or wrong
     # outputs, or an illegal address, while the same kernel called alone was exact. The
-    # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases.
+    # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases. On an
+    # H200 on 2026-12-04 the same cases failed again with the barrier (their buffers were
+    # disjoint in XLA's assignment, so the cause is not a reused buffer): one query a sequence
+    # now takes table_in_kernel, and the table path keeps the barrier.
     out, lse, ids, _ = lax.optimization_barrier((out, lse, ids, kept))
     # The rows past q_len x group pad the kernel's dots: the merge reads only the queries' rows.
     out, lse = out[..., : q_len * group, :], lse[..., : q_len * group]
