@@ -291,10 +291,9 @@ def _merge(ids: Array, out: Array, lse: Array, count: int) -> tuple[Array, Array
     group's masked reductions over them (float32 throughout). At batch 1 on an H200 the
     segment sums this replaced were several small kernels a call (docs/notes/decoding.md); a
     merge kernel looping over a sequence's tiles was slower at batch 1, where it has few
-    programs. The groups' sums were a float32 product with the [count, n] one-hot matrix
-    until it gave wrong sums or an illegal address on an H200 (jax 0.11.2) at some partial
-    counts n (3, 4 and 6 of two sequences; 5 was exact), while the kernel's partials were
-    exact: tests/test_decode.py's batch-2 cases on a GPU."""
+    programs. (The groups' sums were a float32 product with the [count, n] one-hot matrix;
+    masked sums need no GEMM for a few partials; at batch 8 the call stayed at 0.98-1.02x
+    cuDNN's, docs/benchmarks.md.)"""
     if count == 1:  # a group's value broadcasts over the partials
         group_max = functools.partial(jnp.max, axis=0, keepdims=True)
         group_sum = functools.partial(jnp.sum, axis=0, keepdims=True)
