@@ -407,7 +407,8 @@ def decode_partial(
             visible = (slots[:, 0] + block_k) // block_k
             ids = _tile_table(visible, tiles, schedule, blocks)[:n, 0] if b > 1 else jnp.zeros((n,), jnp.int32)
         operands = (layer, q_rows, slots, k_cache, v_cache, *scales)
-        out, lse = _one_query_call(call, (*kernel_args, group, schedule, *shape), operands, n, hk)
+        kernel = functools.partial(_one_query_kernel, *kernel_args, group, schedule, *shape)
+        out, lse = _tile_call(call, kernel, operands, n, hk)
         kept, groups = (q_rows, slots), b
     else:
         last_rows = jnp.repeat(last.astype(jnp.int32), group, axis=1)
@@ -423,7 +424,8 @@ def decode_partial(
         else:
             tiles = num_splits or default_tiles(b, blocks, hk, num_sms())
             table = _tile_table(visible_blocks, tiles, schedule, blocks, full_blocks)
-            out, lse, ids, tables = _tile_call(call, kernel_args, operands, table, hk)
+            out, lse = _tile_call(call, functools.partial(_kernel, *kernel_args), operands, table.shape[0], hk, table)
+            ids, tables = table[:, 0], (table,)
             groups = b
         kept = (*tables, q_rows, last_rows)
     # The operands this program computes (the tile or piece tables, the queries' and the slots'
@@ -447,18 +449,21 @@ def decode_partial(
     )
 
 
-def _tile_call(call, kernel_args, operands, table, hk):
-    """The stream_k and split schedules over the tile table: (out [tiles, hk, rows, d], lse
-    [tiles, hk, rows], each tile's sequence, the tables the kernel read)."""
-    n, (_, _, rows, d) = table.shape[0], operands[1].shape
+def _tile_call(call, kernel, operands, n: int, hk: int, table: Array | None = None):
+    """The stream_k and split schedules, a program a (K/V head, tile): (out [n, hk, rows, d],
+    lse [n, hk, rows]). table [n, 4]: each program reads its row (_kernel); None: the kernel
+    computes its tile (_one_query_kernel)."""
+    _, _, rows, d = operands[1].shape
+    tables = () if table is None else (table,)
     # Grid (K/V head, tile), the head varying fastest: the programs of one tile's K/V heads
     # launch together and read the same cache rows side by side (1-7% faster on an H100 than
     # a head's tiles together).
     whole = lambda shape: pl.BlockSpec(shape, lambda g, t: (0,) * len(shape))  # noqa: E731
-    out, lse = call(
-        functools.partial(_kernel, *kernel_args),
+    rows_of_table = [pl.BlockSpec((None, 4), lambda g, t: (t, 0))] * len(tables)
+    return call(
+        kernel,
         grid=(hk, n),
-        in_specs=[pl.BlockSpec((None, 4), lambda g, t: (t, 0)), *(whole(x.shape) for x in operands)],
+        in_specs=[*rows_of_table, *(whole(x.shape) for x in operands)],
         out_specs=[
             pl.BlockSpec((None, None, rows, d), lambda g, t: (t, g, 0, 0)),
             pl.BlockSpec((None, None, rows), lambda g, t: (t, g, 0)),
@@ -468,29 +473,7 @@ def _tile_call(call, kernel_args, operands, table, hk):
             jax.ShapeDtypeStruct((n, hk, rows), jnp.float32),
         ],
         name="bpt_decode",
-    )(table, *operands)
-    return out, lse, table[:, 0], (table,)
-
-
-def _one_query_call(call, kernel_args, operands, tiles, hk):
-    """The table_in_kernel path (_one_query_kernel): (out [tiles, hk, rows, d], lse [tiles, hk,
-    rows]); grid (K/V head, tile) as _tile_call's."""
-    _, _, rows, d = operands[1].shape
-    whole = lambda shape: pl.BlockSpec(shape, lambda g, t: (0,) * len(shape))  # noqa: E731
-    return call(
-        functools.partial(_one_query_kernel, *kernel_args),
-        grid=(hk, tiles),
-        in_specs=[whole(x.shape) for x in operands],
-        out_specs=[
-            pl.BlockSpec((None, None, rows, d), lambda g, t: (t, g, 0, 0)),
-            pl.BlockSpec((None, None, rows), lambda g, t: (t, g, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((tiles, hk, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((tiles, hk, rows), jnp.float32),
-        ],
-        name="bpt_decode",
-    )(*operands)
+    )(*tables, *operands)
 
 
 def _lean_call(call, kernel_args, operands, pieces, spans, hk):
