@@ -11,7 +11,10 @@ The corpus is real text every machine has: this interpreter's Python sources
         --out results/packed --set train.grad_accum_steps=2
 
 MFU counts attention over the keys each query sees (so the two rows of a context count
-different work a token); tokens/s compares them. The table goes to --out/table.md, every
+different work a token); tokens/s compares them. `--attention_options
+"hopper_sort_window=0;hopper_query_order=descending"` adds a packed run for each set of
+`model.attention_options` (bpt's attention kernels' settings), after the default one: a
+kernel option measured on the whole step, paired. The table goes to --out/table.md, every
 run's metrics and command to --out/results.json, each run's output to --out/runs/.
 """
 
@@ -86,16 +89,21 @@ def run(argv: list[str], workdir: Path, timeout: int) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    """One line a run; packed runs also against the unpacked run at their context."""
+    """One line a run; packed runs also against the unpacked run at their context; a last
+    column of the runs' attention options where any run has some."""
+    options = any(r.get("attention_options") for r in results)
     lines = [
-        "| context | segment ids | tokens/s | MFU | keys a query sees | tokens/s against unpacked |",
-        "|---|---|---|---|---|---|",
+        "| context | segment ids | tokens/s | MFU | keys a query sees | tokens/s against unpacked |"
+        + (" attention options |" if options else ""),
+        "|---|---|---|---|---|---|" + ("---|" if options else ""),
     ]
     unpacked = {r["seq_len"]: r for r in results if not r["packed"] and r["ok"]}
     for r in results:
         name = benchlib.human_tokens(r["seq_len"])
+        extra = [f"{r.get('attention_options') or 'defaults'}"] if options else []
         if not r["ok"]:
-            lines.append(f"| {name} | {'on' if r['packed'] else 'off'} | failed: {r['error']} | | | |")
+            cells = [name, "on" if r["packed"] else "off", f"failed: {r['error']}", "", "", "", *extra]
+            lines.append("| " + " | ".join(cells) + " |")
             continue
         tps, mfu = r.get("tokens_per_sec"), r.get("mfu")
         base = unpacked.get(r["seq_len"])
@@ -108,6 +116,7 @@ def table(results: list[dict]) -> str:
             f"{mfu:.1%}" if mfu else "–",
             f"{keys:,.0f} of {r['seq_len'] // 2:,}",
             ratio,
+            *extra,
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -121,7 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_bytes", type=float, default=200e6, help="the corpus's size at most")
     parser.add_argument("--max_file_bytes", type=float, default=16e3, help="longer sources are left out")
     parser.add_argument("--timeout", type=int, default=900, help="seconds a run may take")
+    parser.add_argument(
+        "--attention_options",
+        default="",
+        help="semicolon-separated sets of model.attention_options, a packed run each after the default one",
+    )
     args = parser.parse_args(argv)
+    variants = [v.strip() for v in args.attention_options.split(";") if v.strip()]
     seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
     if not seq_lens or min(seq_lens) <= 0 or args.steps < 2:
         parser.error("--seq_lens needs positive contexts and --steps at least 2 (the last row is timed)")
@@ -129,15 +144,18 @@ def main(argv: list[str] | None = None) -> None:
     data = prepared_corpus(out, args.max_bytes, args.max_file_bytes)
     results = []
     for seq_len in seq_lens:
-        for packed in (False, True):
-            workdir = out / "runs" / f"{seq_len}_{'packed' if packed else 'window'}"
+        runs = [(False, ""), (True, ""), *((True, options) for options in variants)]
+        for i, (packed, options) in enumerate(runs):
+            workdir = out / "runs" / f"{seq_len}_{'packed' if packed else 'window'}{f'_{i - 1}' if options else ''}"
             shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resumed one
-            command = train_argv(args.config, workdir, data, seq_len, packed, args.steps, args.set)
+            sets = [*args.set, *([f"model.attention_options={options}"] if options else [])]
+            command = train_argv(args.config, workdir, data, seq_len, packed, args.steps, sets)
             result = run(command, workdir, args.timeout) | dict(seq_len=seq_len, packed=packed)
+            result["attention_options"] = options
             result["command"] = " ".join(["bpt-train", *command[len(benchlib.console_script("bpt-train")) :]])
             results.append(result)
             shown = {k: result.get(k) for k in ("ok", "tokens_per_sec", "mfu", "keys_seen", "error")}
-            print(f"{seq_len} segment_ids={packed}: {json.dumps(shown)}", flush=True)
+            print(f"{seq_len} segment_ids={packed} {options}: {json.dumps(shown)}".replace(" :", ":"), flush=True)
     text = table(results)
     meta = dict(
         date=datetime.date.today().isoformat(),

@@ -113,21 +113,24 @@ def test_plot_of_two_runs(tmp_path):
 
 def test_bench_packed_runs_bpt_train_with_and_without_segment_ids(tmp_path):
     """scripts/bench_packed.py: a corpus of Python sources, prepared once as bytes, trained by
-    bpt-train itself with data.segment_ids off and on; the table puts both on one context,
-    the packed run's queries seeing fewer keys than the window's half."""
+    bpt-train itself with data.segment_ids off and on, and on again with other attention
+    kernel options (model.attention_options); the table puts them on one context, the packed
+    runs' queries seeing fewer keys than the window's half."""
     bench = load_script("bench_packed")
     argv = ["--config", "configs/tiny.py", "--seq_lens", "512", "--steps", "2", "--max_bytes", "2e5"]
     argv += ["--max_file_bytes", "1e3", "--out", str(tmp_path), "--set", "train.batch_size=4"]
-    bench.main(argv)
+    bench.main([*argv, "--attention_options", "block_q=16,block_k=16"])
     results = json.loads((tmp_path / "results.json").read_text())["results"]
-    window, packed = results
+    window, packed, tuned = results
     assert window["ok"] and packed["ok"] and not window["packed"] and packed["packed"], results
     assert "keys_seen" not in window and 1 < packed["keys_seen"] < 256
     assert packed["command"].startswith("bpt-train --config configs/tiny.py")
     assert "--config.data.segment_ids=True" in packed["command"]
+    assert tuned["ok"] and tuned["command"].endswith("--config.model.attention_options=block_q=16,block_k=16")
     lines = (tmp_path / "table.md").read_text().splitlines()
-    assert lines[0].startswith("| context | segment ids | tokens/s |") and len(lines) == 4
-    assert lines[3].startswith("| 512 | on |") and lines[3].endswith("x |")
+    assert lines[0].startswith("| context | segment ids | tokens/s |") and len(lines) == 5
+    assert lines[3].startswith("| 512 | on |") and lines[3].endswith("x | defaults |")
+    assert lines[4].endswith("x | block_q=16,block_k=16 |")
     # a second call reuses the prepared data (a corpus of one byte could not be prepared)
     shutil.rmtree(tmp_path / "corpus")
     assert bench.prepared_corpus(tmp_path, max_bytes=1, max_file_bytes=1) == tmp_path / "data"
