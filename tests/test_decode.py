@@ -278,16 +278,18 @@ def test_the_kernel_at_batch_1_equals_the_reference(key, heads, kv_heads, splits
 @pytest.mark.parametrize("schedule,splits", [("stream_k", 3), ("stream_k", 16), ("split", 5), ("stream_k", None)])
 @pytest.mark.parametrize("slots", [[100], [15], [-1], [40, 127, -1], [127, 3, 64]], ids=str)
 def test_tiles_computed_in_the_kernel_equal_the_tile_tables(key, schedule, splits, slots):
-    """One query a sequence (table_in_kernel, the default there): each program computes its
+    """stream_k and split (table_in_kernel, the default with them): each program computes its
     tile from the queries' slots, at batch 1 and over ragged batches (a sequence that sees
-    nothing among them), with a layer of a stacked int8 cache and GQA; the outputs and
-    logsumexps equal the tile table's, and the kernel reads no table (no cumsum feeds it)."""
+    nothing among them), one query a sequence and three (the later ones one and two slots
+    on, a GQA group's rows each), with a layer of a stacked int8 cache; the outputs and
+    logsumexps equal the tile table's, and the kernel reads no table."""
     from bpt.ops.decode import quantize_kv
 
-    q, k, v = caches(key, len(slots), 4, 2, 1)
+    q_len = 1 if len(slots) > 1 or slots[0] != 15 else 3  # three queries at [15]: 15, 16, 17
+    q, k, v = caches(key, len(slots), 4, 2, q_len)
     (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
     stacked = dict(layer=jnp.int32(1), k_scale=jnp.stack([0 * ks, ks]), v_scale=jnp.stack([0 * vs, vs]))
-    last = jnp.array(slots, jnp.int32)[:, None]
+    last = jnp.array(slots, jnp.int32)[:, None] + jnp.where(jnp.array(slots)[:, None] < 0, 0, jnp.arange(q_len))
     run = jax.jit(decode_partial, static_argnames=("num_splits", "schedule", "block_k", "table_in_kernel"))
     args = (q, jnp.stack([0 * k8, k8]), jnp.stack([0 * v8, v8]), last)
     options = dict(num_splits=splits, schedule=schedule, block_k=16, **stacked)
@@ -296,14 +298,27 @@ def test_tiles_computed_in_the_kernel_equal_the_tile_tables(key, schedule, split
     np.testing.assert_array_equal(np.isinf(inside.lse), np.isinf(table.lse))
     np.testing.assert_allclose(inside.lse, table.lse, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.all(np.isinf(inside.lse), axis=(1, 2)), np.array(slots) < 0)
+    if q_len > 1:  # the queries see different slots: their rows differ
+        assert not np.allclose(inside.out[0, 0], inside.out[0, 2])
     jaxpr = jax.make_jaxpr(lambda *a: decode_partial(*a, **options))(*args).jaxpr
     launch = next(eqn for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call")
     assert len(launch.invars) == 7  # layer, q, the slots, k, v and their scales: no table
-    for bad in (dict(schedule="lean"), dict(q_len=2)):
-        q2 = caches(key, 2, 4, 2, bad.pop("q_len", 1))[0]
-        with pytest.raises(ValueError, match="table_in_kernel takes one query a sequence"):
-            decode_partial(q2, *caches(key, 2, 4, 2, 1)[1:], jnp.zeros((2, q2.shape[1]), jnp.int32),
-                           table_in_kernel=True, **bad)  # fmt: skip
+    with pytest.raises(ValueError, match="table_in_kernel takes the schedules stream_k and split; lean reads"):
+        decode_partial(*args[:3], last, schedule="lean", table_in_kernel=True, block_k=16, **stacked)
+
+
+@pytest.mark.parametrize("batch,q_len,schedule", [(1, 1, "stream_k"), (3, 2, "stream_k"), (2, 1, "split")])
+def test_the_kernel_with_computed_tiles_lowers_for_cuda(batch, q_len, schedule):
+    """The kernel that computes its tiles (loops over the batch's slots, q_len scalar reads a
+    sequence) lowers through Triton for CUDA (checked without a GPU): one launch whose
+    operands hold no tile table, the slots [batch, q_len] int32 as they came."""
+    q = jax.ShapeDtypeStruct((batch, q_len, 8, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((batch, 4096, 2, 128), jnp.bfloat16)
+    last = jax.ShapeDtypeStruct((batch, q_len), jnp.int32)
+    call = jax.jit(lambda *a: decode_partial(*a, schedule=schedule, num_splits=4, interpret=False).out)
+    text = call.trace(q, cache, cache, last).lower(lowering_platforms=("cuda",)).as_text()
+    (launch,) = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert f"tensor<{batch}x{q_len}xi32>" in launch and "x4xi32>" not in launch, launch
 
 
 def test_a_query_that_sees_nothing_gives_zeros(key):

@@ -21,11 +21,10 @@ reading the cache and the kernel's job is to keep every SM reading it:
   program writes one partial for each (sequence, head) piece of its range, so a batch of
   one with few K/V heads still gets one long, equal range a SM (LEAN_WAVES programs a SM)
   instead of many short tiles.
-- With one query a sequence (a decode step) the kernel reads no table: each program
-  computes its stream_k or split tile from its index and the queries' slots
-  (table_in_kernel), so no table or rows of slots are made for it (at batch 1 the step is
-  the queries' padding, the kernel and the merge). The table stays for several queries a
-  sequence and for lean.
+- The stream_k and split schedules read no table: each program computes its tile from its
+  index and the queries' slots (table_in_kernel), so no table or rows of slots are made for
+  it (a decode step at batch 1 is the queries' padding, the kernel and the merge). The
+  table (_tile_table, read by _kernel) stays as an option, and lean reads its own.
 - Programs per K/V head come from the GPU's SM count (up to WAVES programs a SM), no more
   than leave each MIN_TILE_BLOCKS of the cache's blocks, and a count whose programs fill
   their last wave (default_tiles), unless num_splits is given.
@@ -188,15 +187,22 @@ def _kernel(
     )
 
 
+def _slot_range(last_ref, seq):
+    """(the latest, the earliest) of sequence seq's queries' last visible slots (last_ref
+    [batch, q_len]; q_len scalar reads)."""
+    slots = [last_ref[seq, t] for t in range(last_ref.shape[1])]
+    return functools.reduce(jnp.maximum, slots), functools.reduce(jnp.minimum, slots)
+
+
 def _computed_tile(block_k: int, schedule: str, tiles: int, split_size: int, last_ref, program):
     """(sequence, first block, end block, full blocks) of program `program`, as _tile_table's
-    row for it, from the queries' last visible slots (last_ref [batch, 1]: one query a
-    sequence): split, `tiles` splits a sequence of `split_size` blocks each; stream_k, the
-    visible blocks' sum cut into `tiles` equal tiles, each sequence's tiles in turn."""
+    row for it, from the queries' last visible slots (last_ref [batch, q_len]): split,
+    `tiles` splits a sequence of `split_size` blocks each; stream_k, the visible blocks' sum
+    cut into `tiles` equal tiles, each sequence's tiles in turn."""
     batch = last_ref.shape[0]
 
-    def visible(i):  # the blocks holding slots 0..last of sequence i
-        return (last_ref[i, 0] + block_k) // block_k
+    def visible(i):  # the blocks holding slots 0..latest of sequence i
+        return (_slot_range(last_ref, i)[0] + block_k) // block_k
 
     if schedule == "split":
         seq = program // tiles
@@ -215,21 +221,23 @@ def _computed_tile(block_k: int, schedule: str, tiles: int, split_size: int, las
         past = jnp.int32(2**30)  # a program past every sequence's tiles: the last one's, empty
         _, seq, first = lax.fori_loop(0, batch, find, (jnp.int32(0), jnp.int32(batch - 1), past))
         end = jnp.minimum(first + size, visible(seq))
-    return seq, jnp.minimum(first, end), end, (last_ref[seq, 0] + 1) // block_k
+    return seq, jnp.minimum(first, end), end, (_slot_range(last_ref, seq)[1] + 1) // block_k
 
 
-def _one_query_kernel(
+def _computed_tile_kernel(
     block_k: int, scale: float, quantized: bool, group: int, schedule: str, tiles: int, split_size: int, layer_ref, q_ref,
     last_ref, k_ref, v_ref, *refs,
 ):  # fmt: skip
-    """One tile (the grid's second axis) of one K/V head (the first) for one query a
-    sequence, with no tile table: the tile is computed here (_computed_tile) from the
-    queries' last visible slots (last_ref [batch, 1]); the rows of the query's heads see up
-    to its slot, the padding rows nothing."""
+    """One tile (the grid's second axis) of one K/V head (the first), with no tile table: the
+    tile is computed here (_computed_tile) from the queries' last visible slots (last_ref
+    [batch, q_len]); row r (query r // group's head) sees up to its query's slot, the
+    padding rows nothing."""
     reads, (o_ref, lse_ref) = _cache_refs(quantized, q_ref, last_ref, k_ref, v_ref, refs)
     seq, first, end, full = _computed_tile(block_k, schedule, tiles, split_size, last_ref, pl.program_id(1))
-    rows = q_ref.shape[2]
-    last = jnp.where(lax.broadcasted_iota(jnp.int32, (rows,), 0) < group, last_ref[seq, 0], -1)
+    query = lax.broadcasted_iota(jnp.int32, (q_ref.shape[2],), 0) // group
+    last = jnp.full(query.shape, -1, jnp.int32)
+    for t in range(last_ref.shape[1]):
+        last = jnp.where(query == t, last_ref[seq, t], last)
     o_ref[...], lse_ref[...] = _attend_blocks(
         block_k, scale, quantized, reads, layer_ref[0], seq, pl.program_id(0), first, end, full, last
     )
@@ -345,8 +353,8 @@ def decode_partial(
     head (default: WAVES programs a SM over the K/V heads; "lean": lean_waves a SM in all,
     LEAN_WAVES by default). schedule: SCHEDULES (the module docstring). table_in_kernel:
     the programs compute their tiles themselves (_computed_tile) instead of reading a tile
-    table, and take the queries' slots as they are (no rows of slots made for them): one
-    query a sequence with stream_k or split only (None: there). On an H200 (jax 0.11.2) the
+    table, and take the queries' slots as they are (no rows of slots made for them):
+    stream_k and split only (None: with them; False reads the table). On an H200 (jax 0.11.2) the
     tile table, computed in the same program as the kernel, again came to the kernel damaged
     at batch 2 with 1, 2 or 4 tiles a head (wrong outputs or an illegal address; see the
     barrier below), while these computed tiles were exact in every case of
@@ -386,14 +394,10 @@ def decode_partial(
     call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
     kernel_args = (block_k, 1.0 / math.sqrt(d), bool(scales))
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    one_query = q_len == 1 and schedule != "lean"
     if table_in_kernel is None:
-        table_in_kernel = one_query
-    elif table_in_kernel and not one_query:
-        raise ValueError(
-            f"table_in_kernel takes one query a sequence with schedule stream_k or split; got q_len {q_len}, "
-            f"schedule {schedule!r}"
-        )
+        table_in_kernel = schedule != "lean"
+    elif table_in_kernel and schedule == "lean":
+        raise ValueError("table_in_kernel takes the schedules stream_k and split; lean reads its piece tables")
     blocks = max_len // block_k
     if table_in_kernel:
         tiles = num_splits or default_tiles(b, blocks, hk, num_sms())
@@ -404,10 +408,10 @@ def decode_partial(
             ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), splits)
         else:  # at most tiles + b - 1 tiles hold work (each sequence's last one may be short)
             n, shape = tiles + b - 1, (tiles, 0)
-            visible = (slots[:, 0] + block_k) // block_k
+            visible = (jnp.max(slots, axis=1) + block_k) // block_k
             ids = _tile_table(visible, tiles, schedule, blocks)[:n, 0] if b > 1 else jnp.zeros((n,), jnp.int32)
         operands = (layer, q_rows, slots, k_cache, v_cache, *scales)
-        kernel = functools.partial(_one_query_kernel, *kernel_args, group, schedule, *shape)
+        kernel = functools.partial(_computed_tile_kernel, *kernel_args, group, schedule, *shape)
         out, lse = _tile_call(call, kernel, operands, n, hk)
         kept, groups = (q_rows, slots), b
     else:
@@ -434,8 +438,8 @@ def decode_partial(
     # outputs, or an illegal address, while the same kernel called alone was exact. The
     # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases. On an
     # H200 on 2026-12-04 the same cases failed again with the barrier (their buffers were
-    # disjoint in XLA's assignment, so the cause is not a reused buffer): one query a sequence
-    # now takes table_in_kernel, and the table path keeps the barrier.
+    # disjoint in XLA's assignment, so the cause is not a reused buffer): stream_k and split
+    # now take table_in_kernel, and the table path keeps the barrier.
     out, lse, ids, _ = lax.optimization_barrier((out, lse, ids, kept))
     # The rows past q_len x group pad the kernel's dots: the merge reads only the queries' rows.
     out, lse = out[..., : q_len * group, :], lse[..., : q_len * group]
@@ -452,7 +456,7 @@ def decode_partial(
 def _tile_call(call, kernel, operands, n: int, hk: int, table: Array | None = None):
     """The stream_k and split schedules, a program a (K/V head, tile): (out [n, hk, rows, d],
     lse [n, hk, rows]). table [n, 4]: each program reads its row (_kernel); None: the kernel
-    computes its tile (_one_query_kernel)."""
+    computes its tile (_computed_tile_kernel)."""
     _, _, rows, d = operands[1].shape
     tables = () if table is None else (table,)
     # Grid (K/V head, tile), the head varying fastest: the programs of one tile's K/V heads
