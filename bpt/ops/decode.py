@@ -9,8 +9,8 @@ arithmetic. Every implementation here takes the same arguments and returns the s
   its logsumexp), and the partials are merged by logsumexp. Runs anywhere.
 - pallas: bpt's decode kernel (bpt.ops.kernels.decode): split-KV over the SMs, the query
   heads of a GQA group sharing one read of their K/V head, the cache read in place, ragged
-  batches balanced by a stream-K tile table. On a GPU it lowers through Triton; elsewhere
-  it runs in Pallas interpret mode (slow, for tests).
+  batches balanced by stream-K tiles (each program computes its own). On a GPU it lowers
+  through Triton; elsewhere it runs in Pallas interpret mode (slow, for tests).
 - auto: the pallas kernel on a GPU while the rows a K/V head's program takes (q_len x the
   query heads a K/V head serves) stay few (AUTO_KERNEL_ROWS: new tokens, not a prompt's
   chunk), head_dim is a power of two and the cache's slots are a multiple of 16 (the
