@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     for seq_len in seq_lens:
         runs = [(False, ""), (True, ""), *((True, options) for options in variants)]
         for i, (packed, options) in enumerate(runs):
-            workdir = out / "runs" / f"{seq_len}_{'packed' if packed else 'window'}{f'_{i - 1}' if options else ''}"
+            name = f"{seq_len}_{'packed' if packed else 'window'}" + (f"_{i - 1}" if options else "")
+            workdir = out / "runs" / name
             shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resumed one
             sets = [*args.set, *([f"model.attention_options={options}"] if options else [])]
             command = train_argv(args.config, workdir, data, seq_len, packed, args.steps, sets)
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             result["command"] = " ".join(["bpt-train", *command[len(benchlib.console_script("bpt-train")) :]])
             results.append(result)
             shown = {k: result.get(k) for k in ("ok", "tokens_per_sec", "mfu", "keys_seen", "error")}
-            print(f"{seq_len} segment_ids={packed} {options}: {json.dumps(shown)}".replace(" :", ":"), flush=True)
+            label = f"segment_ids={packed}" + (f" attention_options={options}" if options else "")
+            print(f"{seq_len} {label}: {json.dumps(shown)}", flush=True)
     text = table(results)
     meta = dict(
         date=datetime.date.today().isoformat(),
