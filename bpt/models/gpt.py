@@ -47,7 +47,7 @@ from bpt.ops.attention import ATTENTION, MERGED, attention
 from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
 from bpt.ops.chunked import CrossEntropy, from_chunks, largest_chunk, scan_chunks
 from bpt.ops.decode import DECODE, decode_attention, quantize_kv, write_cache
-from bpt.ops.kernels.attention import check_settings, kernel_settings, parse_settings
+from bpt.ops.kernels.attention import kernel_settings, parse_settings
 from bpt.ops.remat import check_policy, remat
 from bpt.parallel.mesh import Parallelism
 from bpt.parallel.ring import context_parallel_attention
@@ -157,7 +157,7 @@ class GPTConfig(LMConfig):
             check_policy(getattr(self, name), f"model.{name}")
         self.check_positive("num_heads", "q_chunk_size", "kv_chunk_size")
         try:
-            check_settings(self.kernel_settings, self.dim_per_head)
+            parse_settings(self.attention_options, self.dim_per_head)
         except ValueError as error:
             raise ValueError(f"model.attention_options={self.attention_options!r}: {error}") from None
         chunk = self.ffn_chunk_size

@@ -581,9 +581,12 @@ def flash_attention_with_lse(
     (compute capability 8.9 and up); the output keeps the inputs' dtype, and the backward
     is the 16-bit one, run at the fp8 forward's output and logsumexp.
     """
-    given = {name: value for name, value in locals().items() if name in _SETTINGS}
-    # what the call leaves at its default, a kernel_settings context may set
-    given = {name: value for name, value in given.items() if (type(value), value) != (type(_DEFAULTS[name]), _DEFAULTS[name])}
+    # the settings the call gives; those it leaves at their defaults, a kernel_settings context may set
+    given = {
+        name: value
+        for name, value in locals().items()
+        if name in _SETTINGS and (type(value), value) != (type(_DEFAULTS[name]), _DEFAULTS[name])
+    }
     cfg, (q, k, v, q_seg, kv_seg) = _prepare(q, k, v, causal, segment_ids, given)
     out, lse = _flash(cfg, q, k, v, q_seg, kv_seg)
     return out[:, : cfg.seq_q, :, : k.shape[-1] - cfg.pad_d], lse[:, :, : cfg.seq_q]
@@ -667,10 +670,10 @@ def kernel_settings(**settings):
         _CONTEXT.reset(token)
 
 
-def parse_settings(text: str) -> dict:
+def parse_settings(text: str, head_dim: int | None = None) -> dict:
     """The kernels' settings written as text, "name=value,name=value" (a config's string:
     model.attention_options): ints, None, True and False as Python writes them, anything else
-    a string. Checked (check_settings) but for what depends on head_dim."""
+    a string. Checked (check_settings; at head_dim, if given)."""
     settings = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, eq, value = (part.strip() for part in item.partition("="))
@@ -678,7 +681,7 @@ def parse_settings(text: str) -> dict:
             raise ValueError(f"{item!r} is not name=value (e.g. hopper_sort_window=0,hopper_block_k=64)")
         words = {"None": None, "True": True, "False": False}
         settings[name] = words[value] if value in words else int(value) if value.lstrip("-").isdigit() else value
-    check_settings(settings)
+    check_settings(settings, head_dim)
     return settings
 
 
@@ -693,21 +696,12 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
     settings: the call's own, over those of the kernel_settings contexts open now."""
     settings = {**dict(_CONTEXT.get()), **settings}
     check_settings(settings, q.shape[-1])
-    block_q, block_k, block_q_bwd, block_k_bwd, num_warps, num_stages = (
-        settings.get(name) for name in _SETTINGS[:6]
+    settings = {**_DEFAULTS, **settings}
+    block_q, block_k, block_q_bwd, block_k_bwd, num_warps, num_stages, forward, backward = (
+        settings[name] for name in _SETTINGS[:8]
     )
-    forward, backward = settings.get("forward", "auto"), settings.get("backward", "auto")
-    hopper_block_k, hopper_stages = settings.get("hopper_block_k", 128), settings.get("hopper_stages")
-    hopper_fused_dq = settings.get("hopper_fused_dq")
-    hopper_schedule = settings.get("hopper_schedule")
-    hopper_tile_group = settings.get("hopper_tile_group", attention_hopper.TILE_GROUP)
-    hopper_gqa = settings.get("hopper_gqa", "expand")
-    hopper_dq_split = settings.get("hopper_dq_split")
-    hopper_persistent = settings.get("hopper_persistent", False)
-    hopper_sort_window = settings.get("hopper_sort_window", attention_hopper.SORT_WINDOW)
-    hopper_query_order = settings.get("hopper_query_order", attention_hopper.QUERY_ORDER)
-    interpret = settings.get("interpret")
-    fp8 = bool(settings.get("fp8", False))
+    hopper = {name: settings[name] for name in _SETTINGS if name.startswith("hopper_")}  # FlashConfig's fields
+    interpret, fp8 = settings["interpret"], bool(settings["fp8"])
     num_warps = 4 if num_warps is None else num_warps
     num_stages = 2 if num_stages is None else num_stages
     check_qkv(q, k, v)
@@ -768,17 +762,8 @@ def _prepare(q, k, v, causal, segment_ids, settings: dict):
         interpret=interpret,
         forward=forward,
         backward=backward,
-        hopper_block_k=hopper_block_k,
-        hopper_stages=hopper_stages,
-        hopper_fused_dq=hopper_fused_dq,
-        hopper_schedule=hopper_schedule,
-        hopper_tile_group=hopper_tile_group,
-        hopper_gqa=hopper_gqa,
-        hopper_dq_split=hopper_dq_split,
-        hopper_persistent=hopper_persistent,
-        hopper_sort_window=hopper_sort_window,
-        hopper_query_order=hopper_query_order,
         fp8=fp8,
+        **hopper,
     )
     if pad_q or pad_k or dp:
         q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, dp)))

@@ -399,26 +399,25 @@ def decode_partial(
     elif table_in_kernel and schedule == "lean":
         raise ValueError("table_in_kernel takes the schedules stream_k and split; lean reads its piece tables")
     blocks = max_len // block_k
+    slots = last.astype(jnp.int32)
+    visible_blocks = (jnp.max(slots, axis=1) + block_k) // block_k  # those holding slots 0..the latest
     if table_in_kernel:
         tiles = num_splits or default_tiles(b, blocks, hk, num_sms())
-        slots = last.astype(jnp.int32)
         if schedule == "split":  # _tile_table's splits a sequence and blocks a split
             splits = max(1, -(-tiles // b))
             n, shape = splits * b, (splits, -(-blocks // splits))
             ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), splits)
         else:  # at most tiles + b - 1 tiles hold work (each sequence's last one may be short)
             n, shape = tiles + b - 1, (tiles, 0)
-            visible = (jnp.max(slots, axis=1) + block_k) // block_k
-            ids = _tile_table(visible, tiles, schedule, blocks)[:n, 0] if b > 1 else jnp.zeros((n,), jnp.int32)
+            ids = _tile_table(visible_blocks, tiles, schedule, blocks)[:n, 0] if b > 1 else jnp.zeros((n,), jnp.int32)
         operands = (layer, q_rows, slots, k_cache, v_cache, *scales)
         kernel = functools.partial(_computed_tile_kernel, *kernel_args, group, schedule, *shape)
         out, lse = _tile_call(call, kernel, operands, n, hk)
         kept, groups = (q_rows, slots), b
     else:
-        last_rows = jnp.repeat(last.astype(jnp.int32), group, axis=1)
+        last_rows = jnp.repeat(slots, group, axis=1)
         last_rows = jnp.pad(last_rows, ((0, 0), (0, rows - q_len * group)), constant_values=-1)
-        visible_blocks = -(-(jnp.max(last_rows, axis=1) + 1) // block_k)
-        full_blocks = (jnp.min(last.astype(jnp.int32), axis=1) + 1) // block_k
+        full_blocks = (jnp.min(slots, axis=1) + 1) // block_k
         operands = (layer, q_rows, last_rows, k_cache, v_cache, *scales)
         if schedule == "lean":
             programs = num_splits * hk if num_splits else max(1, (lean_waves or LEAN_WAVES) * num_sms())
@@ -439,7 +438,7 @@ def decode_partial(
     # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases. On an
     # H200 on 2026-12-04 the same cases failed again with the barrier (their buffers were
     # disjoint in XLA's assignment, so the cause is not a reused buffer): stream_k and split
-    # now take table_in_kernel, and the table path keeps the barrier.
+    # now take table_in_kernel, which reads no table; the barrier stays for every path.
     out, lse, ids, _ = lax.optimization_barrier((out, lse, ids, kept))
     # The rows past q_len x group pad the kernel's dots: the merge reads only the queries' rows.
     out, lse = out[..., : q_len * group, :], lse[..., : q_len * group]
