@@ -9,7 +9,10 @@ kernels: for each context x batch x heads/KV heads (head_dim 128, bf16, the whol
 visible), the median of --repeats calls (the best of --rounds interleaved rounds) of bpt's
 pallas kernel (its default stream-K tiles, and the "lean" schedule), bpt's split_kv (plain JAX), the XLA reference, cuDNN (jax.nn.dot_product_attention with one query) and JAX's own Pallas
 decode kernel (jax.experimental.pallas.ops.gpu.decode_attention.gqa). Effective bandwidth:
-the bytes of K and V read (2 x batch x context x kv_heads x head_dim x 2) over the time.
+the bytes of K and V read (2 x batch x context x kv_heads x head_dim x 2) over the time. The
+ceiling, timed alike: "read K+V", XLA summing K and V over their slots (the same bytes, no
+attention); the table's last columns give the share of it bpt's kernel reaches and the share
+that a call 1.1x cuDNN's speed would need.
 
 ragged: a batch of 8 sequences of lengths from 1K to 512K in one max-length cache, bpt's
 kernel with the stream-K tile table against plain split-KV (each sequence cut into the same
@@ -50,6 +53,8 @@ from benchlib import (  # noqa: E402
 )
 
 PARTS = ("kernels", "ragged", "tree", "sample")
+READ = "read K+V"  # the kernels part's ceiling: K and V summed over their slots by XLA
+PEER = "cuDNN"  # the kernels table's ratios: bpt's default kernel against it
 HEADS = {"16/16": (16, 16), "32/8": (32, 8)}
 RAGGED_LENGTHS = (1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288)
 
@@ -98,11 +103,14 @@ def implementations(kernel_options: dict, lean_waves=(0,), splits=(0,), variants
         },
         "bpt split_kv": bpt("split_kv", chunk_size=4096),
         "XLA": bpt("reference"),
+        # Not attention: XLA's reduction of K and V over their slots reads the same bytes and
+        # nothing else, the speed of reading this cache on this card (the tables' ceiling).
+        READ: jax.jit(lambda q, k, v, pos, lengths: (jnp.sum(k, 1, jnp.float32), jnp.sum(v, 1, jnp.float32))),
     }
     if jax.default_backend() == "gpu":
         from jax.experimental.pallas.ops.gpu import decode_attention as jax_decode
 
-        fns["cuDNN"] = jax.jit(
+        fns[PEER] = jax.jit(
             lambda q, k, v, pos, lengths: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
         )
         fns["JAX Pallas"] = jax.jit(
@@ -303,6 +311,21 @@ def _time_cells(row, names, unit=1e6):
     ]
 
 
+def _ceiling_columns(rows) -> dict:
+    """The kernels table's columns against the cache's plain read (READ), where the rows have
+    it: header -> the cell of a row."""
+    if not any(READ in r["times"] for r in rows):
+        return {}
+
+    def share(r, seconds):
+        return f"{r['times'][READ] / seconds:.0%}" if READ in r["times"] and seconds else "–"
+
+    columns = {f"bpt / {READ}": lambda r: share(r, r["times"].get("bpt pallas"))}
+    if any(PEER in r["times"] for r in rows):
+        columns[f"1.1x {PEER} needs"] = lambda r: share(r, r["times"].get(PEER, 0) / 1.1)
+    return columns
+
+
 def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
     out = []
     if kernel_rows:
@@ -314,11 +337,24 @@ def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
             "| context | batch | heads / KV heads | " + " | ".join(names) + " |",
             "|---|---|---|" + "---|" * len(names),
         ]
+        ratios = _ceiling_columns(kernel_rows)
+        out[-2:] = [out[-2] + "".join(f" {h} |" for h in ratios), out[-1] + "---|" * len(ratios)]
         for r in kernel_rows:
-            cells = _time_cells(r, names)
+            cells = _time_cells(r, names) + [fn(r) for fn in ratios.values()]
             out.append(
                 f"| {human_tokens(r['context'])} | {r['batch']} | {r['heads']} | " + " | ".join(cells) + " |"
             )
+        if ratios:
+            peer = (
+                f"; 1.1x {PEER} needs: the share a call 1.1x {PEER}'s speed would need (over 100%: "
+                "faster than reading the cache)"
+            )
+            out += [
+                "",
+                f"{READ}: XLA summing K and V over their slots (the same bytes, no attention), the speed of "
+                f"reading this cache here. bpt / {READ}: the share of it bpt's kernel reaches"
+                + (peer if len(ratios) > 1 else "") + ".",
+            ]
         out.append("")
     if ragged_rows:
         names = list(dict.fromkeys(n for r in ragged_rows for n in r["times"]))
@@ -388,7 +424,7 @@ def plot(kernel_rows, path: Path) -> None:
         rows = [r for r in kernel_rows if (r["batch"], r["heads"]) == (batch, heads)]
         for name in dict.fromkeys(n for r in rows for n in r["tb_per_s"]):
             points = [(r["context"], r["tb_per_s"][name]) for r in rows if name in r["tb_per_s"]]
-            ax.plot(*zip(*points), marker="o", label=name)
+            ax.plot(*zip(*points), marker="o", label=name, linestyle="--" if name == READ else "-")
         ax.set(xscale="log", xlabel="context", ylabel="effective TB/s", title=f"batch {batch}, heads {heads}")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
