@@ -10,9 +10,8 @@ visible), the median of --repeats calls (the best of --rounds interleaved rounds
 pallas kernel (its default stream-K tiles, and the "lean" schedule), bpt's split_kv (plain JAX), the XLA reference, cuDNN (jax.nn.dot_product_attention with one query) and JAX's own Pallas
 decode kernel (jax.experimental.pallas.ops.gpu.decode_attention.gqa). Effective bandwidth:
 the bytes of K and V read (2 x batch x context x kv_heads x head_dim x 2) over the time. The
-ceiling, timed alike: "read K+V", XLA summing K and V over their slots (the same bytes, no
-attention); the table's last columns give the share of it bpt's kernel reaches and the share
-that a call 1.1x cuDNN's speed would need.
+table's last columns: the share of the memory's bandwidth (the maker's figure for the GPU,
+or --hbm_tb_per_s) that bpt's kernel reads at, and that a call 1.1x cuDNN's speed would.
 
 ragged: a batch of 8 sequences of lengths from 1K to 512K in one max-length cache, bpt's
 kernel with the stream-K tile table against plain split-KV (each sequence cut into the same
@@ -53,8 +52,18 @@ from benchlib import (  # noqa: E402
 )
 
 PARTS = ("kernels", "ragged", "tree", "sample")
-READ = "read K+V"  # the kernels part's ceiling: K and V summed over their slots by XLA
-PEER = "cuDNN"  # the kernels table's ratios: bpt's default kernel against it
+PEER = "cuDNN"  # the kernels table's ceiling column: what 1.1x its speed would need
+# The memory's bandwidth by the maker's sheet, bytes/s (device_kind contains the name; the
+# first match counts): the kernels table's ceiling. --hbm_tb_per_s sets another.
+HBM_BYTES_PER_S = {"H100 PCIE": 2.0e12, "H100 NVL": 3.9e12, "H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def hbm_bytes_per_s(device, override_tb: float = 0.0) -> float | None:
+    """The device's memory bandwidth (override_tb, TB/s, wins); None where it is not known."""
+    if override_tb:
+        return override_tb * 1e12
+    kind = device.device_kind.upper()
+    return next((bw for name, bw in HBM_BYTES_PER_S.items() if name in kind), None)
 HEADS = {"16/16": (16, 16), "32/8": (32, 8)}
 RAGGED_LENGTHS = (1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288)
 
@@ -103,9 +112,6 @@ def implementations(kernel_options: dict, lean_waves=(0,), splits=(0,), variants
         },
         "bpt split_kv": bpt("split_kv", chunk_size=4096),
         "XLA": bpt("reference"),
-        # Not attention: XLA's reduction of K and V over their slots reads the same bytes and
-        # nothing else, the speed of reading this cache on this card (the tables' ceiling).
-        READ: jax.jit(lambda q, k, v, pos, lengths: (jnp.sum(k, 1, jnp.float32), jnp.sum(v, 1, jnp.float32))),
     }
     if jax.default_backend() == "gpu":
         from jax.experimental.pallas.ops.gpu import decode_attention as jax_decode
@@ -131,7 +137,7 @@ def kernels_part(args) -> list[dict]:
                 lengths = jnp.full((batch,), length, jnp.int32)
                 nbytes = cache_bytes(batch, length, kv_heads, 128)
                 row = dict(context=length, batch=batch, heads=name, bytes=nbytes)
-                row.update(timing=args.timing, times={})
+                row.update(timing=args.timing, times={}, hbm_tb_per_s=args.hbm_tb_per_s)
                 fns = implementations(args.kernel_options, args.lean_waves, args.num_splits, args.variants)
                 for round_ in range(args.rounds):  # interleaved, so drift on the machine hits all alike
                     for impl, fn in list(fns.items()):
@@ -312,17 +318,18 @@ def _time_cells(row, names, unit=1e6):
 
 
 def _ceiling_columns(rows) -> dict:
-    """The kernels table's columns against the cache's plain read (READ), where the rows have
-    it: header -> the cell of a row."""
-    if not any(READ in r["times"] for r in rows):
+    """The kernels table's columns against the memory's bandwidth (each row's hbm_tb_per_s,
+    where known): header -> the cell of a row."""
+    if not any(r.get("hbm_tb_per_s") for r in rows):
         return {}
 
-    def share(r, seconds):
-        return f"{r['times'][READ] / seconds:.0%}" if READ in r["times"] and seconds else "–"
+    def share(r, name, factor=1.0):
+        bw, tb = r.get("hbm_tb_per_s"), r["tb_per_s"].get(name)
+        return f"{factor * tb / bw:.0%}" if bw and tb else "–"
 
-    columns = {f"bpt / {READ}": lambda r: share(r, r["times"].get("bpt pallas"))}
+    columns = {"bpt pallas of HBM": lambda r: share(r, "bpt pallas")}
     if any(PEER in r["times"] for r in rows):
-        columns[f"1.1x {PEER} needs"] = lambda r: share(r, r["times"].get(PEER, 0) / 1.1)
+        columns[f"1.1x {PEER} needs"] = lambda r: share(r, PEER, 1.1)
     return columns
 
 
@@ -345,14 +352,11 @@ def tables(kernel_rows, ragged_rows, tree_rows, sample_rows=()) -> str:
                 f"| {human_tokens(r['context'])} | {r['batch']} | {r['heads']} | " + " | ".join(cells) + " |"
             )
         if ratios:
-            peer = (
-                f"; 1.1x {PEER} needs: the share a call 1.1x {PEER}'s speed would need (over 100%: "
-                "faster than reading the cache)"
-            )
+            bw = next(r["hbm_tb_per_s"] for r in kernel_rows if r.get("hbm_tb_per_s"))
+            peer = f"; 1.1x {PEER} needs: the share of it a call 1.1x {PEER}'s speed would read at"
             out += [
                 "",
-                f"{READ}: XLA summing K and V over their slots (the same bytes, no attention), the speed of "
-                f"reading this cache here. bpt / {READ}: the share of it bpt's kernel reaches"
+                f"Of HBM: the share of the memory's {bw:.2f} TB/s (the maker's figure) bpt's kernel reads at"
                 + (peer if len(ratios) > 1 else "") + ".",
             ]
         out.append("")
@@ -424,7 +428,7 @@ def plot(kernel_rows, path: Path) -> None:
         rows = [r for r in kernel_rows if (r["batch"], r["heads"]) == (batch, heads)]
         for name in dict.fromkeys(n for r in rows for n in r["tb_per_s"]):
             points = [(r["context"], r["tb_per_s"][name]) for r in rows if name in r["tb_per_s"]]
-            ax.plot(*zip(*points), marker="o", label=name, linestyle="--" if name == READ else "-")
+            ax.plot(*zip(*points), marker="o", label=name)
         ax.set(xscale="log", xlabel="context", ylabel="effective TB/s", title=f"batch {batch}, heads {heads}")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
@@ -506,7 +510,16 @@ def main() -> None:
         default=3,
         help="kernels: interleaved rounds of every impl; the best median counts",
     )
+    parser.add_argument(
+        "--hbm_tb_per_s",
+        type=float,
+        default=0.0,
+        help="kernels: the memory's bandwidth for the table's ceiling columns (0: the maker's figure "
+        "for the GPU where known, else none)",
+    )
     args = parser.parse_args()
+    bw = hbm_bytes_per_s(jax.devices()[0], args.hbm_tb_per_s)
+    args.hbm_tb_per_s = bw and bw / 1e12
     parts = parse_choices(parser, args.parts, PARTS, "part")
     args.heads = parse_choices(parser, args.heads, HEADS, "heads")
     args.contexts = [int(x) for x in args.contexts.split(",")]
