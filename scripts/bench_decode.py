@@ -52,10 +52,12 @@ from benchlib import (  # noqa: E402
 )
 
 PARTS = ("kernels", "ragged", "tree", "sample")
+HEADS = {"16/16": (16, 16), "32/8": (32, 8)}
+RAGGED_LENGTHS = (1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288)
 PEER = "cuDNN"  # the kernels table's ceiling column: what 1.1x its speed would need
 # The memory's bandwidth by the maker's sheet, bytes/s (device_kind contains the name; the
 # first match counts): the kernels table's ceiling. --hbm_tb_per_s sets another.
-HBM_BYTES_PER_S = {"H100 PCIE": 2.0e12, "H100 NVL": 3.9e12, "H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+HBM_BYTES_PER_S = {"H100 PCIE": 2.0e12, "H100 NVL": 3.9e12, "H200": 4.8e12, "H100": 3.35e12}
 
 
 def hbm_bytes_per_s(device, override_tb: float = 0.0) -> float | None:
@@ -64,8 +66,6 @@ def hbm_bytes_per_s(device, override_tb: float = 0.0) -> float | None:
         return override_tb * 1e12
     kind = device.device_kind.upper()
     return next((bw for name, bw in HBM_BYTES_PER_S.items() if name in kind), None)
-HEADS = {"16/16": (16, 16), "32/8": (32, 8)}
-RAGGED_LENGTHS = (1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288)
 
 
 def cache_bytes(batch: int, length: int, kv_heads: int, head_dim: int, itemsize: int = 2) -> int:
