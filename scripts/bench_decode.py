@@ -429,7 +429,13 @@ def plot(kernel_rows, path: Path) -> None:
         for name in dict.fromkeys(n for r in rows for n in r["tb_per_s"]):
             points = [(r["context"], r["tb_per_s"][name]) for r in rows if name in r["tb_per_s"]]
             ax.plot(*zip(*points), marker="o", label=name)
+        bw = next((r["hbm_tb_per_s"] for r in rows if r.get("hbm_tb_per_s")), None)
+        if bw:  # the memory's bandwidth by the maker's figure: the ceiling
+            ax.axhline(bw, color="gray", linestyle="--", linewidth=1, label=f"HBM {bw:.2f} TB/s")
         ax.set(xscale="log", xlabel="context", ylabel="effective TB/s", title=f"batch {batch}, heads {heads}")
+        contexts = sorted({r["context"] for r in rows})  # one tick a context, named as in the table
+        ax.set_xticks(contexts, [human_tokens(c) for c in contexts])
+        ax.minorticks_off()
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
