@@ -100,7 +100,7 @@ def table(results: list[dict]) -> str:
     unpacked = {r["seq_len"]: r for r in results if not r["packed"] and r["ok"]}
     for r in results:
         name = benchlib.human_tokens(r["seq_len"])
-        extra = [f"{r.get('attention_options') or 'defaults'}"] if options else []
+        extra = [r.get("attention_options") or "defaults"] if options else []
         if not r["ok"]:
             cells = [name, "on" if r["packed"] else "off", f"failed: {r['error']}", "", "", "", *extra]
             lines.append("| " + " | ".join(cells) + " |")

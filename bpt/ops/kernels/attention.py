@@ -670,6 +670,9 @@ def kernel_settings(**settings):
         _CONTEXT.reset(token)
 
 
+_WORDS = {"None": None, "True": True, "False": False}  # parse_settings' Python constants
+
+
 def parse_settings(text: str, head_dim: int | None = None) -> dict:
     """The kernels' settings written as text, "name=value,name=value" (a config's string:
     model.attention_options): ints, None, True and False as Python writes them, anything else
@@ -679,8 +682,10 @@ def parse_settings(text: str, head_dim: int | None = None) -> dict:
         name, eq, value = (part.strip() for part in item.partition("="))
         if not eq or not name or not value:
             raise ValueError(f"{item!r} is not name=value (e.g. hopper_sort_window=0,hopper_block_k=64)")
-        words = {"None": None, "True": True, "False": False}
-        settings[name] = words[value] if value in words else int(value) if value.lstrip("-").isdigit() else value
+        if value in _WORDS:
+            settings[name] = _WORDS[value]
+        else:
+            settings[name] = int(value) if value.lstrip("-").isdigit() else value
     check_settings(settings, head_dim)
     return settings
 

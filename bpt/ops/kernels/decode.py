@@ -205,9 +205,7 @@ def _computed_tile(block_k: int, schedule: str, tiles: int, split_size: int, las
         return (_slot_range(last_ref, i)[0] + block_k) // block_k
 
     if schedule == "split":
-        seq = program // tiles
-        first = (program % tiles) * split_size
-        end = jnp.minimum(first + split_size, visible(seq))
+        seq, first, size = program // tiles, (program % tiles) * split_size, split_size
     else:
         total = lax.fori_loop(0, batch, lambda i, acc: acc + visible(i), jnp.int32(0))
         size = jnp.maximum(1, (total + tiles - 1) // tiles)
@@ -220,8 +218,9 @@ def _computed_tile(block_k: int, schedule: str, tiles: int, split_size: int, las
 
         past = jnp.int32(2**30)  # a program past every sequence's tiles: the last one's, empty
         _, seq, first = lax.fori_loop(0, batch, find, (jnp.int32(0), jnp.int32(batch - 1), past))
-        end = jnp.minimum(first + size, visible(seq))
-    return seq, jnp.minimum(first, end), end, (_slot_range(last_ref, seq)[1] + 1) // block_k
+    latest, earliest = _slot_range(last_ref, seq)
+    end = jnp.minimum(first + size, (latest + block_k) // block_k)
+    return seq, jnp.minimum(first, end), end, (earliest + 1) // block_k
 
 
 def _computed_tile_kernel(
@@ -299,9 +298,7 @@ def _merge(ids: Array, out: Array, lse: Array, count: int) -> tuple[Array, Array
     group's masked reductions over them (float32 throughout). At batch 1 on an H200 the
     segment sums this replaced were several small kernels a call (docs/notes/decoding.md); a
     merge kernel looping over a sequence's tiles was slower at batch 1, where it has few
-    programs. (The groups' sums were a float32 product with the [count, n] one-hot matrix;
-    masked sums need no GEMM for a few partials; at batch 8 the call stayed at 0.98-1.02x
-    cuDNN's, docs/benchmarks.md.)"""
+    programs."""
     if count == 1:  # a group's value broadcasts over the partials
         group_max = functools.partial(jnp.max, axis=0, keepdims=True)
         group_sum = functools.partial(jnp.sum, axis=0, keepdims=True)
@@ -313,7 +310,7 @@ def _merge(ids: Array, out: Array, lse: Array, count: int) -> tuple[Array, Array
         def group_max(x):
             return jnp.max(jnp.where(spread, x[None], -jnp.inf), axis=1)
 
-        def group_sum(x):  # masked sums, not a product with the one-hot matrix (see above)
+        def group_sum(x):  # masked sums: no GEMM with a one-hot matrix for a few partials
             return jnp.sum(jnp.where(member.reshape(*member.shape, *(1,) * (x.ndim - 1)), x[None], 0.0), axis=1)
 
         per_partial = ids
@@ -354,11 +351,9 @@ def decode_partial(
     LEAN_WAVES by default). schedule: SCHEDULES (the module docstring). table_in_kernel:
     the programs compute their tiles themselves (_computed_tile) instead of reading a tile
     table, and take the queries' slots as they are (no rows of slots made for them):
-    stream_k and split only (None: with them; False reads the table). On an H200 (jax 0.11.2) the
-    tile table, computed in the same program as the kernel, again came to the kernel damaged
-    at batch 2 with 1, 2 or 4 tiles a head (wrong outputs or an illegal address; see the
-    barrier below), while these computed tiles were exact in every case of
-    tests/test_decode.py; at batch 1 and 128K they also save 1-5% a call."""
+    stream_k and split only (None: with them; False reads the table). They read no table that
+    XLA computes in the same program (see the barrier below) and save 1-5% a call at batch 1
+    and 128K (docs/notes/decoding.md)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
     scales = () if k_scale is None else (k_scale, v_scale)
@@ -436,9 +431,8 @@ def decode_partial(
     # some tile counts (batch 2 with num_splits 1, 2 or 4) read a damaged table: NaN or wrong
     # outputs, or an illegal address, while the same kernel called alone was exact. The
     # barrier costs nothing (they are a few KiB); tests/test_decode.py holds the cases. On an
-    # H200 on 2026-12-04 the same cases failed again with the barrier (their buffers were
-    # disjoint in XLA's assignment, so the cause is not a reused buffer): stream_k and split
-    # now take table_in_kernel, which reads no table; the barrier stays for every path.
+    # H200 the same cases once failed with the barrier too, and later did not (the cause is
+    # not known; docs/notes/decoding.md): the default computed tiles read no table.
     out, lse, ids, _ = lax.optimization_barrier((out, lse, ids, kept))
     # The rows past q_len x group pad the kernel's dots: the merge reads only the queries' rows.
     out, lse = out[..., : q_len * group, :], lse[..., : q_len * group]
