@@ -191,6 +191,14 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
             row += f" | {bpt['tokens_per_second'] / other['tokens_per_second']:.2f}x" if both else " | –"
         lines.append(row + " |")
     text = "tokens/s per GPU (MFU" + (", the fastest chunk size" if grid else "") + ")\n\n" + "\n".join(lines)
+    clocked = sorted(
+        (r for r in by.values() if r["ok"] and r.get("sm_clock_mhz")), key=lambda r: (modes.index(r["mode"]), r["seq_len"])
+    )
+    if clocked:  # a GEMM runs about 12% slower than at the boost clock once the power limit holds it
+        text += "\n\nSM clock over the timed steps (median; the share of samples the power limit held it): " + ", ".join(
+            f"{LABELS[r['mode']]} {human_tokens(r['seq_len'])} {r['sm_clock_mhz']:.0f} MHz ({r['power_capped']:.0%})"
+            for r in clocked
+        )
     if losses:
         text += "\n\n| mode | train loss (last tenth of the steps) | held-out loss |\n|---|---|---|\n"
         text += "\n".join(

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -269,21 +270,76 @@ def error_summary(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
+POWER_CAP = 0x4  # nvidia-smi's clocks_throttle_reasons: the clock held down by the power limit
+
+
+class ClockSampler:
+    """nvidia-smi's SM clock (MHz), power draw (W) and throttle reasons for every GPU, sampled
+    every `every_ms` while it runs (a separate process); nothing where no nvidia-smi runs.
+    A GEMM runs at the boost clock for a few calls and about 12% slower once a card sits at
+    its power limit, the clock a quarter lower (scripts/bench_gemm.py): what a timing ran at
+    is part of its result."""
+
+    def __init__(self, every_ms: int = 50):
+        self.proc = None
+        if shutil.which("nvidia-smi") and jax.default_backend() == "gpu":
+            query = "--query-gpu=index,clocks.sm,power.draw,clocks_throttle_reasons.active"
+            cmd = ["nvidia-smi", query, "--format=csv,noheader,nounits", f"--loop-ms={every_ms}"]
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def stop(self) -> dict:
+        """{sm_clock_mhz: the samples' median, max_power_w, power_capped: the share of samples
+        the power limit held the clock down in, clock_samples}; {} without samples."""
+        if self.proc is None:
+            return {}
+        self.proc.terminate()
+        out, _ = self.proc.communicate()
+        return summarize_clock_samples(out)
+
+
+def summarize_clock_samples(text: str) -> dict:
+    """ClockSampler.stop's summary of nvidia-smi's lines (index, MHz, W, reasons)."""
+    clocks, power, capped = [], [], 0
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            clock, watts, reasons = float(parts[1]), float(parts[2]), int(parts[3], 16)
+        except (IndexError, ValueError):
+            continue  # a line cut short when the sampler stopped, or [N/A]
+        clocks.append(clock)
+        power.append(watts)
+        capped += bool(reasons & POWER_CAP)
+    if not clocks:
+        return {}
+    return {
+        "sm_clock_mhz": statistics.median(clocks),
+        "max_power_w": max(power),
+        "power_capped": capped / len(clocks),
+        "clock_samples": len(clocks),
+    }
+
+
 def run_steps(step: TrainingStep, steps: int = 3, *, warmup: int = 1) -> dict:
     """Runs warmup + steps real steps of step; raises what XLA raises when memory runs out.
 
     Returns the median step time, tokens/s, model TFLOP/s and MFU (over the mesh's devices,
-    where their peak is known), the highest peak memory its devices report, and the losses.
+    where their peak is known), the highest peak memory its devices report, the losses, and
+    on GPUs the clock and power the timed steps ran at (ClockSampler).
     """
     compiled = step.compiled()  # before allocating: compilation (autotuning) needs memory too
     state = step.init(jax.random.PRNGKey(step.config.seed))
     batch = step.batch(jax.random.PRNGKey(1))
-    times, losses = [], []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch, jax.random.PRNGKey(i))
-        losses.append(float(metrics["loss"]))  # waits for the step
-        times.append(time.perf_counter() - start)
+    times, losses, sampler = [], [], None
+    try:
+        for i in range(warmup + steps):
+            if i == warmup:
+                sampler = ClockSampler()
+            start = time.perf_counter()
+            state, metrics = compiled(state, batch, jax.random.PRNGKey(i))
+            losses.append(float(metrics["loss"]))  # waits for the step
+            times.append(time.perf_counter() - start)
+    finally:  # a step that runs out of memory leaves no sampler behind
+        clock = sampler.stop() if sampler else {}
     del state
     seconds = statistics.median(times[warmup:])
     devices = jax.local_devices()[: step.num_devices]
@@ -298,6 +354,7 @@ def run_steps(step: TrainingStep, steps: int = 3, *, warmup: int = 1) -> dict:
         "peak_bytes": max(peaks) if peaks else None,
         "losses": losses,
         "devices": step.num_devices,
+        **clock,
     }
 
 

@@ -19,7 +19,8 @@ device's wait for a later one, with how often each device was the last. The trac
 (for Perfetto or TensorBoard) stays under --out. Prints the step time and the --top
 operations as a markdown table last; --out also gets profile.json. --fusions N adds what
 the N slowest elementwise and norm fusions compute (their opcodes) and the bandwidth they
-reach.
+reach; --matmuls N the N slowest matmuls (cuBLAS's calls, XLA's Triton GEMMs) with the
+TFLOP/s each ran at, against --peak_tflops (the bf16 GEMM ceiling measured on the GPU).
 """
 
 from __future__ import annotations
@@ -167,6 +168,80 @@ def fusion_contents(text: str) -> dict[str, dict]:
     return {name: bodies[c] for name, c in calls.items() if c in bodies}
 
 
+MATMUL_TARGET = re.compile(r"matmul|gemm", re.I)  # cuBLAS's custom calls (__cublas$lt$matmul, __cublas$gemm)
+CONTRACTING = re.compile(r'lhs_contracting_dim(?:s=\{([\d,]*)\}|ensions":\[([^\]]*)\])')
+
+
+def _dims(shape: str) -> list[int]:
+    m = ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def matmul_flops(text: str) -> dict[str, float]:
+    """{operation: FLOPs a call} of an HLO module's text for its matmuls: a dot, a cuBLAS
+    custom call, or a fusion whose computation holds dots (XLA's Triton GEMMs): 2 x the
+    output's elements x the contracted length of the left operand."""
+    shapes, own, per_body, calls, current = {}, {}, collections.Counter(), {}, None
+    for line in text.splitlines():
+        if m := COMPUTATION.match(line):
+            current = m.group(1)
+            for name, shape in re.findall(r"([\w.\-]+): ([^,()]+(?:\[[\d,]*\])?)", m.group(2)):
+                shapes[name] = shape
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        ins = HLO_LINE.match(line)
+        if not ins:
+            continue
+        name, shape, opcode = ins.groups()
+        shapes[name] = shape
+        if opcode == "fusion" and (called := re.search(r"calls=%?([\w.\-]+)", line)):
+            calls[name] = called.group(1)
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        if opcode != "dot" and not (opcode == "custom-call" and target and MATMUL_TARGET.search(target.group(1))):
+            continue
+        args = line[ins.end():]
+        lhs = ARRAY.match(args.lstrip())  # the operand's shape where the text prints it
+        lhs_dims = _dims(lhs.group(0)) if lhs else _dims(shapes.get(re.match(r"\s*%?([\w.\-]+)", args).group(1), ""))
+        contracting = CONTRACTING.search(line)
+        if not (contracting and lhs_dims):
+            continue
+        axes = [int(a.strip('" ')) for a in (contracting.group(1) or contracting.group(2) or "").split(",") if a.strip('" ')]
+        flops = 2.0 * math.prod(_dims(shape)) * math.prod(lhs_dims[a] for a in axes)
+        own[name] = flops
+        if current is not None:
+            per_body[current] += flops
+    own.update({name: per_body[c] for name, c in calls.items() if per_body.get(c)})
+    return own
+
+
+def matmuls_table(ops: list[dict], flops: dict[str, float], top: int, peak_tflops: float | None = None) -> str:
+    """The `top` slowest matmul operations: milliseconds a step, runs, GFLOP a run and the
+    TFLOP/s they ran at (against peak_tflops, the ceiling the step's GEMMs could reach), and
+    a last row over every matmul the profile holds: the time they would save at the ceiling."""
+    head = "| operation | ms a step | runs | GFLOP a run | TFLOP/s | of the ceiling | computes |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    rows = [op for op in ops if op["op"] in flops and op["ms"] > 0]
+
+    def rate(f, ms):
+        return f / (ms * 1e9)
+
+    for op in rows[:top]:
+        f = flops[op["op"]] * op.get("runs", op["calls"])
+        share = f"{rate(f, op['ms']) / peak_tflops:.0%}" if peak_tflops else ""
+        lines.append(
+            f"| {op['op'][:40]} | {op['ms']:.2f} | {op.get('runs', op['calls']):g} | {flops[op['op']] / 1e9:.1f} | "
+            f"{rate(f, op['ms']):.0f} | {share} | {op['hlo'][:60]} |"
+        )
+    ms = sum(op["ms"] for op in rows)
+    total = sum(flops[op["op"]] * op.get("runs", op["calls"]) for op in rows)
+    if ms:
+        saved = f"; at {peak_tflops:g} TFLOP/s they would take {total / (peak_tflops * 1e9):.1f} ms" if peak_tflops else ""
+        lines.append(f"\nall {len(rows)} matmul operations: {ms:.1f} ms a step at {rate(total, ms):.0f} TFLOP/s{saved}")
+    return "\n".join(lines)
+
+
 def fusions_table(ops: list[dict], fusions: dict[str, dict], top: int, **known) -> str:
     """The `top` slowest operations of the "elementwise and norms" part: milliseconds a step,
     launches, the bandwidth their bytes imply (an upper bound) and what each computes, to
@@ -193,9 +268,13 @@ def is_collective(e: dict) -> bool:
     return kind_of(f"{e['name']} {operation(e)}") == "collective"
 
 
+MEMSET = re.compile(r"^memset", re.I)
+
+
 def summarize(events: list[dict], steps: int, shapes: dict[str, str] | None = None) -> dict:
-    """Kernel time per step (ms), by operation and by kind."""
-    by_op: dict[str, dict] = collections.defaultdict(lambda: {"ms": 0.0, "calls": 0, "kernels": set()})
+    """Kernel time per step (ms), by operation and by kind; an operation's calls count its
+    kernels, its runs those that are not memsets (a cuBLAS call's two kernels are one run)."""
+    by_op: dict[str, dict] = collections.defaultdict(lambda: {"ms": 0.0, "calls": 0, "runs": 0, "kernels": set()})
     by_kind: dict[str, float] = collections.Counter()
     for e in events:
         op = operation(e)
@@ -203,6 +282,7 @@ def summarize(events: list[dict], steps: int, shapes: dict[str, str] | None = No
         entry = by_op[op]
         entry["ms"] += ms
         entry["calls"] += 1
+        entry["runs"] += not MEMSET.search(e["name"])  # cuBLAS's calls launch a memset first
         entry["kernels"].add(e["name"])
         by_kind[kind_of(e["name"] + " " + op)] += ms
     ops = sorted(
@@ -211,6 +291,7 @@ def summarize(events: list[dict], steps: int, shapes: dict[str, str] | None = No
                 "op": op,
                 "ms": v["ms"],
                 "calls": v["calls"] / steps,
+                "runs": v["runs"] / steps,
                 "kernel": sorted(v["kernels"])[0],
                 "hlo": (shapes or {}).get(op, ""),
             }
@@ -314,6 +395,13 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
         "--fusions", type=int, default=0, help="also list the N slowest elementwise/norm fusions' contents"
+    )
+    p.add_argument("--matmuls", type=int, default=0, help="also list the N slowest matmuls' TFLOP/s")
+    p.add_argument(
+        "--peak_tflops",
+        type=float,
+        default=None,
+        help="the GEMM ceiling the --matmuls table compares against (a bf16 matmul measured on the GPU)",
     )
     args = p.parse_args()
 
@@ -420,6 +508,9 @@ def main() -> None:
     if args.fusions:
         print(f"\nThe {args.fusions} slowest elementwise and norm operations:\n")
         print(fusions_table(summary["ops"], fusion_contents(hlo), args.fusions, **known))
+    if args.matmuls:
+        print(f"\nThe {args.matmuls} slowest matmuls:\n")
+        print(matmuls_table(summary["ops"], matmul_flops(hlo), args.matmuls, args.peak_tflops))
 
 
 if __name__ == "__main__":

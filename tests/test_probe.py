@@ -187,6 +187,10 @@ def test_memory_efficient_with_the_chunked_loss_is_a_column_of_its_own():
     lines = load_script("bench_throughput").tables(runs, [], three, [2048]).splitlines()
     assert lines[2].endswith("| BPT / MemoryEfficient | BPT / MemoryEfficient + chunked loss |")
     assert lines[4] == "| 2K | 100 (40%) | 110 (40%) | 121 (40%) | 1.21x | 1.10x |"
+    assert not any("SM clock" in line for line in lines)  # no GPU sampled
+    runs[2].update(sm_clock_mhz=1650.0, power_capped=0.76)
+    lines = load_script("bench_throughput").tables(runs, [], three, [2048]).splitlines()
+    assert lines[-1].endswith("power limit held it): BPT 2K 1650 MHz (76%)")
 
 
 def test_throughput_script_end_to_end(tmp_path):
@@ -732,6 +736,10 @@ def test_profile_parts_of_a_step():
         for _ in range(n)
     ]
     summary = profile_step.summarize(trace, 2, shapes)
+    gemm = [{"name": k, "dur": 5, "args": {"hlo_op": "custom-call.3"}} for k in ("Memset 3", "nvjet_sm90_tss")]
+    assert profile_step.summarize(gemm, 1)["ops"][0] | {"kernel": ""} == {
+        "op": "custom-call.3", "ms": 0.01, "calls": 2, "runs": 1, "kernel": "", "hlo": ""
+    }
     assert summary["kernel_ms_per_step"] == pytest.approx(sum(us for _, _, us, _ in events) / 2e3)
     assert summary["ops"][0]["op"] == "dot_product_attention_bwd.8" and summary["ops"][0]["calls"] == 1
     parts = profile_step.by_part(
@@ -783,6 +791,88 @@ ENTRY %main (a: bf16[8,1024], b: bf16[8,1024], g: f32[1024]) -> (bf16[8,1024], f
     table = profile_step.fusions_table(ops, fusions, 5)
     gbs = f["bytes"] * 10 / 1e3  # bytes a step over 1 us, in GB/s
     assert f"| input_add_reduce_fusion.7 | 0.00 | 10 | {gbs:.0f} | add reduce rsqrt |" in table
+
+
+def test_profile_rates_each_matmul():
+    """profile_step's --matmuls table: the FLOPs of a cuBLAS call (its backend config's
+    contracting dimensions), of a dot, and of a fusion holding a dot (a Triton GEMM), turned
+    into TFLOP/s by the profiled time and compared with a ceiling."""
+    profile_step = load_script("profile_step")
+    hlo = """
+%triton_gemm (param_0: bf16[64,32], param_1: bf16[32,16]) -> bf16[64,16] {
+  %param_0 = bf16[64,32]{1,0} parameter(0)
+  %param_1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.3 = bf16[64,16]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[16384,2048], w: bf16[2048,8192], x: bf16[4,128,64]) -> bf16[16384,8192] {
+  %a = bf16[16384,2048]{1,0} parameter(0)
+  %w = bf16[2048,8192]{1,0} parameter(1)
+  %x = bf16[4,128,64]{2,1,0} parameter(2)
+  %custom-call.14 = (bf16[16384,8192]{1,0}, s8[33554432]{0}) custom-call(bf16[16384,2048]{1,0} %a, bf16[2048,8192]{1,0} %w), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
+  %dot.7 = bf16[4,128,128]{2,1,0} dot(%x, %x), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={2}
+  %gemm_fusion = bf16[64,16]{1,0} fusion(%a, %w), kind=kCustom, calls=%triton_gemm
+  ROOT %add.1 = bf16[16384,8192]{1,0} add(%a, %a)
+}
+"""
+    flops = profile_step.matmul_flops(hlo)
+    assert flops == {
+        "custom-call.14": 2.0 * 16384 * 8192 * 2048,
+        "dot.7": 2.0 * 4 * 128 * 128 * 64,
+        "dot.3": 2.0 * 64 * 16 * 32,
+        "gemm_fusion": 2.0 * 64 * 16 * 32,
+    }
+    ops = [  # the up-projection twice a step in 0.705 ms each: 780 TFLOP/s (a memset before each)
+        {"op": "custom-call.14", "ms": 1.41, "calls": 4, "runs": 2, "kernel": "nvjet", "hlo": "bf16[16384,8192]"},
+        {"op": "add.1", "ms": 0.5, "calls": 1, "kernel": "loop_add", "hlo": ""},
+        {"op": "gemm_fusion", "ms": 0.001, "calls": 1, "kernel": "triton", "hlo": ""},
+    ]
+    table = profile_step.matmuls_table(ops, flops, 5, peak_tflops=800)
+    assert "| custom-call.14 | 1.41 | 2 | 549.8 | 780 | 97% |" in table
+    assert "add.1" not in table and "all 2 matmul operations: 1.4 ms a step at 779 TFLOP/s" in table
+    assert "at 800 TFLOP/s they would take 1.4 ms" in table
+    assert "of the ceiling" in profile_step.matmuls_table(ops, flops, 1) and "%" not in profile_step.matmuls_table(ops, flops, 1)
+
+
+SMI = """0, 1980, 135.20, 0x0000000000000000
+0, 1440, 698.91, 0x0000000000000004
+0, 1455, 701.30, 0x0000000000000004
+0, 1470, [N/A], 0x0000000000000004
+0, 1500, 690.0"""  # nvidia-smi's lines: index, SM MHz, W, throttle reasons; the last two cut short
+
+
+def test_clock_samples_are_summarized():
+    """benchlib.summarize_clock_samples: the median clock, the highest power and the share of
+    samples the power limit held the clock in, over nvidia-smi's whole lines only."""
+    assert benchlib.summarize_clock_samples(SMI) == {
+        "sm_clock_mhz": 1455.0,
+        "max_power_w": 701.3,
+        "power_capped": pytest.approx(2 / 3),
+        "clock_samples": 3,
+    }
+    assert benchlib.summarize_clock_samples("") == {}
+    assert benchlib.ClockSampler().stop() == {}  # no GPU here: nothing sampled, nothing raised
+
+
+def test_the_gemm_ceiling_script(tmp_path):
+    """scripts/bench_gemm.py: a config's layer shapes, calls back to back, a table with the
+    clock and power columns only where nvidia-smi sampled them; bad shapes named."""
+    bench_gemm = load_script("bench_gemm")
+    shapes = bench_gemm.layer_shapes(str(ROOT / "configs/gpt_1b.py"), 16384)
+    assert shapes["FFN up"] == (16384, 2048, 8192) and shapes["FFN weight gradient"] == (2048, 16384, 8192)
+    with pytest.raises(SystemExit, match="MxKxN"):
+        bench_gemm.parse_shapes("16384x2048")
+    rows = [
+        dict(shape="up", mkn=[2, 3, 4], calls=20, us=700.0, tflops=790.4),
+        dict(shape="up", mkn=[2, 3, 4], calls=3000, us=800.0, tflops=681.2, **benchlib.summarize_clock_samples(SMI)),
+    ]
+    text = bench_gemm.table(rows, "NVIDIA H200")
+    assert "| up | 2x3x4 | 20 | 700 | 790 | – | – | – |" in text
+    assert "| up | 2x3x4 | 3000 | 800 | 681 | 1455 | 701 | 67% |" in text
+    assert "SM clock" not in bench_gemm.table(rows[:1], "cpu")
+    run_script("bench_gemm.py", "--shapes", "8x16x8", "--calls", "1,2", "--pause", "0", "--out", "g", cwd=tmp_path)
+    lines = (tmp_path / "g" / "table.md").read_text().splitlines()
+    assert [line.split(" | ")[2] for line in lines[4:]] == ["1", "2"]
 
 
 def test_only_training_chooses_the_remat(monkeypatch):
