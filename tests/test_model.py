@@ -564,6 +564,21 @@ def test_attention_saveable_keeps_the_attention_forward_from_running_twice(batch
     assert step_flops(kept, params, tokens, targets) < step_flops(cfg, params, tokens, targets)
 
 
+def test_attention_and_dots_saveable_keeps_attention_inputs_not_their_projections(batch, capsys):
+    """attention_and_dots_saveable keeps q, k and v as attention takes them (biases added,
+    rotary positions applied) in place of the projections' matmul outputs: the same numbers,
+    and the backward recomputes no bias add or rotation."""
+    tokens, targets, params = batch
+    cfg = dataclasses.replace(BASE, remat_layer="attention_and_dots_saveable", scan_layers=False)
+    assert cfg.position_embedding == "rotary" and cfg.use_bias
+    lines = saved_residuals(cfg, unstack_layers(params, BASE.num_layers), tokens, targets, capsys).splitlines()
+    b, n, hd = *tokens.shape, BASE.d_model // BASE.num_heads
+    qkv = {f"f32[{b},{n},{h},{hd}]" for h in (BASE.num_heads, BASE.num_kv_heads)}
+    named = [line for line in lines if "named 'attention_inputs'" in line]
+    assert len(named) == 3 * BASE.num_layers and {line.split()[0] for line in named} == qkv
+    assert not [line for line in lines if line.split()[0] in qkv and "dot_general" in line]
+
+
 def test_grouped_remat_keeps_fewer_layer_inputs():
     """8 layers: 8 saved layer inputs alone, 8/4 + 4 = 6 with groups of four. Measured as
     the growth of the gradient's temporary memory per token (constant buffers cancel)."""

@@ -48,7 +48,7 @@ from bpt.ops.blockwise import attend_query_chunk, gradient_carrier
 from bpt.ops.chunked import CrossEntropy, from_chunks, largest_chunk, scan_chunks
 from bpt.ops.decode import DECODE, decode_attention, quantize_kv, write_cache
 from bpt.ops.kernels.attention import kernel_settings, parse_settings
-from bpt.ops.remat import check_policy, remat
+from bpt.ops.remat import ATTENTION_INPUTS, check_policy, remat
 from bpt.parallel.mesh import Parallelism
 from bpt.parallel.ring import context_parallel_attention
 from bpt.parallel.tree import sharded_write_cache, tree_decode_attention
@@ -391,6 +391,8 @@ class Block(Layer):
         q, k, v = project_qkv(p, norm_rows(p, "ln1", x))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if not self.decode:  # kept by attention_and_dots_saveable in place of the projections
+            q, k, v = (checkpoint_name(t, ATTENTION_INPUTS) for t in (q, k, v))
 
         impl = self._attention_impl(q, k, segment_ids)
         if self.decode:

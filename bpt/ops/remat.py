@@ -19,6 +19,12 @@ ATTENTION_LSE = "attention_lse"
 # output and logsumexp (FLASH's relu^2 weights and the [values ; states] it multiplied).
 ATTENTION_RESIDUAL = "attention_residual"
 ATTENTION_NAMES = (ATTENTION_OUT, ATTENTION_LSE, ATTENTION_RESIDUAL)
+# Attention's inputs as the layer hands them over: the projections with their biases added
+# and the rotary positions applied (bpt.models.gpt). Where the projections' outputs are kept
+# anyway (attention_and_dots_saveable) keeping these instead costs no memory (the same
+# shapes, in place of the three matmul outputs) and spares the backward the recomputed bias
+# adds and rotations.
+ATTENTION_INPUTS = "attention_inputs"
 
 
 def kept_results(values: tuple[Array, ...], names: tuple[str, ...]) -> tuple[Array, ...]:
@@ -42,6 +48,12 @@ def _attention_saveable(prim, *_, **params) -> bool:
     return prim.name.startswith("dot_product_attention") and "_fwd" in prim.name
 
 
+def _attention_and_inputs_saveable(prim, *args, **params) -> bool:
+    if prim.name == "name" and params.get("name") == ATTENTION_INPUTS:
+        return True
+    return _attention_saveable(prim, *args, **params)
+
+
 POLICIES: dict[str, Callable | None] = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
@@ -52,9 +64,10 @@ POLICIES: dict[str, Callable | None] = {
     # never the attention forward. Per token and layer: the output (d_model in the compute
     # dtype) and 4 bytes a head.
     "attention_saveable": _attention_saveable,
-    # That, and the outputs of the weight matmuls (the projections and the FFN's).
+    # That, and the outputs of the weight matmuls (the projections and the FFN's), the
+    # query, key and value projections as attention takes them (ATTENTION_INPUTS).
     "attention_and_dots_saveable": jax.checkpoint_policies.save_from_both_policies(
-        _attention_saveable, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        _attention_and_inputs_saveable, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     ),
     # No checkpoint at all: JAX's autodiff keeps what it needs.
     "none": None,
