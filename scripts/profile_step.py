@@ -20,7 +20,8 @@ device's wait for a later one, with how often each device was the last. The trac
 operations as a markdown table last; --out also gets profile.json. --fusions N adds what
 the N slowest elementwise and norm fusions compute (their opcodes) and the bandwidth they
 reach; --matmuls N the N slowest matmuls (cuBLAS's calls, XLA's Triton GEMMs) with the
-TFLOP/s each ran at, against --peak_tflops (the bf16 GEMM ceiling measured on the GPU).
+TFLOP/s each ran at, against --peak_tflops (the GEMM ceiling scripts/bench_gemm.py measures:
+its sustained rows, where the card sits at its power limit as the step does).
 """
 
 from __future__ import annotations
@@ -219,7 +220,8 @@ def matmul_flops(text: str) -> dict[str, float]:
 def matmuls_table(ops: list[dict], flops: dict[str, float], top: int, peak_tflops: float | None = None) -> str:
     """The `top` slowest matmul operations: milliseconds a step, runs, GFLOP a run and the
     TFLOP/s they ran at (against peak_tflops, the ceiling the step's GEMMs could reach), and
-    a last row over every matmul the profile holds: the time they would save at the ceiling."""
+    a last line over every matmul the profile holds: their time, and what it would be at the
+    ceiling."""
     head = "| operation | ms a step | runs | GFLOP a run | TFLOP/s | of the ceiling | computes |"
     lines = [head, "|---|---|---|---|---|---|---|"]
     rows = [op for op in ops if op["op"] in flops and op["ms"] > 0]
@@ -401,7 +403,7 @@ def main() -> None:
         "--peak_tflops",
         type=float,
         default=None,
-        help="the GEMM ceiling the --matmuls table compares against (a bf16 matmul measured on the GPU)",
+        help="the GEMM ceiling the --matmuls table compares against (TFLOP/s; scripts/bench_gemm.py measures it)",
     )
     args = p.parse_args()
 
