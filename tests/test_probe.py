@@ -875,6 +875,43 @@ def test_the_gemm_ceiling_script(tmp_path):
     assert [line.split(" | ")[2] for line in lines[4:]] == ["1", "2"]
 
 
+def test_paired_variants_alternate_and_compare_with_the_first(tmp_path):
+    """scripts/bench_paired.py: variants parsed by name, rounds alternating (reversed every
+    other round), each variant's mean against the first's by the rounds' ratios."""
+    bench_paired = load_script("bench_paired")
+    assert bench_paired.parse_variant("b: model.q_chunk_size=32; model.attention_options=a=1,b=2") == (
+        "b", ["model.q_chunk_size=32", "model.attention_options=a=1,b=2"]
+    )
+    assert bench_paired.parse_variant("defaults:") == ("defaults", [])
+    for bad in ("no colon", ": model.x=1", "b: model.x"):
+        with pytest.raises(SystemExit, match="--variant"):
+            bench_paired.parse_variant(bad)
+    row = dict(compiled_gib=1.0, mfu=0.5, losses=[2.0])
+    rows = [
+        dict(row, round=0, variant="a", tokens_per_second=100.0),
+        dict(row, round=0, variant="b", tokens_per_second=110.0),
+        dict(row, round=1, variant="b", tokens_per_second=99.0, sm_clock_mhz=1600.0),
+        dict(row, round=1, variant="a", tokens_per_second=90.0),
+        dict(row, round=2, variant="a", tokens_per_second=95.0),  # an unfinished round: left out
+    ]
+    a, b = bench_paired.summary(rows, ["a", "b"])
+    assert (a["rounds"], a["ratio"], b["tokens_per_second"]) == (2, 1.0, 104.5)
+    assert (b["ratio"], b["ratio_low"], b["ratio_high"]) == (pytest.approx(1.1), pytest.approx(1.1), pytest.approx(1.1))
+    text = bench_paired.tables(rows, ["a", "b"], {"device": "cpu", "jax": "0"})
+    assert "| 1 | b | 99 | 50.00% | 1600 | 2.0000 |" in text and "| 0 | a | 100 | 50.00% | – | 2.0000 |" in text
+    assert "| b | 2 | 104 | 50.00% | 1.1000x | 1.1000-1.1000 | 1.00 | 2.0000 |" in text
+    proc = run_script(
+        "bench_paired.py", f"--config={TINY}", "--seq_len=64", "--batch=2", "--variant=a:",
+        "--variant=b: model.q_chunk_size=32; model.kv_chunk_size=32", "--rounds=2", "--steps=1", "--warmup=0",
+        "--out=p", cwd=tmp_path,
+    )  # fmt: skip
+    rounds = [line.split(" | ")[:2] for line in proc.stdout.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
+    assert rounds == [["| 0", "a"], ["| 0", "b"], ["| 1", "b"], ["| 1", "a"]]
+    results = json.loads((tmp_path / "p" / "results.json").read_text())
+    losses = {s["variant"]: s["loss"] for s in results["summary"]}
+    assert losses["a"] == pytest.approx(losses["b"], rel=1e-5)  # chunk sizes leave the function alone
+
+
 def test_only_training_chooses_the_remat(monkeypatch):
     """bpt-eval and bpt-sample (restore_run -> setup) never compile candidate training steps
     for model.remat_layer=auto; bpt-train (setup with training=True) does."""
