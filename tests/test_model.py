@@ -501,6 +501,7 @@ def test_ffn_chunk_size_auto_takes_the_largest_multiple_of_q_chunk_size_within_i
         "everything_saveable",
         "attention_saveable",
         "attention_and_dots_saveable",
+        "attention_dots_and_norms_saveable",
         "none",
     ],
 )
@@ -577,6 +578,28 @@ def test_attention_and_dots_saveable_keeps_attention_inputs_not_their_projection
     named = [line for line in lines if "named 'attention_inputs'" in line]
     assert len(named) == 3 * BASE.num_layers and {line.split()[0] for line in named} == qkv
     assert not [line for line in lines if line.split()[0] in qkv and "dot_general" in line]
+
+
+def test_attention_dots_and_norms_saveable_runs_each_norm_kernel_once(batch, capsys):
+    """attention_dots_and_norms_saveable also keeps what bpt's LayerNorm kernels computed (the
+    norms' outputs and statistics, ln2's residual sum), so the backward runs no norm forward
+    again: in interpret mode each kernel is a loop, and the compiled step has fewer of them;
+    the gradients are the same."""
+    tokens, targets, params = batch
+    unstacked = unstack_layers(params, BASE.num_layers)
+    cfg = dataclasses.replace(BASE, norm_impl="pallas", scan_layers=False, remat_layer="attention_and_dots_saveable")
+    kept = dataclasses.replace(cfg, remat_layer="attention_dots_and_norms_saveable")
+    expected = forward(dataclasses.replace(cfg, remat_layer="none"), unstacked, tokens, targets)[2]
+    assert tree_rel_err(forward(kept, unstacked, tokens, targets)[2], expected) < TOL
+
+    def loops(c) -> int:
+        model = GPT(c)
+        loss = lambda p: model.apply({"params": p}, tokens, targets=targets).loss  # noqa: E731
+        return jax.jit(jax.grad(loss)).lower(unstacked).compile().as_text().count(" while(")
+
+    assert loops(kept) < loops(cfg)
+    named = [line for line in saved_residuals(kept, unstacked, tokens, targets, capsys).splitlines() if "norm_results" in line]
+    assert len(named) == 3 * BASE.num_layers  # ln1's output, mean and rstd (ln2's sit in the FFN's chunk loop)
 
 
 def test_grouped_remat_keeps_fewer_layer_inputs():

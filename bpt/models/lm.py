@@ -35,7 +35,7 @@ import numpy as np
 
 from bpt.ops.chunked import CrossEntropy, blockwise_cross_entropy, cross_entropy
 from bpt.ops.kernels import layer_norm as norm_kernel
-from bpt.ops.remat import POLICIES, check_policy
+from bpt.ops.remat import NORM_RESULTS, POLICIES, check_policy, kept_results
 from bpt.parallel.mesh import Parallelism
 from bpt.parallel.ring import from_layout, layout_permutation, to_layout
 
@@ -281,7 +281,7 @@ def _runs_kernels(x: Array, impl: str) -> bool:
 
 def _layer_norm_fwd(x: Array, scale: Array, bias: Array, eps: float, impl: str = "xla"):
     if _runs_kernels(x, impl):
-        y, mean, rstd = norm_kernel.forward(x, scale, bias, eps)
+        y, mean, rstd = kept_results(norm_kernel.forward(x, scale, bias, eps), (NORM_RESULTS,) * 3)
         return y, (x, mean[..., None], rstd[..., None], scale, bias)
     x32 = x.astype(jnp.float32)
     mean = x32.mean(axis=-1, keepdims=True)
@@ -332,7 +332,8 @@ def _fused_add_layer_norm(x, residual, scale, bias, eps):
 
 
 def _fused_add_layer_norm_fwd(x, residual, scale, bias, eps):
-    h, y, mean, rstd = norm_kernel.forward(x, scale, bias, eps, residual=residual)
+    results = norm_kernel.forward(x, scale, bias, eps, residual=residual)
+    h, y, mean, rstd = kept_results(results, (NORM_RESULTS,) * 4)
     return (h, y), (h, mean, rstd, scale, bias)
 
 

@@ -25,6 +25,10 @@ ATTENTION_NAMES = (ATTENTION_OUT, ATTENTION_LSE, ATTENTION_RESIDUAL)
 # shapes, in place of the three matmul outputs) and spares the backward the recomputed bias
 # adds and rotations.
 ATTENTION_INPUTS = "attention_inputs"
+# What bpt's LayerNorm kernels return and their backward reads (the norm's output and row
+# statistics, and with the residual add its sum): kept by attention_dots_and_norms_saveable,
+# so that the backward does not run the norms' forward kernels again (bpt.models.lm).
+NORM_RESULTS = "norm_results"
 
 
 def kept_results(values: tuple[Array, ...], names: tuple[str, ...]) -> tuple[Array, ...]:
@@ -48,10 +52,15 @@ def _attention_saveable(prim, *_, **params) -> bool:
     return prim.name.startswith("dot_product_attention") and "_fwd" in prim.name
 
 
-def _attention_and_inputs_saveable(prim, *args, **params) -> bool:
-    if prim.name == "name" and params.get("name") == ATTENTION_INPUTS:
-        return True
-    return _attention_saveable(prim, *args, **params)
+def _attention_and(*names: str) -> Callable:
+    """_attention_saveable, and the values under these checkpoint names."""
+
+    def policy(prim, *args, **params) -> bool:
+        if prim.name == "name" and params.get("name") in names:
+            return True
+        return _attention_saveable(prim, *args, **params)
+
+    return policy
 
 
 POLICIES: dict[str, Callable | None] = {
@@ -67,7 +76,13 @@ POLICIES: dict[str, Callable | None] = {
     # That, and the outputs of the weight matmuls (the projections and the FFN's), the
     # query, key and value projections as attention takes them (ATTENTION_INPUTS).
     "attention_and_dots_saveable": jax.checkpoint_policies.save_from_both_policies(
-        _attention_and_inputs_saveable, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        _attention_and(ATTENTION_INPUTS), jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    ),
+    # That, and what bpt's LayerNorm kernels computed (NORM_RESULTS): per token and layer two
+    # rows of d_model more (ln1's output; ln2's output and the residual sum before it) and
+    # four numbers, where the kernels run.
+    "attention_dots_and_norms_saveable": jax.checkpoint_policies.save_from_both_policies(
+        _attention_and(ATTENTION_INPUTS, NORM_RESULTS), jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     ),
     # No checkpoint at all: JAX's autodiff keeps what it needs.
     "none": None,
