@@ -22,6 +22,7 @@ from ml_collections import ConfigDict
 from bpt.config import check_config, model_config
 from bpt.data.tokenizers import GPT2_VOCAB
 from bpt.models import make_model
+from bpt.models.gpt import auto_norm_impl
 from bpt.models.lm import stack_unrolled
 from bpt.train.state import jit_initializer, jit_steps, make_parallelism
 
@@ -68,18 +69,37 @@ def is_out_of_memory(error: BaseException | str) -> bool:
 
 # model.remat_layer=auto tries these, the fastest first, and takes the first whose step fits.
 AUTO_REMAT = ("attention_and_dots_saveable", "attention_saveable", "nothing_saveable")
+# Where the layers' LayerNorms run as bpt's kernels (runs_norm_kernels), auto tries this one
+# first: it keeps what they computed too, so the backward runs no norm forward again (GPT-1B
+# on an H200, paired: +1.3% at 8K, +0.75% at 32K, for 6 GiB more a 32K-token step;
+# docs/notes/step_speed.md). Elsewhere it is attention_and_dots_saveable's step, not compiled twice.
+AUTO_NORMS = "attention_dots_and_norms_saveable"
 _SAY = functools.partial(print, flush=True)  # resolve_remat's progress lines, printed at once
 
 
-def auto_policies(model: ConfigDict) -> tuple[str, ...]:
-    """The policies auto tries for this model, the fastest first: AUTO_REMAT, after "none"
-    (no layer remat) where the layer stack runs unrolled (model.scan_unroll >= num_layers,
-    or scan_layers off). In a loop over layers, what the backward keeps goes through the
+def auto_policies(model: ConfigDict, *, norm_kernels: bool = False) -> tuple[str, ...]:
+    """The policies auto tries for this model, the fastest first: AUTO_REMAT, after AUTO_NORMS
+    where norm_kernels (runs_norm_kernels), after "none" (no layer remat) where the layer
+    stack runs unrolled (model.scan_unroll >= num_layers, or scan_layers off). In a loop over layers, what the backward keeps goes through the
     loop's per-layer stacks, and keeping everything was slower than nothing_saveable
     (FLASH-125M at 8K on an H100: 251,796 tokens/s in 68.1 GiB against 306,794 in 6.7);
     unrolled it was the fastest (380,789 in 37.2 GiB; the GPT 271,791 in 15.0 GiB against
     257K keeping attention and the matmuls: docs/notes/flash.md)."""
-    return (("none",) if stack_unrolled(model) and _one_loop(model) else ()) + AUTO_REMAT
+    none = ("none",) if stack_unrolled(model) and _one_loop(model) else ()
+    return none + ((AUTO_NORMS,) if norm_kernels else ()) + AUTO_REMAT
+
+
+def runs_norm_kernels(config: ConfigDict, devices=None) -> bool:
+    """Whether the layers' LayerNorms run as bpt's kernels, on the mesh config.mesh makes of
+    `devices`: a GPT with LayerNorm (not RMSNorm) whose model.norm_impl is "pallas", or "auto"
+    on one GPU (bpt.models.gpt.auto_norm_impl). FLASH's norms are XLA's."""
+    model = config.model
+    if model.get("family", "gpt") != "gpt" or model.get("rms_norm", False):
+        return False
+    impl = model.get("norm_impl", "auto")
+    if impl == "auto":
+        impl = auto_norm_impl(make_parallelism(config, devices) is None)
+    return impl == "pallas"
 
 
 # How auto's choice line ("model.remat_layer=auto: POLICY (NOTE; step memory: ...)") says that
@@ -93,13 +113,13 @@ CHOICE_NOTES = {
 AUTO_OFFLOAD = "attention_saveable"
 
 
-def auto_candidates(model: ConfigDict) -> tuple[tuple[str, bool], ...]:
+def auto_candidates(model: ConfigDict, *, norm_kernels: bool = False) -> tuple[tuple[str, bool], ...]:
     """(policy, offload_layer_inputs) for each step auto compiles, in order: auto_policies'
     with the model's own offload_layer_inputs, and where may_offload(model) AUTO_OFFLOAD once
     more with the inputs offloaded, right after it."""
     own = model.get("offload_layer_inputs", False)
     candidates = []
-    for policy in auto_policies(model):
+    for policy in auto_policies(model, norm_kernels=norm_kernels):
         candidates.append((policy, own))
         if policy == AUTO_OFFLOAD and may_offload(model):
             candidates.append((policy, True))
@@ -133,7 +153,7 @@ def resolve_remat(
     say=_SAY,
 ) -> ConfigDict:
     """config itself, or where model.remat_layer is "auto" a copy with the first candidate of
-    auto_candidates(config.model) (a policy of auto_policies', and where model.auto_offload
+    auto_candidates(config.model, norm_kernels=runs_norm_kernels(config, devices)) (a policy of auto_policies', and where model.auto_offload
     asks, AUTO_OFFLOAD with the saved layer inputs offloaded to the host) whose training step
     fits the memory budget (default: the device's). need(config)
     is a step's bytes (default: its compiled peak, from shapes: nothing is allocated). Where
@@ -163,7 +183,8 @@ def resolve_remat(
         need = lambda c: TrainingStep(c, vocab_size=vocab_size, devices=devices).memory().peak  # noqa: E731
     needs, started, fits = [], time.perf_counter(), False
     own_offload = config.model.get("offload_layer_inputs", False)
-    for policy, offload in auto_candidates(config.model):
+    candidates = auto_candidates(config.model, norm_kernels=runs_norm_kernels(config, devices))
+    for policy, offload in candidates:
         added = offload != own_offload  # auto_offload's candidate
         chosen.model.remat_layer = policy
         if added or "offload_layer_inputs" in chosen.model:
@@ -175,10 +196,11 @@ def resolve_remat(
         if fits := bytes_ <= budget:
             break
     how = f"{CHOICE_NOTES['offloaded']}; " if fits and added else ""
-    if fits and chosen.model.remat_layer == AUTO_REMAT[0] and may_unroll(config.model):
+    first = candidates[0][0]
+    if fits and chosen.model.remat_layer == first and may_unroll(config.model):
         trial = copy.deepcopy(chosen)
         trial.model.scan_unroll = trial.model.num_layers
-        say(f"remat auto: compiling the step with {AUTO_REMAT[0]} and the layer stack unrolled (model.auto_unroll) ...")
+        say(f"remat auto: compiling the step with {first} and the layer stack unrolled (model.auto_unroll) ...")
         bytes_ = need(trial)
         needs.append(f"unrolled {bytes_ / 2**30:.1f} GiB")
         if bytes_ <= budget:
