@@ -589,40 +589,47 @@ def test_remat_auto_unrolls_the_stack_where_its_first_policy_fits_unrolled(capsy
     assert step.model.config.scan_unroll == small.model.num_layers and step._compiled is not None
 
 
-def test_remat_auto_keeps_the_norm_kernels_results_first_where_they_run(capsys):
-    """Where the layers' LayerNorms run as bpt's kernels auto tries AUTO_NORMS first (and its
-    step unrolled, where asked); elsewhere (XLA's norms: auto on a CPU or a mesh, RMSNorm,
-    FLASH) it would be attention_and_dots_saveable's step, and is not compiled."""
+def test_remat_auto_keeps_the_norm_kernels_results_first_on_an_unrolled_stack(capsys):
+    """Where the layers' LayerNorms run as bpt's kernels, auto tries AUTO_NORMS first on an
+    unrolled stack: in auto_unroll's trial (before the first policy's unrolled step), or
+    after "none" where the stack runs unrolled already; not in a loop (unmeasured there), and
+    not where the norms are XLA's (auto on a CPU or a mesh, RMSNorm, FLASH: it would be
+    attention_and_dots_saveable's step)."""
     c = base_config("tiny")
     c.model.remat_layer, c.model.auto_unroll, c.model.norm_impl = "auto", True, "pallas"
     assert probe.runs_norm_kernels(c)
-    layers = c.model.num_layers
-    assert auto_policies(c.model, norm_kernels=True) == (probe.AUTO_NORMS, *AUTO_REMAT)
-    needs = {(probe.AUTO_NORMS, 1): 40, (probe.AUTO_NORMS, layers): 45, ("attention_and_dots_saveable", 1): 30,
-             ("attention_and_dots_saveable", layers): 35, ("attention_saveable", 1): 20, ("nothing_saveable", 1): 10}  # fmt: skip
+    layers, dots = c.model.num_layers, "attention_and_dots_saveable"
+    assert auto_policies(c.model, norm_kernels=True) == AUTO_REMAT  # a loop
+    needs = {(dots, 1): 30, (probe.AUTO_NORMS, layers): 45, (dots, layers): 35, ("attention_saveable", 1): 20}
     asked = []
 
     def need(config):
         asked.append((config.model.remat_layer, config.model.scan_unroll))
         return needs[asked[-1]]
 
-    for budget, expected in ((45, (probe.AUTO_NORMS, layers)), (44, (probe.AUTO_NORMS, 1)),
-                             (39, ("attention_and_dots_saveable", 1)), (19, ("nothing_saveable", 1))):  # fmt: skip
+    for budget, expected, tried in (
+        (45, (probe.AUTO_NORMS, layers), [(dots, 1), (probe.AUTO_NORMS, layers)]),
+        (44, (dots, layers), [(dots, 1), (probe.AUTO_NORMS, layers), (dots, layers)]),
+        (34, (dots, 1), [(dots, 1), (probe.AUTO_NORMS, layers), (dots, layers)]),
+        (29, ("attention_saveable", 1), [(dots, 1), ("attention_saveable", 1)]),
+    ):
         asked.clear()
         chosen = resolve_remat(c, budget=budget, need=need)
         assert (chosen.model.remat_layer, chosen.model.scan_unroll) == expected, budget
-        assert asked[0] == (probe.AUTO_NORMS, 1), budget
-        # only the first candidate's step is tried unrolled
-        assert ("attention_and_dots_saveable", layers) not in asked, budget
+        assert asked == tried, budget
     out = capsys.readouterr().out
     assert f"model.remat_layer=auto: {probe.AUTO_NORMS} (the layer stack unrolled; step memory: " in out
+    assert f"{dots} 0.0 GiB, {probe.AUTO_NORMS} unrolled 0.0 GiB, unrolled 0.0 GiB" in out
+    unrolled = copy.deepcopy(c)
+    unrolled.model.scan_unroll = layers
+    assert auto_policies(unrolled.model, norm_kernels=True) == ("none", probe.AUTO_NORMS, *AUTO_REMAT)
     for name, value in (("norm_impl", "xla"), ("norm_impl", "auto"), ("rms_norm", True)):
         other = copy.deepcopy(c)
         other.model[name] = value
         assert not probe.runs_norm_kernels(other), (name, value)  # auto: this host has no GPU
         asked.clear()
         resolve_remat(other, budget=45, need=need, say=lambda _: None)
-        assert asked[0] == ("attention_and_dots_saveable", 1), (name, value)
+        assert asked == [(dots, 1), (dots, layers)], (name, value)
     flash = flash_config("tiny")
     flash.model.norm_impl = "pallas"  # not a FLASH setting: its norms are XLA's
     assert not probe.runs_norm_kernels(flash)

@@ -69,24 +69,27 @@ def is_out_of_memory(error: BaseException | str) -> bool:
 
 # model.remat_layer=auto tries these, the fastest first, and takes the first whose step fits.
 AUTO_REMAT = ("attention_and_dots_saveable", "attention_saveable", "nothing_saveable")
-# Where the layers' LayerNorms run as bpt's kernels (runs_norm_kernels), auto tries this one
-# first: it keeps what they computed too, so the backward runs no norm forward again (GPT-1B
-# on an H200, paired: +1.3% at 8K, +0.75% at 32K, for 6 GiB more a 32K-token step;
-# docs/notes/step_speed.md). Elsewhere it is attention_and_dots_saveable's step, not compiled twice.
+# Where the layers' LayerNorms run as bpt's kernels (runs_norm_kernels) and the layer stack
+# runs unrolled, auto tries this one first: it keeps what they computed too, so the backward
+# runs no norm forward again (GPT-1B on an H200, unrolled, paired: +1.3% at 8K, +0.75% at
+# 32K, for 6 GiB more a 32K-token step; docs/notes/step_speed.md). In a loop over layers it
+# has not been measured (what the backward keeps goes through the loop's per-layer stacks),
+# and elsewhere it is attention_and_dots_saveable's step: auto does not compile it there.
 AUTO_NORMS = "attention_dots_and_norms_saveable"
 _SAY = functools.partial(print, flush=True)  # resolve_remat's progress lines, printed at once
 
 
 def auto_policies(model: ConfigDict, *, norm_kernels: bool = False) -> tuple[str, ...]:
-    """The policies auto tries for this model, the fastest first: AUTO_REMAT, after AUTO_NORMS
-    where norm_kernels (runs_norm_kernels), after "none" (no layer remat) where the layer
-    stack runs unrolled (model.scan_unroll >= num_layers, or scan_layers off). In a loop over layers, what the backward keeps goes through the
-    loop's per-layer stacks, and keeping everything was slower than nothing_saveable
-    (FLASH-125M at 8K on an H100: 251,796 tokens/s in 68.1 GiB against 306,794 in 6.7);
+    """The policies auto tries for this model, the fastest first: AUTO_REMAT, after "none" (no
+    layer remat) and AUTO_NORMS (where norm_kernels: runs_norm_kernels) where the layer stack
+    runs unrolled (model.scan_unroll >= num_layers, or scan_layers off); for a loop that
+    auto_unroll may unroll, resolve_remat tries AUTO_NORMS on the unrolled stack. In a loop
+    over layers, what the backward keeps goes through the loop's per-layer stacks, and
+    keeping everything was slower than nothing_saveable (FLASH-125M at 8K on an H100: 251,796 tokens/s in 68.1 GiB against 306,794 in 6.7);
     unrolled it was the fastest (380,789 in 37.2 GiB; the GPT 271,791 in 15.0 GiB against
     257K keeping attention and the matmuls: docs/notes/flash.md)."""
-    none = ("none",) if stack_unrolled(model) and _one_loop(model) else ()
-    return none + ((AUTO_NORMS,) if norm_kernels else ()) + AUTO_REMAT
+    unrolled = stack_unrolled(model) and _one_loop(model)
+    return (("none",) if unrolled else ()) + ((AUTO_NORMS,) if unrolled and norm_kernels else ()) + AUTO_REMAT
 
 
 def runs_norm_kernels(config: ConfigDict, devices=None) -> bool:
@@ -153,19 +156,20 @@ def resolve_remat(
     say=_SAY,
 ) -> ConfigDict:
     """config itself, or where model.remat_layer is "auto" a copy with the first candidate of
-    auto_candidates(config.model, norm_kernels=runs_norm_kernels(config, devices)) (a policy of auto_policies', and where model.auto_offload
-    asks, AUTO_OFFLOAD with the saved layer inputs offloaded to the host) whose training step
-    fits the memory budget (default: the device's). need(config)
-    is a step's bytes (default: its compiled peak, from shapes: nothing is allocated). Where
-    the device reports no limit (a CPU) auto is nothing_saveable; where none fits, the last
+    auto_candidates(config.model, norm_kernels=runs_norm_kernels(config, devices)) (a policy
+    of auto_policies', and where model.auto_offload asks, AUTO_OFFLOAD with the saved layer
+    inputs offloaded to the host) whose training step fits the memory budget (default: the
+    device's). need(config) is a step's bytes (default: its compiled peak, from shapes:
+    nothing is allocated). Where the device reports no limit (a CPU) auto is nothing_saveable; where none fits, the last
     (and bpt-train's preflight says what would make it fit). Where the first policy fits and
     may_unroll(config.model), its step with the layer stack unrolled (scan_unroll =
-    num_layers) is compiled too and taken if it fits as well; at longer contexts, where the
-    loop's first policy does not fit, the unrolled one would not either and is not tried.
-    Each candidate is compiled once, and the chosen one is the step that runs (choose_remat:
-    TrainingStep and bpt-train keep it; the others are up to four extra compilations, once
-    per run). Each candidate is announced before it compiles (minutes at long contexts), then
-    one line says the choice."""
+    num_layers) is compiled too and taken if it fits as well, and before it, where the norm
+    kernels run, AUTO_NORMS' unrolled step; at longer contexts, where the loop's first policy
+    does not fit, the unrolled ones would not either and are not tried. Each candidate is
+    compiled once, and the chosen one is the step that runs (choose_remat: TrainingStep and
+    bpt-train keep it; the others are up to five extra compilations, once per run). Each
+    candidate is announced before it compiles (minutes at long contexts), then one line says
+    the choice."""
     if config.model.remat_layer != "auto":
         return config
     if config.model.get("family", "gpt") == "agentic":
@@ -183,7 +187,8 @@ def resolve_remat(
         need = lambda c: TrainingStep(c, vocab_size=vocab_size, devices=devices).memory().peak  # noqa: E731
     needs, started, fits = [], time.perf_counter(), False
     own_offload = config.model.get("offload_layer_inputs", False)
-    candidates = auto_candidates(config.model, norm_kernels=runs_norm_kernels(config, devices))
+    norm_kernels = runs_norm_kernels(config, devices)
+    candidates = auto_candidates(config.model, norm_kernels=norm_kernels)
     for policy, offload in candidates:
         added = offload != own_offload  # auto_offload's candidate
         chosen.model.remat_layer = policy
@@ -198,13 +203,16 @@ def resolve_remat(
     how = f"{CHOICE_NOTES['offloaded']}; " if fits and added else ""
     first = candidates[0][0]
     if fits and chosen.model.remat_layer == first and may_unroll(config.model):
-        trial = copy.deepcopy(chosen)
-        trial.model.scan_unroll = trial.model.num_layers
-        say(f"remat auto: compiling the step with {first} and the layer stack unrolled (model.auto_unroll) ...")
-        bytes_ = need(trial)
-        needs.append(f"unrolled {bytes_ / 2**30:.1f} GiB")
-        if bytes_ <= budget:
-            chosen, how = trial, f"{CHOICE_NOTES['unrolled']}; "
+        # the unrolled stack's candidates, the fastest first; the first that fits is taken
+        for policy in (AUTO_NORMS,) * norm_kernels + (first,):
+            trial = copy.deepcopy(chosen)
+            trial.model.remat_layer, trial.model.scan_unroll = policy, trial.model.num_layers
+            say(f"remat auto: compiling the step with {policy} and the layer stack unrolled (model.auto_unroll) ...")
+            bytes_ = need(trial)
+            needs.append(f"{policy + ' ' if policy != first else ''}unrolled {bytes_ / 2**30:.1f} GiB")
+            if bytes_ <= budget:
+                chosen, how = trial, f"{CHOICE_NOTES['unrolled']}; "
+                break
     say(f"model.remat_layer=auto: {chosen.model.remat_layer} ({how}step memory: {', '.join(needs)}; "
         f"the device has {budget / 2**30:.1f} GiB; chosen in {time.perf_counter() - started:.0f} s)")  # fmt: skip
     return chosen
