@@ -630,8 +630,7 @@ def test_remat_auto_keeps_the_norm_kernels_results_first_on_an_unrolled_stack(ca
         asked.clear()
         resolve_remat(other, budget=45, need=need, say=lambda _: None)
         assert asked == [(dots, 1), (dots, layers)], (name, value)
-    flash = flash_config("tiny")
-    flash.model.norm_impl = "pallas"  # not a FLASH setting: its norms are XLA's
+    flash = flash_config("tiny")  # FLASH's norms are XLA's
     assert not probe.runs_norm_kernels(flash)
 
 

@@ -295,12 +295,6 @@ def add_norm(p: dict, name: str, x: Array, residual: Array, eps: float, impl: st
     return h, rms_norm(h, p[f"{name}_scale"], eps)
 
 
-def auto_norm_impl(one_device: bool) -> str:
-    """model.norm_impl=auto's choice: bpt's LayerNorm kernels on one GPU, XLA's fusions
-    elsewhere (on a mesh the kernels run per device, which has not been measured yet)."""
-    return "pallas" if one_device and jax.default_backend() == "gpu" else "xla"
-
-
 def post_attention_weights(p: dict) -> dict:
     """The weights a BPT chunk reads after attention: output projection and FFN."""
     names = ("wo", "bo", "ln2_scale", "ln2_bias", "w1", "b1", "w3", "b3", "w2", "b2")
@@ -467,7 +461,7 @@ class Block(Layer):
         impl, par = self.config.norm_impl, self.parallel
         one_device = par is None or par.mesh.size == 1
         if impl == "auto":
-            return auto_norm_impl(one_device)
+            return "pallas" if one_device and jax.default_backend() == "gpu" else "xla"
         if impl == "pallas" and not one_device and self.decode:
             return "xla"
         if impl == "pallas" and not one_device and not par.runs_per_device:
@@ -669,6 +663,10 @@ class GPT(CausalLM):
         if cfg.attention_options and chosen["attention_impl"] == "pallas":
             said["attention_impl"] += f" ({cfg.attention_options})"
         return ", ".join(said.values())
+
+    def runs_norm_kernels(self) -> bool:
+        cfg = self.config
+        return not cfg.rms_norm and Block(cfg, parallel=self.parallel, parent=None)._norm_impl() == "pallas"
 
     def cache_shapes(self, batch: int, slots: int):
         cfg = self.config

@@ -507,6 +507,12 @@ class CausalLM(nn.Module):
         the training log says it ("" for a family that resolves none from shapes)."""
         return ""
 
+    def runs_norm_kernels(self) -> bool:
+        """Whether the layers' LayerNorms run as bpt's kernels (bpt.ops.kernels.layer_norm),
+        whose results remat's attention_dots_and_norms_saveable keeps; resolved as the layers
+        resolve model.norm_impl. A family whose norms are XLA's: never."""
+        return False
+
     # ------------------------------------------------------------------------ the pieces
 
     def stack(self, x, positions, segment_ids, cache_index, *, valid=None, deterministic: bool, decode: bool):

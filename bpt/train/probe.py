@@ -22,7 +22,6 @@ from ml_collections import ConfigDict
 from bpt.config import check_config, model_config
 from bpt.data.tokenizers import GPT2_VOCAB
 from bpt.models import make_model
-from bpt.models.gpt import auto_norm_impl
 from bpt.models.lm import stack_unrolled
 from bpt.train.state import jit_initializer, jit_steps, make_parallelism
 
@@ -92,17 +91,12 @@ def auto_policies(model: ConfigDict, *, norm_kernels: bool = False) -> tuple[str
     return (("none",) if unrolled else ()) + ((AUTO_NORMS,) if unrolled and norm_kernels else ()) + AUTO_REMAT
 
 
-def runs_norm_kernels(config: ConfigDict, devices=None) -> bool:
-    """Whether the layers' LayerNorms run as bpt's kernels, on the mesh config.mesh makes of
-    `devices`: a GPT with LayerNorm (not RMSNorm) whose model.norm_impl is "pallas", or "auto"
-    on one GPU (bpt.models.gpt.auto_norm_impl). FLASH's norms are XLA's."""
-    model = config.model
-    if model.get("family", "gpt") != "gpt" or model.get("rms_norm", False):
-        return False
-    impl = model.get("norm_impl", "auto")
-    if impl == "auto":
-        impl = auto_norm_impl(make_parallelism(config, devices) is None)
-    return impl == "pallas"
+def runs_norm_kernels(config: ConfigDict, devices=None, *, vocab_size: int = GPT2_VOCAB) -> bool:
+    """Whether the layers' LayerNorms run as bpt's kernels in the model config describes on
+    the mesh config.mesh makes of `devices` (the model's own runs_norm_kernels: a GPT with
+    LayerNorm whose model.norm_impl is "pallas", or "auto" on one GPU)."""
+    parallel = make_parallelism(config, devices)
+    return make_model(step_model_config(config, vocab_size=vocab_size), parallel).runs_norm_kernels()
 
 
 # How auto's choice line ("model.remat_layer=auto: POLICY (NOTE; step memory: ...)") says that
@@ -187,7 +181,7 @@ def resolve_remat(
         need = lambda c: TrainingStep(c, vocab_size=vocab_size, devices=devices).memory().peak  # noqa: E731
     needs, started, fits = [], time.perf_counter(), False
     own_offload = config.model.get("offload_layer_inputs", False)
-    norm_kernels = runs_norm_kernels(config, devices)
+    norm_kernels = runs_norm_kernels(config, devices, vocab_size=vocab_size)
     candidates = auto_candidates(config.model, norm_kernels=norm_kernels)
     for policy, offload in candidates:
         added = offload != own_offload  # auto_offload's candidate
@@ -204,7 +198,7 @@ def resolve_remat(
     first = candidates[0][0]
     if fits and chosen.model.remat_layer == first and may_unroll(config.model):
         # the unrolled stack's candidates, the fastest first; the first that fits is taken
-        for policy in (AUTO_NORMS,) * norm_kernels + (first,):
+        for policy in ((AUTO_NORMS,) if norm_kernels else ()) + (first,):
             trial = copy.deepcopy(chosen)
             trial.model.remat_layer, trial.model.scan_unroll = policy, trial.model.num_layers
             say(f"remat auto: compiling the step with {policy} and the layer stack unrolled (model.auto_unroll) ...")
