@@ -920,10 +920,12 @@ def test_hopper_kernels_with_segment_ids_lower_for_cuda(head_dim, sort_window):
 
 
 def test_hopper_fused_backward_makes_its_dq_buffer_after_its_d_out():
-    """The fused backward's float32 dQ buffer (zeros the kernel adds into) comes out of an
-    optimization barrier with the call's d_out, and the kernel's mutable buffer is made from
-    it: a bare zeros was one constant that XLA wrote for every unrolled layer at once (4.4 GiB
-    more in GPT-1B's 32K step on an H200; the GPU program itself is not compiled here)."""
+    """The fused backward's float32 dQ buffer (zeros the kernel adds into) is broadcast from a
+    scalar zero that comes out of an optimization barrier with the call's d_out, and the
+    kernel's mutable buffer is made from it: a bare zeros was one constant that XLA wrote for
+    every unrolled layer at once (4.4 GiB more in GPT-1B's 32K step on an H200), and the whole
+    buffer behind the barrier was copied once more into the kernel's aliased operand (the GPU
+    program itself is not compiled here)."""
     q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
@@ -935,7 +937,10 @@ def test_hopper_fused_backward_makes_its_dq_buffer_after_its_d_out():
     d_out = jaxpr.invars[3]
     barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
     assert len(barriers) == 1 and d_out in barriers[0].invars
-    zeros = barriers[0].outvars[0]
+    zero = barriers[0].outvars[0]
+    assert zero.aval.shape == () and zero.aval.dtype == jnp.float32
+    (broadcast,) = [e for e in jaxpr.eqns if e.primitive.name == "broadcast_in_dim" and zero in e.invars]
+    zeros = broadcast.outvars[0]
     assert zeros.aval.shape == q.shape and zeros.aval.dtype == jnp.float32
     refs = [e for e in jaxpr.eqns if e.primitive.name == "new_ref"]
     assert [e.invars for e in refs] == [[zeros]]
