@@ -153,10 +153,11 @@ def tables(results: list[dict], losses: list[dict], modes: list[str], seq_lens: 
     grid_modes = {mode for (mode, _), chunks in chunks_run.items() if len(chunks) > 1}
     grid = bool(grid_modes)
     # model.remat_layer=auto may choose per length: then each cell names its policy (and,
-    # where model.auto_unroll unrolled some lengths' stacks or model.auto_offload offloaded
-    # their saved layer inputs, which).
+    # where model.auto_unroll unrolled some lengths' stacks, model.auto_offload offloaded
+    # their saved layer inputs or model.auto_split split the stack, which).
     def remat(r: dict) -> str:
         how = (", unrolled" if r.get("unrolled") else "") + (", offloaded" if r.get("offloaded") else "")
+        how += f", {r['split']}" if r.get("split") else ""
         return f"{r.get('remat_layer')}{how}"
 
     remats = {remat(r) for r in results if r["ok"]}

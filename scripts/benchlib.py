@@ -368,6 +368,8 @@ def measure(config: ConfigDict, *, steps: int = 1, warmup: int = 0, devices=None
         result["remat_layer"] = step.config.model.remat_layer  # auto's choice, where asked
         result["unrolled"] = stack_unrolled(step.config.model)  # and model.auto_unroll's
         result["offloaded"] = bool(step.config.model.get("offload_layer_inputs", False))  # and auto_offload's
+        if first := step.config.model.get("remat_first_layers", 0):  # auto_split's
+            result["split"] = f"{step.config.model.remat_first} in {first} layers"
         result["compiled_gib"] = step.memory().peak / 2**30
         measured = run_steps(step, steps=steps, warmup=warmup)
     except Exception as e:  # reported, not raised: a sweep goes on past an out-of-memory

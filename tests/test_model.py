@@ -534,6 +534,38 @@ def test_grouped_remat_computes_the_same_function(key, mode, group, policy):
     assert np.isfinite(float(train)) and float(train) != float(loss)
 
 
+@pytest.mark.parametrize("stack", ["loop", "unrolled", "unscanned"])
+def test_split_remat_computes_the_same_function(key, stack, capsys):
+    """remat_first_layers: the first layers under remat_first, the rest under remat_layer,
+    as a loop (two scans), unrolled or unscanned: the same logits, loss and gradients, one
+    parameter layout; and the backward keeps the first policy's results in those layers
+    alone (between the two policies' residuals, by the layers' share)."""
+    cfg = dataclasses.replace(BASE, num_layers=4, remat_layer="attention_saveable")
+    if stack == "unrolled":
+        cfg = dataclasses.replace(cfg, scan_unroll=4)
+    elif stack == "unscanned":
+        cfg = dataclasses.replace(cfg, scan_layers=False)
+    params = init_params(cfg, key)
+    tokens = jax.random.randint(jax.random.fold_in(key, 1), (2, 64), 0, cfg.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1)
+    expected = forward(cfg, params, tokens, targets)
+    split = dataclasses.replace(cfg, remat_first_layers=3)
+    assert [split.layer_remat(i) for i in range(4)] == ["attention_and_dots_saveable"] * 3 + ["attention_saveable"]
+    assert jax.tree.structure(init_params(split, key)) == jax.tree.structure(params)  # one layout
+    logits, loss, grads = forward(split, params, tokens, targets)
+    assert rel_err(logits, expected[0]) < TOL and rel_err(loss, expected[1]) < TOL
+    assert tree_rel_err(grads, expected[2]) < TOL
+
+    def saved(c) -> int:  # numbers the backward keeps
+        lines = saved_residuals(c, params, tokens, targets, capsys).splitlines()
+        shapes = [re.match(r"\w+\[([\d,]*)\]", line).group(1) for line in lines if line.strip()]
+        return sum(math.prod(int(n) for n in shape.split(",") if n) for shape in shapes)
+
+    dots = saved(dataclasses.replace(cfg, remat_layer="attention_and_dots_saveable"))
+    fewer = saved(cfg)
+    assert dots > fewer and saved(split) == fewer + 3 * (dots - fewer) // 4, (saved(split), fewer, dots)
+
+
 def step_flops(cfg, params, tokens, targets) -> float:
     """XLA's FLOP count of the compiled loss and gradient (value_and_grad: the forward's
     results are needed, so a recomputed forward is not dead code)."""
@@ -764,6 +796,9 @@ def test_attention_options_reach_the_layers_kernels_forward_and_backward(batch):
         ("remat_group", 3, "model.remat_group=3 must divide model.num_layers=2"),
         ("remat_group", 0, "model.remat_group must be a positive integer"),
         ("scan_unroll", 0, "model.scan_unroll must be a positive integer; got 0"),
+        ("remat_first_layers", 2, r"model.remat_first_layers must be an integer from 0 to model.num_layers - 1 \(1\); got 2"),
+        ("remat_first_layers", -1, "model.remat_first_layers must be an integer from 0"),
+        ("remat_first", "dots", "unknown model.remat_first 'dots'"),
         ("head_dim", 0, "model.head_dim must be a positive integer or None; got 0"),
         ("loss_impl", "blockwise", "unknown model.loss_impl 'blockwise'; allowed: auto, chunked, full"),
         ("offload_layer_inputs", True, "offload_layer_inputs needs model.remat_layer other than 'none'"),
@@ -777,6 +812,11 @@ def test_bad_model_settings(field, value, message):
     cfg = dataclasses.replace(BASE, remat_layer="none") if field == "offload_layer_inputs" else BASE
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(cfg, **{field: value})
+
+
+def test_split_remat_needs_plain_layer_remat():
+    with pytest.raises(ValueError, match="model.remat_first_layers=1 needs model.remat_group=1; got remat_group=2"):
+        dataclasses.replace(BASE, remat_group=2, remat_first_layers=1)
 
 
 def test_offload_needs_plain_layer_remat():

@@ -634,6 +634,76 @@ def test_remat_auto_keeps_the_norm_kernels_results_first_on_an_unrolled_stack(ca
     assert not probe.runs_norm_kernels(flash)
 
 
+def test_remat_auto_splits_the_stack_between_its_last_two_candidates(capsys, monkeypatch):
+    """model.auto_split: where a later candidate fits, auto compiles the step with the one
+    before it in the first layers, as many as the budget leaves room for at the two steps'
+    difference a layer, and fewer where that step is over (at most three tries); not between
+    one policy offloaded and not, nor where not asked. GPT-1B's preset asks."""
+    c = base_config("tiny")
+    c.model.num_layers, c.model.remat_layer, c.model.auto_split = 8, "auto", True
+    dots, kept = "attention_and_dots_saveable", "attention_saveable"
+    asked = []
+
+    def need(config):  # 5 a layer kept by dots, 2 more where the stack is split
+        m = config.model
+        asked.append((m.remat_layer, m.remat_first_layers))
+        per_policy = {dots: 80, kept: 40, "nothing_saveable": 10}
+        return per_policy[m.remat_layer] + (5 * m.remat_first_layers + 2 if m.remat_first_layers else 0)
+
+    for budget, expected, tried in (
+        (80, (dots, 0), [(dots, 0)]),
+        (79, (kept, 7), [(dots, 0), (kept, 0), (kept, 7)]),
+        (71, (kept, 5), [(dots, 0), (kept, 0), (kept, 6), (kept, 5)]),
+        (44, (kept, 0), [(dots, 0), (kept, 0)]),  # no room for one layer
+        # 3.75 a layer between these two: 7 layers estimated, 47 measured, 8 over: 4
+        (39, ("nothing_saveable", 4), [(dots, 0), (kept, 0), ("nothing_saveable", 0), ("nothing_saveable", 7), ("nothing_saveable", 4)]),
+    ):
+        asked.clear()
+        chosen = resolve_remat(c, budget=budget, need=need)
+        assert (chosen.model.remat_layer, chosen.model.remat_first_layers) == expected, budget
+        assert asked == tried, budget
+        if expected[1]:
+            assert chosen.model.remat_first == (dots if expected[0] == kept else kept)
+    out = capsys.readouterr().out
+    assert f"model.remat_layer=auto: {kept} (the first layers under {dots}: 5 of 8; step memory: " in out
+    assert f"{dots} 0.0 GiB, {kept} 0.0 GiB, {dots} in 6 layers 0.0 GiB, {dots} in 5 layers 0.0 GiB;" in out
+    assert f"remat auto: compiling the step with {dots} in its first 6 of 8 layers (model.auto_split) ..." in out
+    check_gpus = load_script("check_gpus")
+    (line,) = [line for line in out.splitlines() if ": 5 of 8;" in line]
+    assert check_gpus.compile_facts(line)["remat_layer"] == f"{kept} split"
+    for name, value in (("auto_split", False), ("remat_group", 2)):
+        other = copy.deepcopy(c)
+        other.model[name] = value
+        assert not probe.may_split(other.model), name
+        asked.clear()
+        assert resolve_remat(other, budget=71, need=need, say=lambda _: None).model.remat_first_layers == 0
+        assert asked == [(dots, 0), (kept, 0)]
+    # attention_saveable, then the same offloaded: one policy, nothing to split
+    offload = copy.deepcopy(c)
+    offload.model.auto_offload = True
+    asked.clear()
+    chosen = resolve_remat(offload, budget=39, need=lambda config: 30 if config.model.offload_layer_inputs else need(config), say=lambda _: None)
+    assert chosen.model.offload_layer_inputs and not chosen.model.remat_first_layers
+    named = copy.deepcopy(c)
+    named.model.remat_first_layers = 3
+    with pytest.raises(ValueError, match="model.remat_first_layers=3 needs a named model.remat_layer"):
+        resolve_remat(named, budget=39, need=need)
+    assert paper_config("1b").model.auto_split and not paper_config("7b").model.auto_split
+    # A real step: the split auto compiled is the step that runs, within the budget.
+    small = tiny("blockwise_parallel", 2048)
+    small.model.num_layers = 4
+    peaks = {}
+    for policy in (dots, kept):
+        small.model.remat_layer = policy
+        peaks[policy] = TrainingStep(small, vocab_size=256).memory().peak
+    small.model.remat_layer, small.model.auto_split = "auto", True
+    budget = peaks[kept] + 3 * (peaks[dots] - peaks[kept]) // 4
+    monkeypatch.setattr(probe, "memory_budget", lambda: budget)
+    step = TrainingStep(small, vocab_size=256)
+    assert step.config.model.remat_layer == kept and step.model.config.remat_first_layers >= 1
+    assert step._compiled is not None and step.memory().peak <= budget
+
+
 def test_remat_auto_offloads_the_saved_layer_inputs_where_that_lets_attention_fit(capsys, monkeypatch):
     """model.auto_offload: where attention_saveable does not fit, auto compiles it again with
     the saved layer inputs offloaded to the host, before nothing_saveable; not where the

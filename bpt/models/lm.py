@@ -94,6 +94,17 @@ class LMConfig:
     # 42.8% (docs/notes/step_speed.md). The model itself does not read it.
     auto_offload: bool = False
     remat_layer: str = "nothing_saveable"
+    # The first remat_first_layers layers of the stack run under the policy remat_first, the
+    # rest under remat_layer: a step whose memory lies between the two policies' (0: every
+    # layer under remat_layer). Needs remat_group=1. Remat auto sets these where
+    # model.auto_split asks.
+    remat_first: str = "attention_and_dots_saveable"
+    remat_first_layers: int = 0
+    # With remat_layer="auto": where its first policy does not fit and the next one does, also
+    # compile the step with the first policy in as many of the first layers as the memory
+    # between the two steps leaves room for, and take it where it fits (GPT-1B at 64K on an
+    # H100: docs/notes/step_speed.md). The model itself does not read it.
+    auto_split: bool = False
     # Nested rematerialization of the layer stack: with G > 1 layers a group, the backward
     # keeps only every G-th layer's input (L / G of them) and recomputes a group's G inputs
     # when it reaches it: L / G + G saved layer inputs instead of L. Needs scan_layers.
@@ -111,6 +122,7 @@ class LMConfig:
         for name, options in (("dtype", DTYPES), ("param_dtype", DTYPES), ("loss_impl", LOSS_IMPLS)):
             self.check_allowed(name, options)
         check_policy(self.remat_layer, "model.remat_layer")
+        check_policy(self.remat_first, "model.remat_first")
         self.check_positive("vocab_size", "vocab_multiple", "num_layers", "d_model", "max_seq_len", "loss_chunk_size")
         self.check_above_zero("rope_theta", "layer_norm_epsilon")
         if not 0.0 <= self.dropout < 1.0:
@@ -154,7 +166,18 @@ class LMConfig:
     def layer_policy(self):
         """The checkpoint policy of one layer: remat_layer's, and with offload_layer_inputs
         the layer's input (named LAYER_INPUT) moved to host memory as well."""
-        policy = POLICIES[self.remat_layer]
+        return self.policy_of(self.remat_layer)
+
+    def layer_remat(self, index: int) -> str:
+        """The policy layer `index` of the stack runs under: remat_first in the first
+        remat_first_layers layers, remat_layer in the rest."""
+        return self.remat_first if index < self.remat_first_layers else self.remat_layer
+
+    def policy_of(self, name: str):
+        """The checkpoint policy `name` (a policy of bpt.ops.remat.POLICIES other than "none"),
+        with offload_layer_inputs the layer's input (named LAYER_INPUT) moved to host memory
+        as well."""
+        policy = POLICIES[name]
         if not self.offload_layer_inputs:
             return policy
         offload = jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -192,6 +215,16 @@ class LMConfig:
                     "model.remat_group > 1 runs loops of its own and takes no model.scan_unroll; "
                     f"got scan_unroll={self.scan_unroll}: set it to 1"
                 )
+        first = self.remat_first_layers
+        if not isinstance(first, int) or not 0 <= first < self.num_layers:
+            raise ValueError(
+                f"model.remat_first_layers must be an integer from 0 to model.num_layers - 1 "
+                f"({self.num_layers - 1}); got {first!r}"
+            )
+        if first and self.remat_group > 1:
+            raise ValueError(
+                f"model.remat_first_layers={first} needs model.remat_group=1; got remat_group={self.remat_group}"
+            )
         if self.offload_layer_inputs and (self.remat_layer == "none" or self.remat_group > 1):
             raise ValueError(
                 "model.offload_layer_inputs needs model.remat_layer other than 'none' and "
@@ -570,15 +603,24 @@ class CausalLM(nn.Module):
     def layers(
         self, x: Array, segment_ids, extra, cache_index, *, deterministic: bool, decode: bool
     ) -> Array:
-        """The layer stack, by config: scanned (with remat groups, or decode stacks) or unrolled."""
+        """The layer stack, by config: scanned (with remat groups, split between two policies,
+        or decode stacks) or unrolled."""
         cfg = self.config
-        layer = self.layer_class()
-        if cfg.remat_layer != "none" and not decode:
+        if cfg.scan_layers and not decode and not self.is_initializing():
+            if cfg.remat_group > 1:
+                return self._grouped_layers(x, segment_ids, extra, deterministic)
+            if cfg.remat_first_layers:
+                return self._split_layers(x, segment_ids, extra, deterministic)
+
+        def remat_layer(index: int):
+            layer, policy = self.layer_class(), cfg.layer_remat(index)
+            if policy == "none" or decode:
+                return layer
             # prevent_cse where no loop over layers keeps the recomputation apart from the forward
-            layer = nn.remat(layer, policy=cfg.layer_policy, prevent_cse=stack_unrolled(cfg))
+            return nn.remat(layer, policy=cfg.policy_of(policy), prevent_cse=stack_unrolled(cfg))
+
+        layer = remat_layer(cfg.num_layers - 1)  # the scanned stack's (remat_layer's)
         args = (cfg, deterministic, decode, self.parallel)
-        if cfg.scan_layers and cfg.remat_group > 1 and not decode and not self.is_initializing():
-            return self._grouped_layers(x, segment_ids, extra, deterministic)
         scan = functools.partial(
             nn.scan,
             layer,
@@ -614,7 +656,45 @@ class CausalLM(nn.Module):
             )
             return scanned(x, segment_ids, extra, cache_index)[0]
         for i in range(cfg.num_layers):
-            x, _ = layer(*args, name=f"layer_{i}")(x, segment_ids, extra, cache_index)
+            x, _ = remat_layer(i)(*args, name=f"layer_{i}")(x, segment_ids, extra, cache_index)
+        return x
+
+    def _stacked_layer(self, deterministic: bool):
+        """The scanned stack's parameters ([num_layers, ...], unboxed) and one layer as a pure
+        function of its parameters, step(x, (params, index)) -> (x, None), for stacks that
+        run their own scans (remat groups, split policies). Dropout draws its masks per layer
+        from the "dropout" stream folded with the layer's index, so they differ from the
+        plain scan's."""
+        cfg = self.config
+        stacked = nn.meta.unbox(self.variables["params"]["layers"])
+        rng = None if deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
+        # A pure function of its parameters:
+        block = self.layer_class()(cfg, deterministic, parallel=self.parallel, parent=None)
+
+        def step(x, inputs, segment_ids, extra):
+            params, index = inputs
+            rngs = None if rng is None else {"dropout": jax.random.fold_in(rng, index)}
+            return block.apply({"params": params}, x, segment_ids, extra, rngs=rngs)
+
+        return stacked, step
+
+    def _split_layers(self, x: Array, segment_ids, extra, deterministic: bool) -> Array:
+        """The layer stack as two scans: the first remat_first_layers layers under remat_first,
+        the rest under remat_layer (each layer its own checkpoint; scan_unroll applies to
+        each). The parameters keep the plain scan's layout, [num_layers, ...]; each scan
+        reads its part of them, cast to the compute dtype before the cut (every layer casts
+        its parameters so anyway: Layer._param): the parts are copies, half the size so."""
+        cfg = self.config
+        stacked, step = self._stacked_layer(deterministic)
+        dtype = jnp.dtype(cfg.dtype)
+        stacked = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, stacked)
+        bounds = (0, cfg.remat_first_layers, cfg.num_layers)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            layer = functools.partial(step, segment_ids=segment_ids, extra=extra)
+            if (policy := cfg.layer_remat(lo)) != "none":
+                layer = jax.checkpoint(layer, policy=cfg.policy_of(policy), prevent_cse=stack_unrolled(cfg))
+            part = jax.tree.map(lambda a: a[lo:hi], stacked)  # noqa: B023 (used at once)
+            x, _ = jax.lax.scan(layer, x, (part, jnp.arange(lo, hi)), unroll=min(cfg.scan_unroll, hi - lo))
         return x
 
     def _grouped_layers(self, x: Array, segment_ids, extra, deterministic: bool) -> Array:
@@ -627,17 +707,9 @@ class CausalLM(nn.Module):
         """
         cfg = self.config
         size = cfg.remat_group
-        stacked = nn.meta.unbox(self.variables["params"]["layers"])
+        stacked, step = self._stacked_layer(deterministic)
         grouped = jax.tree.map(lambda a: a.reshape(cfg.num_layers // size, size, *a.shape[1:]), stacked)
-        rng = None if deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
-        # A pure function of its parameters:
-        block = self.layer_class()(cfg, deterministic, parallel=self.parallel, parent=None)
-
-        def layer(x, inputs):
-            params, index = inputs
-            rngs = None if rng is None else {"dropout": jax.random.fold_in(rng, index)}
-            return block.apply({"params": params}, x, segment_ids, extra, rngs=rngs)
-
+        layer = functools.partial(step, segment_ids=segment_ids, extra=extra)
         if cfg.remat_layer != "none":
             layer = jax.checkpoint(layer, policy=cfg.layer_policy, prevent_cse=False)
 

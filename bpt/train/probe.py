@@ -104,6 +104,7 @@ def runs_norm_kernels(config: ConfigDict, devices=None, *, vocab_size: int = GPT
 CHOICE_NOTES = {
     "unrolled": "the layer stack unrolled",
     "offloaded": "the saved layer inputs offloaded to the host",
+    "split": "the first layers under",  # ... "{policy}: {n} of {num_layers}"
 }
 # Where model.auto_offload asks, auto tries this policy a second time, with the saved layer
 # inputs offloaded to the host (model.offload_layer_inputs), before the policy after it.
@@ -159,7 +160,10 @@ def resolve_remat(
     may_unroll(config.model), its step with the layer stack unrolled (scan_unroll =
     num_layers) is compiled too and taken if it fits as well, and before it, where the norm
     kernels run, AUTO_NORMS' unrolled step; at longer contexts, where the loop's first policy
-    does not fit, the unrolled ones would not either and are not tried. Each candidate is
+    does not fit, the unrolled ones would not either and are not tried. Where a later
+    candidate fits and may_split(config.model), the step between it and the one before,
+    that one's policy in the first layers (_split), is compiled too and taken if it fits.
+    Each candidate is
     compiled once, and the chosen one is the step that runs (choose_remat: TrainingStep and
     bpt-train keep it; the others are up to five extra compilations, once per run). Each
     candidate is announced before it compiles (minutes at long contexts), then one line says
@@ -171,6 +175,11 @@ def resolve_remat(
             "model.remat_layer=auto compiles a language model's step on random tokens; for "
             f"model.family='agentic' name a policy: {', '.join(AUTO_REMAT)}"
         )
+    if config.model.get("remat_first_layers", 0):
+        raise ValueError(
+            f"model.remat_first_layers={config.model.remat_first_layers} needs a named "
+            "model.remat_layer; with remat_layer=auto set model.auto_split=True to let auto split the stack"
+        )
     budget = memory_budget() if budget is None else budget
     chosen = copy.deepcopy(config)
     if not budget:
@@ -179,7 +188,7 @@ def resolve_remat(
         return chosen
     if need is None:
         need = lambda c: TrainingStep(c, vocab_size=vocab_size, devices=devices).memory().peak  # noqa: E731
-    needs, started, fits = [], time.perf_counter(), False
+    needs, started, fits, measured = [], time.perf_counter(), False, []
     own_offload = config.model.get("offload_layer_inputs", False)
     norm_kernels = runs_norm_kernels(config, devices, vocab_size=vocab_size)
     candidates = auto_candidates(config.model, norm_kernels=norm_kernels)
@@ -192,9 +201,12 @@ def resolve_remat(
         say(f"remat auto: compiling the step with {policy} {what} ...")
         bytes_ = need(chosen)
         needs.append(f"{policy}{' offloaded' if added else ''} {bytes_ / 2**30:.1f} GiB")
+        measured.append((policy, offload, bytes_))
         if fits := bytes_ <= budget:
             break
     how = f"{CHOICE_NOTES['offloaded']}; " if fits and added else ""
+    if fits and len(measured) > 1 and may_split(config.model):
+        chosen, how = _split(chosen, how, measured[-2:], budget, need, needs, say)
     first = candidates[0][0]
     if fits and chosen.model.remat_layer == first and may_unroll(config.model):
         # the unrolled stack's candidates, the fastest first; the first that fits is taken
@@ -212,6 +224,44 @@ def resolve_remat(
     return chosen
 
 
+def _split(chosen: ConfigDict, how: str, pair, budget: int, need, needs: list, say) -> tuple[ConfigDict, str]:
+    """resolve_remat's split (model.auto_split): pair is the two last candidates measured,
+    (policy, offloaded, bytes), the first over the budget, the second (chosen) within it.
+    Where they differ in policy alone, the step with the first policy in the first n layers
+    (model.remat_first_layers) is compiled, n the layers the budget leaves room for at the
+    two steps' difference a layer, and taken where it fits; where it does not, n shrinks by
+    what it was over (at most three compilations). Returns (the config, the choice note)."""
+    (more, offload, over), (_, chosen_offload, within) = pair
+    layers = chosen.model.num_layers
+    per_layer = (over - within) / layers
+    if offload != chosen_offload or more == chosen.model.remat_layer or per_layer <= 0:
+        return chosen, how
+    n = min(layers - 1, int((budget - within) // per_layer))
+    for _ in range(3):
+        if n < 1:
+            break
+        trial = copy.deepcopy(chosen)
+        trial.model.remat_first, trial.model.remat_first_layers = more, n
+        say(f"remat auto: compiling the step with {more} in its first {n} of {layers} layers (model.auto_split) ...")
+        bytes_ = need(trial)
+        needs.append(f"{more} in {n} layers {bytes_ / 2**30:.1f} GiB")
+        if bytes_ <= budget:
+            return trial, f"{how}{CHOICE_NOTES['split']} {more}: {n} of {layers}; "
+        n = min(n - 1, n - math.ceil((bytes_ - budget) / per_layer))
+    return chosen, how
+
+
+def may_split(model: ConfigDict) -> bool:
+    """Whether remat auto also tries a step between its last two candidates, the first
+    layers under the one that did not fit (model.remat_first_layers): asked for
+    (model.auto_split), no nested remat (the split takes none) and no split set already."""
+    return (
+        model.get("auto_split", False)
+        and model.get("remat_group", 1) == 1
+        and not model.get("remat_first_layers", 0)
+    )
+
+
 def choose_remat(
     config: ConfigDict, *, vocab_size: int = GPT2_VOCAB, devices=None
 ) -> tuple[ConfigDict, TrainingStep | None]:
@@ -219,7 +269,13 @@ def choose_remat(
     where nothing was compiled: a named policy, or a device without a memory limit). The
     other candidates' executables are dropped."""
     tried = {}
-    key = lambda c: (c.model.remat_layer, c.model.scan_unroll, c.model.get("offload_layer_inputs", False))  # noqa: E731
+    key = lambda c: (  # noqa: E731
+        c.model.remat_layer,
+        c.model.scan_unroll,
+        c.model.get("offload_layer_inputs", False),
+        c.model.get("remat_first", None),
+        c.model.get("remat_first_layers", 0),
+    )
 
     def need(c: ConfigDict) -> int:
         tried[key(c)] = step = TrainingStep(c, vocab_size=vocab_size, devices=devices)
