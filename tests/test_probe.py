@@ -638,7 +638,7 @@ def test_remat_auto_splits_the_stack_between_its_last_two_candidates(capsys, mon
     """model.auto_split: where a later candidate fits, auto compiles the step with the one
     before it in the first layers, as many as the budget leaves room for at the two steps'
     difference a layer, and fewer where that step is over (at most three tries); not between
-    one policy offloaded and not, nor where not asked. GPT-1B's preset asks."""
+    one policy offloaded and not, nor where not asked (no preset asks yet)."""
     c = base_config("tiny")
     c.model.num_layers, c.model.remat_layer, c.model.auto_split = 8, "auto", True
     dots, kept = "attention_and_dots_saveable", "attention_saveable"
@@ -688,7 +688,7 @@ def test_remat_auto_splits_the_stack_between_its_last_two_candidates(capsys, mon
     named.model.remat_first_layers = 3
     with pytest.raises(ValueError, match="model.remat_first_layers=3 needs a named model.remat_layer"):
         resolve_remat(named, budget=39, need=need)
-    assert paper_config("1b").model.auto_split and not paper_config("7b").model.auto_split
+    assert not paper_config("1b").model.auto_split  # opt-in until measured on a GPU
     # A real step: the split auto compiled is the step that runs, within the budget.
     small = tiny("blockwise_parallel", 2048)
     small.model.num_layers = 4

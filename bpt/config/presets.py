@@ -47,11 +47,6 @@ ACCUM_UNROLL_SIZES = ("1b",)
 # not fit: GPT-7B at 32K on an H200, 6,829-6,857 tokens/s (45.3-45.5% MFU) in 132.4 GiB
 # against nothing_saveable's 6,446-6,447 (42.8%) in 132.5 (docs/notes/step_speed.md).
 AUTO_OFFLOAD_SIZES = ("7b",)
-# Sizes whose remat auto also tries a stack split between its last two candidates
-# (model.auto_split; bpt.train.probe.may_split): where attention_and_dots_saveable does not
-# fit and attention_saveable does, the first in as many layers as the memory between them
-# holds. GPT-1B at 64K on an H100: docs/notes/step_speed.md.
-AUTO_SPLIT_SIZES = ("1b",)
 
 
 def paper_config(size: str) -> ConfigDict:
@@ -60,8 +55,7 @@ def paper_config(size: str) -> ConfigDict:
     fits its memory; bpt.train.probe.resolve_remat); the layer stack unrolled at the sizes
     in UNROLLED_SIZES, and where it fits at those in AUTO_UNROLL_SIZES; the micro-batch loop
     unrolled at those in ACCUM_UNROLL_SIZES; the saved layer inputs offloaded where that lets
-    attention_saveable fit at those in AUTO_OFFLOAD_SIZES; the stack split between two
-    policies where neither alone fills the memory at those in AUTO_SPLIT_SIZES."""
+    attention_saveable fit at those in AUTO_OFFLOAD_SIZES."""
     c = base_config(size)
     c.model.dtype = "bfloat16"
     c.model.remat_layer = "auto"
@@ -70,7 +64,6 @@ def paper_config(size: str) -> ConfigDict:
     c.model.auto_unroll = size in AUTO_UNROLL_SIZES
     c.train.grad_accum_unroll = size in ACCUM_UNROLL_SIZES
     c.model.auto_offload = size in AUTO_OFFLOAD_SIZES
-    c.model.auto_split = size in AUTO_SPLIT_SIZES
     c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1024
     c.data.seq_len = 8192
     c.train.steps = 10000
@@ -172,7 +165,7 @@ def flash_config(size: str, d_model: int = 0, recipe: str = "paper") -> ConfigDi
         c.model.scan_unroll = c.model.num_layers
     else:
         c.model.remat_layer = "nothing_saveable"
-    c.model.auto_unroll = c.model.auto_offload = c.model.auto_split = False  # measured for the GPT only
+    c.model.auto_unroll = c.model.auto_offload = False  # measured for the GPT only
     return c
 
 

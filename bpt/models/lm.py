@@ -102,8 +102,9 @@ class LMConfig:
     remat_first_layers: int = 0
     # With remat_layer="auto": where its first policy does not fit and the next one does, also
     # compile the step with the first policy in as many of the first layers as the memory
-    # between the two steps leaves room for, and take it where it fits (GPT-1B at 64K on an
-    # H100: docs/notes/step_speed.md). The model itself does not read it.
+    # between the two steps leaves room for, and take it where it fits (for GPT-1B at 64K on
+    # an H100, where attention_saveable leaves half the card unused; not yet timed on a GPU:
+    # docs/notes/step_speed.md). The model itself does not read it.
     auto_split: bool = False
     # Nested rematerialization of the layer stack: with G > 1 layers a group, the backward
     # keeps only every G-th layer's input (L / G of them) and recomputes a group's G inputs
