@@ -2,11 +2,12 @@
 
 CausalLM (the base of GPT and FLASH) is the whole model's call: decode positions, the
 load-balanced token layout under sequence sharding, the token embedding, the layer stack
-(nn.scan with remat, nested remat groups, offloaded layer inputs, or unrolled; while
-decoding, the layers' caches carried through the scan as stacks [layers, batch, ...] that
-each layer updates in place), the final norm, the LM head and the loss (chunked or full).
-A family subclass has the fields `config` and `parallel` and brings four things (a family
-with inputs of its own, AT, embeds them itself and runs the rest through `stack`):
+(nn.scan with remat, nested remat groups, two policies split at a layer, offloaded layer
+inputs, or unrolled; while decoding, the layers' caches carried through the scan as stacks
+[layers, batch, ...] that each layer updates in place), the final norm, the LM head and
+the loss (chunked or full). A family subclass has the fields `config` and `parallel` and
+brings four things (a family with inputs of its own, AT, embeds them itself and runs the
+rest through `stack`):
 
     layer_class()                              its layer: layer(config, deterministic, decode,
                                                parallel)(x, segment_ids, extra, cache_index,
@@ -694,7 +695,7 @@ class CausalLM(nn.Module):
             layer = functools.partial(step, segment_ids=segment_ids, extra=extra)
             if (policy := cfg.layer_remat(lo)) != "none":
                 layer = jax.checkpoint(layer, policy=cfg.policy_of(policy), prevent_cse=stack_unrolled(cfg))
-            part = jax.tree.map(lambda a: a[lo:hi], stacked)  # noqa: B023 (used at once)
+            part = jax.tree.map(lambda a: a[lo:hi], stacked)
             x, _ = jax.lax.scan(layer, x, (part, jnp.arange(lo, hi)), unroll=min(cfg.scan_unroll, hi - lo))
         return x
 

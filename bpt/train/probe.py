@@ -163,9 +163,8 @@ def resolve_remat(
     does not fit, the unrolled ones would not either and are not tried. Where a later
     candidate fits and may_split(config.model), the step between it and the one before,
     that one's policy in the first layers (_split), is compiled too and taken if it fits.
-    Each candidate is
-    compiled once, and the chosen one is the step that runs (choose_remat: TrainingStep and
-    bpt-train keep it; the others are up to five extra compilations, once per run). Each
+    Each candidate is compiled once, and the chosen one is the step that runs (choose_remat:
+    TrainingStep and bpt-train keep it; the others are extra compilations, once per run). Each
     candidate is announced before it compiles (minutes at long contexts), then one line says
     the choice."""
     if config.model.remat_layer != "auto":
@@ -254,12 +253,8 @@ def _split(chosen: ConfigDict, how: str, pair, budget: int, need, needs: list, s
 def may_split(model: ConfigDict) -> bool:
     """Whether remat auto also tries a step between its last two candidates, the first
     layers under the one that did not fit (model.remat_first_layers): asked for
-    (model.auto_split), no nested remat (the split takes none) and no split set already."""
-    return (
-        model.get("auto_split", False)
-        and model.get("remat_group", 1) == 1
-        and not model.get("remat_first_layers", 0)
-    )
+    (model.auto_split), and no nested remat (which the split does not take)."""
+    return model.get("auto_split", False) and model.get("remat_group", 1) == 1
 
 
 def choose_remat(
