@@ -566,6 +566,28 @@ def test_split_remat_computes_the_same_function(key, stack, capsys):
     assert dots > fewer and saved(split) == fewer + 3 * (dots - fewer) // 4, (saved(split), fewer, dots)
 
 
+@pytest.mark.parametrize("unroll", [1, 4])
+def test_cast_params_once_computes_the_same_function(key, unroll):
+    """model.cast_params_once: the stacked parameters cast to the compute dtype before the
+    stack's scan, not in each layer: in bf16 the same logits, loss and gradients, bit for
+    bit (every layer casts them so anyway), one parameter layout, the gradients in the
+    parameters' float32."""
+    cfg = dataclasses.replace(
+        BASE, num_layers=4, dtype="bfloat16", remat_layer="attention_saveable", scan_unroll=unroll
+    )
+    params = init_params(cfg, key)
+    tokens = jax.random.randint(jax.random.fold_in(key, 1), (2, 64), 0, cfg.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1)
+    expected = forward(cfg, params, tokens, targets)
+    once = dataclasses.replace(cfg, cast_params_once=True)
+    assert jax.tree.structure(init_params(once, key)) == jax.tree.structure(params)
+    logits, loss, grads = forward(once, params, tokens, targets)
+    # bit for bit: the same casts, made once
+    assert rel_err(logits, expected[0]) == 0 and rel_err(loss, expected[1]) == 0
+    assert tree_rel_err(grads, expected[2]) == 0
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
 def step_flops(cfg, params, tokens, targets) -> float:
     """XLA's FLOP count of the compiled loss and gradient (value_and_grad: the forward's
     results are needed, so a recomputed forward is not dead code)."""

@@ -89,6 +89,14 @@ class LMConfig:
     # more memory; at 128K and beyond it needs 1.6-2.1x (docs/notes/step_speed.md), so the
     # loop stays where auto keeps less. The model itself does not read it.
     auto_unroll: bool = False
+    # Cast the stacked layer parameters to the compute dtype once, before the stack's scan,
+    # instead of in every layer's forward and recomputation. Unrolled, XLA materializes each
+    # layer's parameter slice at the start of the step and holds it for the backward (GPT-1B:
+    # 4.5 GiB of float32 slices, 264 copies, and 48 casts a parameter a step; 2026-12-05
+    # profile, docs/notes/step_speed.md); cast first, the slices are half that. The same
+    # arithmetic: every layer casts its parameters to the compute dtype anyway (Layer._param).
+    # Not yet timed on a GPU. The split stack (remat_first_layers) always casts first.
+    cast_params_once: bool = False
     # With remat_layer="auto": where attention_saveable does not fit, also compile it with the
     # saved layer inputs offloaded to the host (offload_layer_inputs) before falling back to
     # nothing_saveable. GPT-7B at 32K on an H200: 45.3-45.5% MFU against nothing_saveable's
@@ -611,7 +619,7 @@ class CausalLM(nn.Module):
         if cfg.scan_layers and not decode and not self.is_initializing():
             if cfg.remat_group > 1:
                 return self._grouped_layers(x, segment_ids, extra, deterministic)
-            if cfg.remat_first_layers:
+            if cfg.remat_first_layers or cfg.cast_params_once:
                 return self._split_layers(x, segment_ids, extra, deterministic)
 
         def remat_layer(index: int):
@@ -683,14 +691,15 @@ class CausalLM(nn.Module):
     def _split_layers(self, x: Array, segment_ids, extra, deterministic: bool) -> Array:
         """The layer stack as two scans: the first remat_first_layers layers under remat_first,
         the rest under remat_layer (each layer its own checkpoint; scan_unroll applies to
-        each). The parameters keep the plain scan's layout, [num_layers, ...]; each scan
-        reads its part of them, cast to the compute dtype before the cut (every layer casts
-        its parameters so anyway: Layer._param): the parts are copies, half the size so."""
+        each); one scan where remat_first_layers is 0 (cast_params_once). The parameters keep
+        the plain scan's layout, [num_layers, ...]; each scan reads its part of them, cast to
+        the compute dtype before the cut (every layer casts its parameters so anyway:
+        Layer._param): the parts are copies, half the size so."""
         cfg = self.config
         stacked, step = self._stacked_layer(deterministic)
         dtype = jnp.dtype(cfg.dtype)
         stacked = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, stacked)
-        bounds = (0, cfg.remat_first_layers, cfg.num_layers)
+        bounds = sorted({0, cfg.remat_first_layers, cfg.num_layers})
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             layer = functools.partial(step, segment_ids=segment_ids, extra=extra)
             if (policy := cfg.layer_remat(lo)) != "none":
