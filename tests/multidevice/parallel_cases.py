@@ -343,6 +343,18 @@ def test_an_unrolled_stack_on_a_mesh_logs_the_one_device_losses(one_device_losse
     assert tuple(state.params["layers"]["w1"].sharding.spec) == (None, ("fsdp", "sequence"), None)
 
 
+def test_a_split_stack_on_a_mesh_logs_the_one_device_losses(one_device_losses):
+    """The stack split between two remat policies (model.remat_first_layers, remat auto's
+    split), its parameters cast once and cut per scan, over fsdp x the ring: the plain
+    stack's losses on one device, the parameters stacked and sharded as ever."""
+    c = tiny_config(fsdp=2, sequence=4)
+    c.model.remat_layer, c.model.remat_first_layers = "attention_saveable", 1
+    found, state, model = losses(c)
+    assert model.config.remat_first_layers == 1 and model.config.remat_first == "attention_and_dots_saveable"
+    np.testing.assert_allclose(found, one_device_losses["blockwise_parallel"], rtol=1e-4)
+    assert tuple(state.params["layers"]["w1"].sharding.spec) == (None, ("fsdp", "sequence"), None)
+
+
 @pytest.mark.parametrize(
     "mode,mesh",
     [("blockwise_parallel", dict(fsdp=2, sequence=4)), ("memory_efficient", dict(data=2, fsdp=2, sequence=2))],
