@@ -99,6 +99,39 @@ def fp32_matmuls_are_fp32(request):
         yield
 
 
+def memory_mappings() -> int:
+    """How many memory mappings this process holds (0 where /proc does not say)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+# jax keeps every program it compiled while the function that made it lives, and each CPU
+# executable is JIT code in about six memory mappings of its own. A pytest-xdist worker runs
+# hundreds of tests (eager model calls compile each primitive apart), and Linux lets a
+# process hold 65,530 mappings (vm.max_map_count): past that, XLA cannot map the next
+# program's code ("Failed to materialize symbols") and the worker dies in the C++ error's
+# unwinding (a segmentation fault, 2026-12-05). The compiled programs go after each test
+# module, and after any test that leaves the process holding more than this many mappings;
+# a program compiled again in a later module comes from the persistent cache above.
+MAPPINGS_BEFORE_CLEARING = 30_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compiled_programs_go_after_each_module():
+    yield
+    jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def compiled_programs_go_before_the_process_runs_out_of_mappings():
+    yield
+    if memory_mappings() > MAPPINGS_BEFORE_CLEARING:
+        jax.clear_caches()
+
+
 @pytest.fixture
 def no_compilation_cache():
     """Compiles as if no cache existed, for a test that counts XLA's compilations (jax reads
