@@ -113,16 +113,10 @@ def memory_mappings() -> int:
 # hundreds of tests (eager model calls compile each primitive apart), and Linux lets a
 # process hold 65,530 mappings (vm.max_map_count): past that, XLA cannot map the next
 # program's code ("Failed to materialize symbols") and the worker dies in the C++ error's
-# unwinding (a segmentation fault, 2026-12-05). The compiled programs go after each test
-# module, and after any test that leaves the process holding more than this many mappings;
-# a program compiled again in a later module comes from the persistent cache above.
+# unwinding (a segmentation fault, 2026-12-05). After a test that leaves the process holding
+# more than this many mappings, the compiled programs go; one needed again is compiled anew
+# or loaded from the persistent cache above.
 MAPPINGS_BEFORE_CLEARING = 30_000
-
-
-@pytest.fixture(autouse=True, scope="module")
-def compiled_programs_go_after_each_module():
-    yield
-    jax.clear_caches()
 
 
 @pytest.fixture(autouse=True)
