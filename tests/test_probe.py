@@ -539,9 +539,9 @@ def test_remat_auto_tries_no_remat_first_for_an_unrolled_stack():
 
 
 def test_remat_auto_unrolls_the_stack_where_its_first_policy_fits_unrolled(capsys, monkeypatch):
-    """model.auto_unroll: where auto's first policy fits, its step with the stack unrolled is
-    compiled too and taken if it fits; where it does not (or a later policy was needed, or
-    the stack's settings run loops of their own) the loop stays. GPT-1B's preset asks."""
+    """model.auto_unroll: where a policy's loop fits, its step with the stack unrolled is
+    compiled too and taken if it fits; where it does not (or the stack's settings run loops
+    of their own) the loop stays. GPT-1B's preset asks."""
     c = base_config("tiny")
     c.model.remat_layer, c.model.auto_unroll = "auto", True
     layers = c.model.num_layers
@@ -559,12 +559,14 @@ def test_remat_auto_unrolls_the_stack_where_its_first_policy_fits_unrolled(capsy
         return needs[asked[-1]]
 
     for budget, expected in ((35, ("attention_and_dots_saveable", layers)), (34, ("attention_and_dots_saveable", 1)),
-                             (29, ("attention_saveable", 1)), (5, ("nothing_saveable", 1))):  # fmt: skip
+                             (29, ("attention_saveable", layers)), (24, ("attention_saveable", 1)),
+                             (5, ("nothing_saveable", 1))):  # fmt: skip
         asked.clear()
         chosen = resolve_remat(c, budget=budget, need=need)
         assert (chosen.model.remat_layer, chosen.model.scan_unroll) == expected, budget
-        # the unrolled step is compiled only after the loop's first policy fitted
+        # a policy's unrolled step is compiled only after its loop fitted
         assert (("attention_and_dots_saveable", layers) in asked) == (budget >= 30), budget
+        assert (("attention_saveable", layers) in asked) == (20 <= budget < 30), budget
     out = capsys.readouterr().out
     assert "model.remat_layer=auto: attention_and_dots_saveable (the layer stack unrolled; step memory: " in out
     assert "attention_and_dots_saveable 0.0 GiB, unrolled 0.0 GiB" in out
@@ -600,7 +602,8 @@ def test_remat_auto_keeps_the_norm_kernels_results_first_on_an_unrolled_stack(ca
     assert probe.runs_norm_kernels(c)
     layers, dots = c.model.num_layers, "attention_and_dots_saveable"
     assert auto_policies(c.model, norm_kernels=True) == AUTO_REMAT  # a loop
-    needs = {(dots, 1): 30, (probe.AUTO_NORMS, layers): 45, (dots, layers): 35, ("attention_saveable", 1): 20}
+    needs = {(dots, 1): 30, (probe.AUTO_NORMS, layers): 45, (dots, layers): 35, ("attention_saveable", 1): 20,
+             ("attention_saveable", layers): 25}  # fmt: skip
     asked = []
 
     def need(config):
@@ -611,7 +614,8 @@ def test_remat_auto_keeps_the_norm_kernels_results_first_on_an_unrolled_stack(ca
         (45, (probe.AUTO_NORMS, layers), [(dots, 1), (probe.AUTO_NORMS, layers)]),
         (44, (dots, layers), [(dots, 1), (probe.AUTO_NORMS, layers), (dots, layers)]),
         (34, (dots, 1), [(dots, 1), (probe.AUTO_NORMS, layers), (dots, layers)]),
-        (29, ("attention_saveable", 1), [(dots, 1), ("attention_saveable", 1)]),
+        # a later policy: its own step unrolled, no AUTO_NORMS (it keeps what dots keeps)
+        (29, ("attention_saveable", layers), [(dots, 1), ("attention_saveable", 1), ("attention_saveable", layers)]),
     ):
         asked.clear()
         chosen = resolve_remat(c, budget=budget, need=need)
@@ -688,7 +692,8 @@ def test_remat_auto_splits_the_stack_between_its_last_two_candidates(capsys, mon
     named.model.remat_first_layers = 3
     with pytest.raises(ValueError, match="model.remat_first_layers=3 needs a named model.remat_layer"):
         resolve_remat(named, budget=39, need=need)
-    assert not paper_config("1b").model.auto_split  # opt-in until measured on a GPU
+    assert paper_config("1b").model.auto_split and not paper_config("7b").model.auto_split
+    assert not flash_config("1b").model.auto_split
     # A real step: the split auto compiled is the step that runs, within the budget.
     small = tiny("blockwise_parallel", 2048)
     small.model.num_layers = 4
@@ -702,6 +707,57 @@ def test_remat_auto_splits_the_stack_between_its_last_two_candidates(capsys, mon
     step = TrainingStep(small, vocab_size=256)
     assert step.config.model.remat_layer == kept and step.model.config.remat_first_layers >= 1
     assert step._compiled is not None and step.memory().peak <= budget
+
+
+def test_remat_auto_unrolls_the_split_stack_then_the_later_policy_alone(capsys):
+    """model.auto_split with model.auto_unroll: where a later candidate fits, auto compiles
+    the split it chose with the stack unrolled, with fewer first layers where that is over
+    (at most three tries), then the later policy's unrolled step alone; the first that fits
+    is taken, else the looped split stays."""
+    c = base_config("tiny")
+    c.model.num_layers, c.model.remat_layer = 8, "auto"
+    c.model.auto_split = c.model.auto_unroll = True
+    dots, kept = "attention_and_dots_saveable", "attention_saveable"
+    asked = []
+
+    def need(config):  # unrolled: 2 less, and 1 more a split layer
+        m = config.model
+        unrolled = m.scan_unroll == m.num_layers
+        asked.append((m.remat_layer, m.remat_first_layers, unrolled))
+        base = {dots: 80, kept: 40}[m.remat_layer] - (2 if unrolled else 0)
+        return base + ((5 + unrolled) * m.remat_first_layers + 2 if m.remat_first_layers else 0)
+
+    for budget, expected, tried in (
+        # the loop's split at 7 (77), unrolled 7 (82) over by 3: 6 unrolled (76)
+        (79, (kept, 6, True), [(dots, 0, False), (kept, 0, False), (kept, 7, False), (kept, 7, True), (kept, 6, True)]),
+        # the loop's split at 1 (47), unrolled 1 (46)
+        (47, (kept, 1, True), [(dots, 0, False), (kept, 0, False), (kept, 1, False), (kept, 1, True)]),
+        # no room for a split layer: kept unrolled alone
+        (44, (kept, 0, True), [(dots, 0, False), (kept, 0, False), (kept, 0, True)]),
+    ):
+        asked.clear()
+        chosen = resolve_remat(c, budget=budget, need=need)
+        m = chosen.model
+        assert (m.remat_layer, m.remat_first_layers, m.scan_unroll == m.num_layers) == expected, budget
+        assert asked == tried, budget
+    out = capsys.readouterr().out
+    assert (f"model.remat_layer=auto: {kept} (the layer stack unrolled; the first layers under {dots}: 6 of 8; "
+            f"step memory: {dots} 0.0 GiB, {kept} 0.0 GiB, {dots} in 7 layers 0.0 GiB, "
+            f"{dots} in 7 layers unrolled 0.0 GiB, {dots} in 6 layers unrolled 0.0 GiB;") in out  # fmt: skip
+    assert f"compiling the step with {dots} in its first 7 of 8 layers and the layer stack unrolled (model.auto_split)" in out
+    check_gpus = load_script("check_gpus")
+    (line,) = [line for line in out.splitlines() if ": 6 of 8;" in line]
+    assert check_gpus.compile_facts(line)["remat_layer"] == f"{kept} unrolled"
+
+    # no unrolled split fits (3 tries), nor kept unrolled: the looped split stays
+    def tight(config):
+        m = config.model
+        return need(config) + (40 if m.scan_unroll == m.num_layers else 0)
+
+    asked.clear()
+    chosen = resolve_remat(c, budget=60, need=tight, say=lambda _: None)
+    assert (chosen.model.remat_first_layers, chosen.model.scan_unroll) == (3, 1)
+    assert [a for a in asked if a[2]] == [(kept, 3, True), (kept, 0, True)]  # 3 over by 43: none left
 
 
 def test_remat_auto_offloads_the_saved_layer_inputs_where_that_lets_attention_fit(capsys, monkeypatch):

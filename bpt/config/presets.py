@@ -37,6 +37,12 @@ UNROLLED_SIZES = ("125m",)
 # and 1.8% faster at 8K, 32K and 64K keeping attention and the matmuls' outputs, in 5%, 12%
 # and 11% more memory; at 128K and beyond the loop is kept (docs/notes/step_speed.md).
 AUTO_UNROLL_SIZES = ("1b",)
+# Sizes whose remat auto also tries the step between its last two candidates where a later
+# one fits (model.auto_split; bpt.train.probe.may_split), and with auto_unroll that step
+# unrolled: GPT-1B at 64K on an H100, attention_saveable's loop 47.7% MFU, unrolled 49.0%,
+# its first 16 of 24 layers under attention_and_dots_saveable and unrolled 50.4%
+# (docs/notes/step_speed.md).
+AUTO_SPLIT_SIZES = ("1b",)
 # Sizes whose micro-batch loop is unrolled (train.grad_accum_unroll; nothing changes without
 # gradient accumulation): GPT-1B at 8K, 4 sequences in 2 micro-batches, ran 2.0% faster on an
 # H200 (47,368 -> 48,338 tokens/s, 49.2% -> 50.3% MFU) in 6.7 GiB more memory (44.6 -> 51.3
@@ -53,7 +59,8 @@ def paper_config(size: str) -> ConfigDict:
     """A Table 1 size set up for a GPU: bf16 compute, fp32 parameters, 8K context, and the
     layer remat chosen on the device (model.remat_layer=auto: the fastest policy whose step
     fits its memory; bpt.train.probe.resolve_remat); the layer stack unrolled at the sizes
-    in UNROLLED_SIZES, and where it fits at those in AUTO_UNROLL_SIZES; the micro-batch loop
+    in UNROLLED_SIZES, and where it fits at those in AUTO_UNROLL_SIZES; the stack split
+    between two policies where the faster does not fit at those in AUTO_SPLIT_SIZES; the micro-batch loop
     unrolled at those in ACCUM_UNROLL_SIZES; the saved layer inputs offloaded where that lets
     attention_saveable fit at those in AUTO_OFFLOAD_SIZES."""
     c = base_config(size)
@@ -62,6 +69,7 @@ def paper_config(size: str) -> ConfigDict:
     if size in UNROLLED_SIZES:
         c.model.scan_unroll = c.model.num_layers
     c.model.auto_unroll = size in AUTO_UNROLL_SIZES
+    c.model.auto_split = size in AUTO_SPLIT_SIZES
     c.train.grad_accum_unroll = size in ACCUM_UNROLL_SIZES
     c.model.auto_offload = size in AUTO_OFFLOAD_SIZES
     c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1024
@@ -165,7 +173,7 @@ def flash_config(size: str, d_model: int = 0, recipe: str = "paper") -> ConfigDi
         c.model.scan_unroll = c.model.num_layers
     else:
         c.model.remat_layer = "nothing_saveable"
-    c.model.auto_unroll = c.model.auto_offload = False  # measured for the GPT only
+    c.model.auto_unroll = c.model.auto_offload = c.model.auto_split = False  # measured for the GPT only
     return c
 
 
