@@ -40,8 +40,8 @@ AUTO_UNROLL_SIZES = ("1b",)
 # Sizes whose remat auto also tries the step between its last two candidates where a later
 # one fits (model.auto_split; bpt.train.probe.may_split), and with auto_unroll that step
 # unrolled: GPT-1B at 64K on an H100, attention_saveable's loop 47.7% MFU, unrolled 49.0%,
-# its first 16 of 24 layers under attention_and_dots_saveable and unrolled 50.4%
-# (docs/notes/step_speed.md).
+# its first 16 of 24 layers under attention_and_dots_saveable and unrolled 50.4% (auto's
+# choice through bpt-train, 18 of 24 unrolled in 69.6 GiB: 50.6%; docs/notes/step_speed.md).
 AUTO_SPLIT_SIZES = ("1b",)
 # Sizes whose micro-batch loop is unrolled (train.grad_accum_unroll; nothing changes without
 # gradient accumulation): GPT-1B at 8K, 4 sequences in 2 micro-batches, ran 2.0% faster on an
