@@ -694,6 +694,8 @@ def test_remat_auto_splits_the_stack_between_its_last_two_candidates(capsys, mon
         resolve_remat(named, budget=39, need=need)
     assert paper_config("1b").model.auto_split and not paper_config("7b").model.auto_split
     assert not flash_config("1b").model.auto_split
+    assert paper_config("1b").model.cast_params_once and not paper_config("7b").model.cast_params_once
+    assert not flash_config("1b").model.cast_params_once
     # A real step: the split auto compiled is the step that runs, within the budget.
     small = tiny("blockwise_parallel", 2048)
     small.model.num_layers = 4

@@ -39,9 +39,11 @@ UNROLLED_SIZES = ("125m",)
 AUTO_UNROLL_SIZES = ("1b",)
 # Sizes whose remat auto also tries the step between its last two candidates where a later
 # one fits (model.auto_split; bpt.train.probe.may_split), and with auto_unroll that step
-# unrolled: GPT-1B at 64K on an H100, attention_saveable's loop 47.7% MFU, unrolled 49.0%,
-# its first 16 of 24 layers under attention_and_dots_saveable and unrolled 50.4% (auto's
-# choice through bpt-train, 18 of 24 unrolled in 69.6 GiB: 50.6%; docs/notes/step_speed.md).
+# unrolled: GPT-1B at 64K on an H100 (bpt-train, the copy task's 17 tokens),
+# attention_saveable's loop 47.7% MFU, unrolled 49.0%, its first 16 of 24 layers under
+# attention_and_dots_saveable and unrolled 50.4%; with GPT-2's vocabulary and
+# cast_params_once, auto's choice, 19 of 24 unrolled in 73.2 GiB: 50.1%
+# (docs/notes/step_speed.md).
 AUTO_SPLIT_SIZES = ("1b",)
 # Sizes whose micro-batch loop is unrolled (train.grad_accum_unroll; nothing changes without
 # gradient accumulation): GPT-1B at 8K, 4 sequences in 2 micro-batches, ran 2.0% faster on an
@@ -53,6 +55,11 @@ ACCUM_UNROLL_SIZES = ("1b",)
 # not fit: GPT-7B at 32K on an H200, 6,829-6,857 tokens/s (45.3-45.5% MFU) in 132.4 GiB
 # against nothing_saveable's 6,446-6,447 (42.8%) in 132.5 (docs/notes/step_speed.md).
 AUTO_OFFLOAD_SIZES = ("7b",)
+# Sizes whose stacked layer parameters are cast to the compute dtype once, before the stack's
+# scan (model.cast_params_once): GPT-1B at 8K, the unrolled stack, 4 sequences in 2
+# micro-batches on an H100, +1.7% paired (49.95% -> 50.82% MFU) in 2.2 GiB less memory, the
+# same loss (docs/notes/step_speed.md).
+CAST_ONCE_SIZES = ("1b",)
 
 
 def paper_config(size: str) -> ConfigDict:
@@ -62,7 +69,8 @@ def paper_config(size: str) -> ConfigDict:
     in UNROLLED_SIZES, and where it fits at those in AUTO_UNROLL_SIZES; the stack split
     between two policies where the faster does not fit at those in AUTO_SPLIT_SIZES; the micro-batch loop
     unrolled at those in ACCUM_UNROLL_SIZES; the saved layer inputs offloaded where that lets
-    attention_saveable fit at those in AUTO_OFFLOAD_SIZES."""
+    attention_saveable fit at those in AUTO_OFFLOAD_SIZES; the layer parameters cast to the
+    compute dtype once a step at those in CAST_ONCE_SIZES."""
     c = base_config(size)
     c.model.dtype = "bfloat16"
     c.model.remat_layer = "auto"
@@ -72,6 +80,7 @@ def paper_config(size: str) -> ConfigDict:
     c.model.auto_split = size in AUTO_SPLIT_SIZES
     c.train.grad_accum_unroll = size in ACCUM_UNROLL_SIZES
     c.model.auto_offload = size in AUTO_OFFLOAD_SIZES
+    c.model.cast_params_once = size in CAST_ONCE_SIZES
     c.model.q_chunk_size = c.model.kv_chunk_size = c.model.loss_chunk_size = 1024
     c.data.seq_len = 8192
     c.train.steps = 10000
@@ -173,7 +182,7 @@ def flash_config(size: str, d_model: int = 0, recipe: str = "paper") -> ConfigDi
         c.model.scan_unroll = c.model.num_layers
     else:
         c.model.remat_layer = "nothing_saveable"
-    c.model.auto_unroll = c.model.auto_offload = c.model.auto_split = False  # measured for the GPT only
+    c.model.auto_unroll = c.model.auto_offload = c.model.auto_split = c.model.cast_params_once = False  # measured for the GPT only
     return c
 
 

@@ -268,8 +268,9 @@ def _unroll(chosen, how, first, norm_kernels, pair, budget, need, needs, say) ->
     fits is taken, else the loop stays. Where auto's first policy fitted: AUTO_NORMS' step
     (where the norm kernels run), then that policy's. Where a later one fitted: the split
     chosen (model.auto_split), unrolled, its first layers shrunk where it is over
-    (_fit_split), then the later policy's step alone. GPT-1B at 64K on an H100 (a loop under
-    attention_saveable 47.7% MFU, split 47.9%): unrolled 49.0%, split and unrolled 50.6%."""
+    (_fit_split), then the later policy's step alone. GPT-1B at 64K on an H100 with the copy
+    task's 17 tokens (a loop under attention_saveable 47.7% MFU, split 47.9%): unrolled 49.0%,
+    split and unrolled 50.6%; with GPT-2's vocabulary, split and unrolled 50.1%."""
     m = chosen.model
     if not _one_loop(m):  # auto_offload's candidate was taken
         return chosen, how
