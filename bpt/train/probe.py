@@ -205,11 +205,13 @@ def resolve_remat(
         if fits := bytes_ <= budget:
             break
     how = f"{CHOICE_NOTES['offloaded']}; " if fits and added else ""
-    if fits and len(measured) > 1 and may_split(config.model):
-        chosen, how = _split(chosen, how, measured[-2:], budget, need, needs, say)
+    per_layer = _per_layer(measured[-2:], config.model.num_layers) if len(measured) > 1 else 0.0
+    if fits and per_layer > 0 and may_split(config.model):
+        more, within = measured[-2][0], measured[-1][2]
+        chosen, how = _split(chosen, how, more, within, per_layer, budget, need, needs, say)
     if fits and may_unroll(config.model):
         first = candidates[0][0]
-        chosen, how = _unroll(chosen, how, first, norm_kernels, measured[-2:], budget, need, needs, say)
+        chosen, how = _unroll(chosen, how, first, norm_kernels, per_layer, budget, need, needs, say)
     say(f"model.remat_layer=auto: {chosen.model.remat_layer} ({how}step memory: {', '.join(needs)}; "
         f"the device has {budget / 2**30:.1f} GiB; chosen in {time.perf_counter() - started:.0f} s)")  # fmt: skip
     return chosen
@@ -222,19 +224,14 @@ def _per_layer(pair, layers: int) -> float:
     return 0.0 if offload != chosen_offload or more == policy else max(0.0, (over - within) / layers)
 
 
-def _split(chosen: ConfigDict, how: str, pair, budget: int, need, needs: list, say) -> tuple[ConfigDict, str]:
-    """resolve_remat's split (model.auto_split): pair is the two last candidates measured,
-    (policy, offloaded, bytes), the first over the budget, the second (chosen) within it.
-    Where they differ in policy alone, the step with the first policy in the first n layers
-    (model.remat_first_layers) is compiled, n the layers the budget leaves room for at the
-    two steps' difference a layer, and taken where it fits (_fit_split). Returns (the config,
-    the choice note)."""
-    layers = chosen.model.num_layers
-    per_layer = _per_layer(pair, layers)
-    if per_layer <= 0:
-        return chosen, how
-    n = min(layers - 1, int((budget - pair[1][2]) // per_layer))
-    trial = _fit_split(chosen, pair[0][0], n, per_layer, budget, need, needs, say)
+def _split(chosen: ConfigDict, how: str, more: str, within: int, per_layer: float, budget: int, need, needs: list, say):
+    """resolve_remat's split (model.auto_split): `more` is the policy measured before the
+    chosen one and over the budget, within the chosen step's bytes, per_layer the bytes a
+    layer adds under `more` (_per_layer, > 0). The step with `more` in the first n layers
+    (model.remat_first_layers) is compiled, n the layers the budget leaves room for, and
+    taken where it fits (_fit_split). Returns (the config, the choice note)."""
+    n = min(chosen.model.num_layers - 1, int((budget - within) // per_layer))
+    trial = _fit_split(chosen, more, n, per_layer, budget, need, needs, say)
     return (trial, f"{how}{_split_note(trial)}; ") if trial else (chosen, how)
 
 
@@ -263,7 +260,7 @@ def _split_note(config: ConfigDict) -> str:
     return f"{CHOICE_NOTES['split']} {m.remat_first}: {m.remat_first_layers} of {m.num_layers}"
 
 
-def _unroll(chosen, how, first, norm_kernels, pair, budget, need, needs, say) -> tuple[ConfigDict, str]:
+def _unroll(chosen, how, first, norm_kernels, per_layer, budget, need, needs, say) -> tuple[ConfigDict, str]:
     """resolve_remat's unrolled steps (model.auto_unroll), the fastest first; the first that
     fits is taken, else the loop stays. Where auto's first policy fitted: AUTO_NORMS' step
     (where the norm kernels run), then that policy's. Where a later one fitted: the split
@@ -276,9 +273,8 @@ def _unroll(chosen, how, first, norm_kernels, pair, budget, need, needs, say) ->
         return chosen, how
     unrolled = copy.deepcopy(chosen)
     unrolled.model.scan_unroll = m.num_layers
-    if split := m.get("remat_first_layers", 0):
+    if split := m.get("remat_first_layers", 0):  # _split took it: per_layer > 0
         unrolled.model.remat_first_layers = 0
-        per_layer = _per_layer(pair, m.num_layers)
         if trial := _fit_split(unrolled, m.remat_first, split, per_layer, budget, need, needs, say):
             return trial, f"{CHOICE_NOTES['unrolled']}; {_split_note(trial)}; "
     norms = (AUTO_NORMS,) if norm_kernels and m.remat_layer == first else ()
